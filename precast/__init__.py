@@ -1,0 +1,23 @@
+"""precast: ahead-of-time mixed precision for torch.export programs.
+
+    res = precast.convert(program_or_module, example_inputs, policy=None | "torch" | "rules", dtype=...)
+    res.program   # a standard torch.export.ExportedProgram: casts explicit, weights cast once
+    res.report    # every decision explained
+"""
+
+from precast.convert import ConvertResult, convert
+from precast.errors import PrecastError
+from precast.program import constant_sources
+from precast.report import Report, report
+
+__all__ = ["ConvertResult", "PrecastError", "Report", "constant_sources", "convert", "report", "compile", "CompiledModel"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # compile pulls in torch._inductor: import it only when asked for
+    if name in ("compile", "CompiledModel"):
+        from precast import compile as _compile_mod
+
+        return getattr(_compile_mod, "compile" if name == "compile" else "CompiledModel")
+    raise AttributeError(f"module 'precast' has no attribute {name!r}")

@@ -1,0 +1,117 @@
+"""Capture: get an ExportedProgram from what the user has (a program, a module + inputs, a file, a factory)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from precast.errors import PrecastError
+
+
+def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """(args, kwargs) from a tensor, a tuple of args, a dict of kwargs, or an (args, kwargs) pair."""
+    if example_inputs is None:
+        return (), {}
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if (
+        isinstance(example_inputs, tuple)
+        and len(example_inputs) == 2
+        and isinstance(example_inputs[0], tuple)
+        and isinstance(example_inputs[1], dict)
+    ):
+        return example_inputs[0], example_inputs[1]
+    if isinstance(example_inputs, (list, tuple)):
+        return tuple(example_inputs), {}
+    raise PrecastError(
+        f"example_inputs must be a tensor, a tuple of inputs, a dict of keyword inputs or (args, kwargs); got "
+        f"{type(example_inputs).__name__}"
+    )
+
+
+def capture(
+    program_or_module: ExportedProgram | torch.nn.Module,
+    example_inputs: Any = None,
+    dynamic_shapes: Any = None,
+) -> ExportedProgram:
+    if isinstance(program_or_module, ExportedProgram):
+        return program_or_module
+    if not isinstance(program_or_module, torch.nn.Module):
+        raise PrecastError(
+            f"precast.convert takes a torch.export.ExportedProgram or an nn.Module, got {type(program_or_module).__name__}"
+        )
+    if example_inputs is None:
+        raise PrecastError(
+            f"converting the module {type(program_or_module).__name__} needs example_inputs to export it; pass "
+            "example_inputs=(x,) or export it yourself with torch.export.export"
+        )
+    args, kwargs = normalize_inputs(example_inputs)
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        raise PrecastError(
+            "precast.convert was called under an ambient torch.autocast, which torch.export does not record; "
+            "call it outside the autocast block and pass policy='torch' (and dtype=...) to get eager autocast "
+            "semantics"
+        )
+    try:
+        return torch.export.export(program_or_module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    except PrecastError:
+        raise
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PrecastError(
+            f"torch.export.export failed on {type(program_or_module).__name__}: {first} "
+            "(fix the export first: see https://pytorch.org/docs/stable/export.html)"
+        ) from exc
+
+
+def load_program(path: str | Path) -> ExportedProgram:
+    """Load a program saved with ``torch.export.save``, with one-line errors for the usual mistakes."""
+    p = Path(path)
+    if not p.exists():
+        raise PrecastError(f"{p}: no such file; pass a program saved with torch.export.save(ep, '{p.name}')")
+    if p.is_dir():
+        raise PrecastError(f"{p}: is a directory, not a program saved with torch.export.save")
+    if not zipfile.is_zipfile(p):
+        raise PrecastError(f"{p}: not a saved torch.export program (not a zip archive); save it with torch.export.save")
+    try:
+        with zipfile.ZipFile(p) as z:
+            bad = z.testzip()
+        if bad is not None:
+            raise PrecastError(f"{p}: corrupted archive (member {bad} fails its checksum); save the program again")
+        return torch.export.load(str(p))
+    except PrecastError:
+        raise
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PrecastError(
+            f"{p}: cannot be loaded as a torch.export program ({first}); save it with torch.export.save from "
+            f"torch {torch.__version__.split('+')[0]}"
+        ) from exc
+
+
+def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
+    """``pkg.module:factory`` -> (model, example_inputs) from calling the factory with no arguments."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise PrecastError(f"'{spec}': expected a saved program path or 'package.module:factory'")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # like python -m: the current directory is importable
+    try:
+        module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        raise PrecastError(f"'{spec}': cannot import module '{mod_name}' ({exc}); check the name and PYTHONPATH") from exc
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise PrecastError(f"'{spec}': module '{mod_name}' has no callable '{attr}'")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+        raise PrecastError(f"'{spec}': the factory must return (model, example_inputs), got {type(made).__name__}")
+    return made

@@ -1,0 +1,59 @@
+"""The ``precast`` command line: convert, report, check, compile, bench, demo.
+
+Each subcommand lives in ``precast/commands/<name>.py`` with ``add_parser(subparsers)`` and ``run(args) -> int``.
+User errors (PrecastError) print one line and exit with status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import warnings
+
+from precast.errors import PrecastError
+
+COMMANDS = ("convert", "report", "check", "compile", "bench", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="precast", description="Ahead-of-time mixed precision for torch.export programs."
+    )
+    parser.add_argument("--version", action="version", version=f"precast {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"precast.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"precast.commands.{name}":
+                raise
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def _version() -> str:
+    from precast import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not os.environ.get("PRECAST_VERBOSE"):
+        warnings.filterwarnings("ignore")  # torch's own UserWarnings drown the output; PRECAST_VERBOSE=1 shows them
+    try:
+        return int(args.run(args) or 0)
+    except PrecastError as err:
+        print(f"precast {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"precast {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The conversion pipeline: capture -> inline regions -> classify -> insert casts -> fold -> simplify -> verify."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from precast.capture import capture, normalize_inputs
+from precast.classify import classify
+from precast.errors import PrecastError
+from precast.passes.fold_constants import constant_bytes, fold_constant_casts
+from precast.passes.insert_casts import insert_casts, is_cast
+from precast.passes.simplify_casts import simplify_casts
+from precast.policy.base import dtype_name
+from precast.policy.torch_policy import TorchPolicy
+from precast.program import META_KEY, Program
+from precast.regions import inline_regions
+from precast.report import Diagnostic, Report, record_decisions
+from precast.verify import compare, refresh_vals
+
+POLICIES = (None, "torch", "rules")
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class ConvertResult:
+    program: ExportedProgram
+    report: Report
+
+    def module(self) -> torch.nn.Module:
+        return self.program.module()
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype in (torch.bfloat16, torch.float16):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.lower().removeprefix("torch.")]
+    raise PrecastError(f"dtype={dtype!r}: precast lowers to torch.bfloat16 or torch.float16 ('bf16' / 'fp16')")
+
+
+def program_device_type(ep: ExportedProgram) -> str:
+    """Device type of the program's floating constants (else its inputs); error if they disagree."""
+    devices = {
+        v.device.type
+        for v in list(ep.state_dict.values()) + list(ep.constants.values())
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    }
+    if not devices:
+        devices = {
+            n.meta["val"].device.type
+            for n in ep.graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+        }
+    if len(devices) > 1:
+        raise PrecastError(
+            f"the program's floating parameters live on several device types ({', '.join(sorted(devices))}); pass "
+            "device_type='cuda' or 'cpu' to say which autocast table to apply"
+        )
+    return devices.pop() if devices else "cpu"
+
+
+def convert(
+    program_or_module: ExportedProgram | torch.nn.Module,
+    example_inputs: Any = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device_type: str | None = None,
+    policy: str | None = None,
+    exclude_nodes: Iterable[str] = (),
+    exclude_ops: Iterable[Any] = (),
+    include_nodes: Iterable[str] = (),
+    include_ops: Iterable[Any] = (),
+    data_max: float | None = None,
+    init_max: float | None = None,
+    max_reduction_depth: int | None = None,
+    calibration: Iterable[Any] | None = None,
+    tolerance: Any = None,
+    keep_io_types: bool | None = None,
+    dynamic_shapes: Any = None,
+    custom_rules: Iterable[Any] = (),
+    verify: bool = True,
+) -> ConvertResult:
+    """Convert a program (or module + example inputs) to explicit mixed precision. See the README."""
+    if policy not in POLICIES:
+        raise PrecastError(f"policy={policy!r}: choose None (the program's own autocast regions), 'torch' or 'rules'")
+    low = parse_dtype(dtype)
+    ep = capture(program_or_module, example_inputs, dynamic_shapes)
+    device = device_type or program_device_type(ep)
+    if device not in ("cpu", "cuda"):
+        raise PrecastError(f"device_type={device!r}: precast has autocast tables for 'cpu' and 'cuda'")
+    if low is None and policy is not None:
+        low = torch.get_autocast_dtype(device)
+
+    program = Program(ep)
+    regions = inline_regions(program.gm)
+    rep = Report(policy=policy, dtype=dtype_name(low) if policy else None, device_type=device)
+    rep.regions = [_region_dict(r) for r in regions]
+    rep.weight_bytes_before = constant_bytes(program)
+
+    rule_opts = dict(
+        exclude_nodes=tuple(exclude_nodes),
+        exclude_ops=tuple(exclude_ops),
+        include_nodes=tuple(include_nodes),
+        include_ops=tuple(include_ops),
+        data_max=data_max,
+        init_max=init_max,
+        max_reduction_depth=max_reduction_depth,
+        calibration=calibration,
+        tolerance=tolerance,
+        custom_rules=tuple(custom_rules),
+    )
+    if policy != "rules":
+        given = [k for k, v in rule_opts.items() if v not in (None, ())]
+        if given:
+            raise PrecastError(
+                f"{', '.join(given)}: these options belong to policy='rules'; pass policy='rules' to use them"
+            )
+
+    if policy is None and not regions:
+        rep.weight_bytes_after = dict(rep.weight_bytes_before)
+        rep.diagnostics.append(
+            Diagnostic("info", "no-regions", "the program has no autocast regions: returned unchanged "
+                       "(use policy='torch' or 'rules' to add mixed precision)")
+        )
+        return ConvertResult(ep, rep)
+
+    if policy == "rules":
+        from precast.policy.rules import convert_with_rules
+
+        return convert_with_rules(program, ep, rep, low=low, device=device, keep_io_types=keep_io_types,
+                                  verify=verify, **rule_opts)
+
+    pol = TorchPolicy(device, low) if policy == "torch" else None
+    run_pipeline(program, pol, rep)
+    out = finish(program, rep)
+    if verify:
+        original = program_or_module if isinstance(program_or_module, torch.nn.Module) else None
+        _verify(out, ep, rep, policy, device, low, original)
+    return ConvertResult(out, rep)
+
+
+def run_pipeline(program: Program, policy: Any, rep: Report, user_rules: tuple = ()) -> None:
+    """classify -> insert casts -> fold -> simplify, recording what each stage did in the report."""
+    result = classify(program, policy, user_rules)
+    rep.decomposed = result.decomposed or []
+    insert_casts(program)
+    refresh_vals(program)
+    fold = fold_constant_casts(program)
+    rep.casts_folded = fold.folded
+    rep.constants_created = fold.created
+    rep.constants_dropped = fold.dropped
+    simple = simplify_casts(program.graph)
+    rep.casts_simplified = simple.removed
+    refresh_vals(program)
+
+
+def finish(program: Program, rep: Report) -> ExportedProgram:
+    rep.nodes = record_decisions(program.graph)
+    rep.casts_runtime = sum(1 for n in program.graph.nodes if is_cast(n))
+    rep.weight_bytes_after = constant_bytes(program)
+    _record_program_info(program, rep)
+    return program.to_exported_program()
+
+
+def _record_program_info(program: Program, rep: Report) -> None:
+    """Program-level report fields go on the first op node's custom meta (placeholder meta is not saved)."""
+    first = next((n for n in program.graph.nodes if n.op == "call_function"), None)
+    if first is None:
+        return
+    info = {
+        "policy": rep.policy,
+        "dtype": rep.dtype,
+        "device_type": rep.device_type,
+        "regions": rep.regions,
+        "casts_folded": rep.casts_folded,
+        "casts_simplified": rep.casts_simplified,
+        "weight_bytes_before": rep.weight_bytes_before,
+        "decomposed": rep.decomposed,
+    }
+    first.meta.setdefault("custom", {}).setdefault(META_KEY, {})["program"] = info
+
+
+def _region_dict(region) -> dict:
+    d = dataclasses.asdict(region)
+    d["dtype"] = dtype_name(region.dtype)
+    return d
+
+
+def reference_module(ep: ExportedProgram) -> torch.nn.Module:
+    """``ep.module()`` without export's ``_assert_tensor_metadata`` checks, which pin the dtypes seen at export
+    and so fail when the program runs under an ambient autocast (eager has no such checks)."""
+    module = ep.module()
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+    module.recompile()
+    return module
+
+
+def _verify(out: ExportedProgram, ep: ExportedProgram, rep: Report, policy, device, low, original=None) -> None:
+    if ep.example_inputs is None:
+        return
+    args, kwargs = normalize_inputs(ep.example_inputs)
+    if any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args) and not torch.cuda.is_available():
+        return
+    reference = original if original is not None else reference_module(ep)
+    if policy == "torch":
+
+        def ref(*a, **k):
+            with torch.autocast(device, dtype=low):
+                return reference(*a, **k)
+
+        name = f"eager torch.autocast({device}, {dtype_name(low)})"
+    else:
+        ref, name = ep.module(), "the unconverted program"
+    rep.verification = compare(out.module(), ref, args, kwargs, reference_name=name)
+    if not rep.verification["bitwise"]:
+        rep.diagnostics.append(
+            Diagnostic("warning", "not-bitwise", f"outputs differ from {name}: {rep.verification['verdict']}")
+        )

@@ -1,0 +1,40 @@
+"""File output that never leaves a partial file behind: write to a temporary file, then rename."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from precast.errors import PrecastError
+
+
+def check_writable(path: str | Path) -> Path:
+    """Fail early, before any long work, if ``path`` cannot be written."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise PrecastError(f"{p}: is a directory; give a file name such as {p / 'model.pt2'}")
+    if not parent.exists():
+        raise PrecastError(f"{p}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise PrecastError(f"{p}: directory {parent} is not writable; choose another output path")
+    return p
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yields a temporary path beside ``path``; renamed onto ``path`` only if the block succeeds."""
+    p = check_writable(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, p)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise

@@ -1,0 +1,161 @@
+"""Fold casts of constants: a cast whose input is a parameter, buffer or lifted constant, directly or through
+view-like ops, is computed once at conversion and stored as a new constant of the target dtype.
+
+The cast moves up to the constant (casting commutes exactly with views, which only move or repeat elements),
+the view chain is kept on the low-precision constant, and each (constant, dtype) is cast once however many
+times it is used. The fp32 constant is dropped when nothing reads it any more, and keeps its name for the new
+one in that case, so a user still finds ``encoder.0.weight`` in the converted program (now bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from precast.passes.insert_casts import cast_dtype, is_cast
+from precast.policy.base import dtype_name
+from precast.program import ConstantSource, Program
+
+# Ops through which a cast commutes exactly: they only select, move or repeat elements (first arg is the input).
+VIEW_OPS = {
+    torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims,
+    torch.ops.aten.squeeze.default,
+    torch.ops.aten.flatten.using_ints,
+    torch.ops.aten.unflatten.int,
+    torch.ops.aten.select.int,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.narrow.default,
+    torch.ops.aten.contiguous.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.unbind.int,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.chunk.default,
+    torch.ops.aten.movedim.int,
+    torch.ops.aten.swapaxes.default,
+    torch.ops.aten.numpy_T.default,
+    torch.ops.aten.mT.default,
+    torch.ops.aten.matrix_H.default,
+}
+
+
+@dataclass
+class FoldResult:
+    folded: int = 0  # cast nodes removed from the graph
+    created: list[str] = field(default_factory=list)  # new constants (FQN)
+    dropped: list[str] = field(default_factory=list)  # fp32 constants no longer needed
+    bytes_before: dict[str, int] = field(default_factory=dict)
+    bytes_after: dict[str, int] = field(default_factory=dict)
+
+
+def constant_bytes(program: Program) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            value = program.constant_value(node)
+            if isinstance(value, torch.Tensor):
+                key = dtype_name(value.dtype) or "?"
+                out[key] = out.get(key, 0) + value.numel() * value.element_size()
+    return out
+
+
+def _chain_to_constant(program: Program, node: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """[constant placeholder, view1, ..., viewN=node] when node is a view chain over a constant."""
+    chain = [node]
+    while node.op == "call_function":
+        if node.target not in VIEW_OPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        if any(isinstance(a, torch.fx.Node) for a in node.args[1:]) or any(
+            isinstance(v, torch.fx.Node) for v in node.kwargs.values()
+        ):
+            return None  # symbolic sizes from the graph: leave it alone
+        node = node.args[0]
+        chain.append(node)
+    if node.op != "placeholder" or program.constant_target(node) is None:
+        return None
+    if not isinstance(program.constant_value(node), torch.Tensor):
+        return None
+    return list(reversed(chain))
+
+
+def fold_constant_casts(program: Program) -> FoldResult:
+    result = FoldResult(bytes_before=constant_bytes(program))
+    graph = program.graph
+    cast_constants: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+    rebuilt: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+    # original placeholder -> FQN, captured before renames
+    original_name = {n: program.constant_target(n) for n in graph.nodes if n.op == "placeholder"}
+
+    for node in list(graph.nodes):
+        if not is_cast(node):
+            continue
+        chain = _chain_to_constant(program, node.args[0])
+        if chain is None:
+            continue
+        const, views = chain[0], chain[1:]
+        dtype = cast_dtype(node)
+        value = program.constant_value(const)
+        if value.dtype == dtype:
+            new_base = const
+        else:
+            key = (const, dtype)
+            if key not in cast_constants:
+                new = program.add_constant_like(const, value.to(dtype), f"_{dtype_name(dtype)}")
+                source_of = program.original_of(program.constant_target(const))
+                program.sources[program.constant_target(new)] = ConstantSource(
+                    stored=program.constant_target(new),
+                    original=source_of.original if source_of else original_name[const],
+                    original_dtype=source_of.original_dtype if source_of else value.dtype,
+                    dtype=dtype,
+                )
+                cast_constants[key] = new
+            new_base = cast_constants[key]
+        # replay the view chain on the cast constant (shared per (view node, dtype))
+        current = new_base
+        for view in views:
+            key = (view, dtype)
+            if key not in rebuilt:
+                with graph.inserting_before(node):
+                    rebuilt[key] = graph.call_function(
+                        view.target, (current, *view.args[1:]), dict(view.kwargs)
+                    )
+                rebuilt[key].meta.update({k: v for k, v in view.meta.items() if k != "val"})
+                val = view.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    rebuilt[key].meta["val"] = val.to(dtype)
+            current = rebuilt[key]
+        node.replace_all_uses_with(current)
+        graph.erase_node(node)
+        result.folded += 1
+
+    graph.eliminate_dead_code()
+    result.dropped = program.remove_unused_constants()
+    # a cast constant whose fp32 original is gone takes the original's name: names stay recognizable
+    for (const, _dtype), new in cast_constants.items():
+        if original_name[const] in result.dropped and new.users:
+            src = program.sources.pop(program.constant_target(new))
+            siblings = [n for (c, _), n in cast_constants.items() if c is const and n.users]
+            if len(siblings) == 1:
+                program.rename_constant(new, original_name[const])
+                program.sources[original_name[const]] = ConstantSource(
+                    original_name[const], src.original, src.original_dtype, src.dtype
+                )
+            else:
+                program.sources[src.stored] = src
+    result.created = [program.constant_target(n) for n in cast_constants.values() if n.users]
+    result.bytes_after = constant_bytes(program)
+    graph.lint()
+    return result
+

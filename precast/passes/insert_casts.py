@@ -1,0 +1,63 @@
+"""Rewrite: make every decision explicit in the graph, one cast node per (producer, dtype)."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from precast.classify import apply_decision
+from precast.program import Program
+
+TO_COPY = torch.ops.aten._to_copy.default
+CAST_META = "precast_cast"  # marks cast nodes precast inserted (value: target dtype)
+
+
+def is_cast(node: torch.fx.Node) -> bool:
+    """A pure dtype cast: ``_to_copy(x, dtype=d)`` or ``to.dtype(x, d)`` with nothing else changed."""
+    if node.op != "call_function":
+        return False
+    if node.target is TO_COPY:
+        return set(node.kwargs) <= {"dtype"} and len(node.args) == 1 and "dtype" in node.kwargs
+    if node.target is torch.ops.aten.to.dtype:
+        extra = node.args[2:] + tuple(node.kwargs.values())
+        return not any(extra)  # non_blocking=False, copy=False, memory_format=None
+    return False
+
+
+def cast_dtype(node: torch.fx.Node) -> torch.dtype:
+    return node.kwargs["dtype"] if node.target is TO_COPY else node.args[1]
+
+
+def insert_casts(program: Program) -> int:
+    """Apply each node's Decision (casts, dtype kwargs, redispatch). Returns the number of cast nodes added."""
+    graph = program.graph
+    made: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+    added = 0
+    for node in list(graph.nodes):
+        decision = node.meta.get("precast")
+        if node.op != "call_function" or decision is None:
+            continue
+        if not (decision.casts or decision.kwarg_updates or decision.new_target is not None):
+            continue
+
+        def cast(producer: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node = node) -> torch.fx.Node:
+            nonlocal added
+            key = (producer, dtype)
+            if key not in made:
+                with graph.inserting_before(consumer):
+                    c = graph.call_function(TO_COPY, (producer,), {"dtype": dtype})
+                for k in ("stack_trace", "nn_module_stack", "precast_regions"):
+                    if k in consumer.meta:
+                        c.meta[k] = consumer.meta[k]
+                val = producer.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    c.meta["val"] = val.to(dtype)
+                c.meta[CAST_META] = dtype
+                made[key] = c
+                added += 1
+            return made[key]
+
+        target, args, kwargs = apply_decision(node.target, node.args, node.kwargs, decision, cast)
+        node.target, node.args, node.kwargs = target, args, kwargs
+    graph.lint()
+    return added

@@ -1,0 +1,1 @@
+"""Precision policies: eager autocast tables and semantics, the torch policy, rules."""
