@@ -17,7 +17,10 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # compile pulls in torch._inductor: import it only when asked for
     if name in ("compile", "CompiledModel"):
-        from precast import compile as _compile_mod
+        import importlib
 
-        return getattr(_compile_mod, "compile" if name == "compile" else "CompiledModel")
+        # importing the submodule binds precast.compile to the module: rebind both names to the API objects
+        _compile_mod = importlib.import_module("precast.compile")
+        globals().update(compile=_compile_mod.compile, CompiledModel=_compile_mod.CompiledModel)
+        return globals()[name]
     raise AttributeError(f"module 'precast' has no attribute {name!r}")

@@ -61,7 +61,11 @@ def fake_mode_of(program: Program):
     return mode
 
 
-def classify(program: Program, policy: Policy | None, user_rules: tuple[UserRule, ...] = ()) -> ClassifyResult:
+def classify(
+    program: Program, policy: Policy | None, user_rules: tuple[UserRule, ...] = (), on_error: Callable | None = None
+) -> ClassifyResult:
+    """``on_error(err, node)``, when given, receives the dtype-mismatch errors instead of raising them here
+    (precast.diagnostics records them, and re-raises unless the user allowed the code)."""
     graph = program.graph
     mode = fake_mode_of(program)
     env: dict[torch.fx.Node, object] = {}
@@ -91,7 +95,7 @@ def classify(program: Program, policy: Policy | None, user_rules: tuple[UserRule
                 if node.kwargs.get("dtype") not in (None, args[0].dtype):
                     decision = Decision(None, "none", "assert", "export's dtype check, updated to the new dtype")
                     decision.kwarg_updates = {"dtype": args[0].dtype}
-            env[node] = _run(node, args, kwargs, decision, mode)
+            env[node] = _run(node, args, kwargs, decision, mode, on_error)
             if decision is None and isinstance(node.target, torch._ops.OpOverload):
                 decision = _unchanged(node, env[node])
             if decision is not None:
@@ -168,10 +172,15 @@ def apply_decision(target, args: tuple, kwargs: dict, decision: Decision | None,
     return target, tuple(args), kwargs
 
 
-def _run(node, args, kwargs, decision, mode):
+def _run(node, args, kwargs, decision, mode, on_error=None):
     target, args, kwargs = apply_decision(node.target, args, kwargs, decision, lambda v, d: v.to(d))
     if isinstance(target, torch._ops.OpOverload) and target._schema.name in SAME_DTYPE_OPS:
-        check_same_dtype(node, args, kwargs)
+        try:
+            check_same_dtype(node, args, kwargs)
+        except PrecastError as err:
+            if on_error is None:
+                raise
+            on_error(err, node)
     try:
         if isinstance(target, torch._ops.OpOverload):
             with mode:

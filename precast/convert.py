@@ -14,13 +14,14 @@ from precast.capture import capture, normalize_inputs
 from precast.classify import classify
 from precast.errors import PrecastError
 from precast.passes.fold_constants import constant_bytes, fold_constant_casts
-from precast.passes.insert_casts import insert_casts, is_cast
+from precast.passes.insert_casts import insert_casts
 from precast.passes.simplify_casts import simplify_casts
 from precast.policy.base import dtype_name
 from precast.policy.torch_policy import TorchPolicy
 from precast.program import META_KEY, Program
 from precast.regions import inline_regions
-from precast.report import Diagnostic, Report, record_decisions
+from precast import diagnostics
+from precast.report import Diagnostic, Report, record_decisions, runtime_casts, write_program_info
 from precast.verify import compare, refresh_vals
 
 POLICIES = (None, "torch", "rules")
@@ -91,8 +92,13 @@ def convert(
     dynamic_shapes: Any = None,
     custom_rules: Iterable[Any] = (),
     verify: bool = True,
+    allow: Iterable[str] = (),
 ) -> ConvertResult:
-    """Convert a program (or module + example inputs) to explicit mixed precision. See the README."""
+    """Convert a program (or module + example inputs) to explicit mixed precision. See the README.
+
+    ``allow``: diagnostic codes (``precast.diagnostics.CODES``, e.g. ``"control-flow"``) whose errors become
+    warnings in ``report.diagnostics`` instead of stopping the conversion.
+    """
     if policy not in POLICIES:
         raise PrecastError(f"policy={policy!r}: choose None (the program's own autocast regions), 'torch' or 'rules'")
     low = parse_dtype(dtype)
@@ -107,6 +113,8 @@ def convert(
     regions = inline_regions(program.gm)
     rep = Report(policy=policy, dtype=dtype_name(low) if policy else None, device_type=device)
     rep.regions = [_region_dict(r) for r in regions]
+    rep.allowed = diagnostics.parse_allow(allow)
+    diagnostics.check_program(ep, program.gm, regions, rep)
     rep.weight_bytes_before = constant_bytes(program)
 
     rule_opts = dict(
@@ -148,12 +156,13 @@ def convert(
     if verify:
         original = program_or_module if isinstance(program_or_module, torch.nn.Module) else None
         _verify(out, ep, rep, policy, device, low, original)
+    write_program_info(out, rep)
     return ConvertResult(out, rep)
 
 
 def run_pipeline(program: Program, policy: Any, rep: Report, user_rules: tuple = ()) -> None:
     """classify -> insert casts -> fold -> simplify, recording what each stage did in the report."""
-    result = classify(program, policy, user_rules)
+    result = classify(program, policy, user_rules, on_error=diagnostics.classify_error_handler(rep))
     rep.decomposed = result.decomposed or []
     insert_casts(program)
     refresh_vals(program)
@@ -168,10 +177,11 @@ def run_pipeline(program: Program, policy: Any, rep: Report, user_rules: tuple =
 
 def finish(program: Program, rep: Report) -> ExportedProgram:
     rep.nodes = record_decisions(program.graph)
-    rep.casts_runtime = sum(1 for n in program.graph.nodes if is_cast(n))
+    rep.casts = runtime_casts(program.graph)
+    rep.casts_runtime = len(rep.casts)
     rep.weight_bytes_after = constant_bytes(program)
     _record_program_info(program, rep)
-    return program.to_exported_program()
+    return diagnostics.install_autocast_guard(program.to_exported_program())
 
 
 def _record_program_info(program: Program, rep: Report) -> None:
@@ -226,6 +236,9 @@ def _verify(out: ExportedProgram, ep: ExportedProgram, rep: Report, policy, devi
         name = f"eager torch.autocast({device}, {dtype_name(low)})"
     else:
         ref, name = ep.module(), "the unconverted program"
+    if not diagnostics.check_runs(out, args, kwargs, rep):
+        diagnostics.raise_errors(rep)
+        return  # allowed: the program fails on this device, so there is nothing to compare
     rep.verification = compare(out.module(), ref, args, kwargs, reference_name=name)
     if not rep.verification["bitwise"]:
         rep.diagnostics.append(

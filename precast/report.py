@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -38,7 +39,25 @@ class Diagnostic:
     code: str
     message: str
     node: str | None = None
-    location: str | None = None
+    location: str | None = None  # user's source line, file.py:LINE
+    fix: str | None = None  # what to do
+    module: str | None = None
+    region: int | None = None
+    allowed: bool = False  # an error downgraded by convert(allow=...)
+
+
+@dataclass
+class CastRecord:
+    """A cast left in the converted graph: work done on every forward."""
+
+    name: str
+    src_dtype: str | None
+    dtype: str | None
+    shape: list[int]
+    bytes: int  # input + output bytes moved per forward (symbolic dims at their example/hint value)
+    symbolic: bool  # the shape had symbolic dims
+    module: str
+    location: str | None
 
 
 @dataclass
@@ -58,6 +77,19 @@ class Report:
     decomposed: list[str] = field(default_factory=list)
     diagnostics: list[Diagnostic] = field(default_factory=list)
     verification: dict = field(default_factory=dict)
+    casts: list[CastRecord] = field(default_factory=list)  # run-time casts (len == casts_runtime)
+    allowed: list[str] = field(default_factory=list)  # diagnostic codes downgraded from error to warning
+
+    @property
+    def cast_bytes(self) -> int:
+        """Estimated bytes moved per forward by run-time casts (read + write)."""
+        return sum(c.bytes for c in self.casts)
+
+    def errors(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.severity == "error"]
+
+    def warnings(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.severity == "warning"]
 
     # ---- views -----------------------------------------------------------------------------------------
     def nodes_by_dtype(self) -> dict[str, int]:
@@ -77,7 +109,8 @@ class Report:
         d = asdict(self)
         d["schema_version"] = SCHEMA_VERSION
         d["nodes_by_dtype"] = self.nodes_by_dtype()
-        return d
+        d["cast_bytes"] = self.cast_bytes
+        return _finite(d)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
@@ -94,6 +127,7 @@ class Report:
             + ", ".join(f"{k} {v}" for k, v in sorted(self.nodes_by_dtype().items())),
             f"casts folded into constants: {self.casts_folded}; casts left at run time: {self.casts_runtime}"
             f" (activations only); removed as redundant: {self.casts_simplified}",
+            f"bytes moved by run-time casts per forward: {_human_bytes(self.cast_bytes)}",
             f"weights: {before:.2f} MiB -> {after:.2f} MiB ("
             + ", ".join(f"{k} {v / mb:.2f} MiB" for k, v in sorted(self.weight_bytes_after.items()))
             + ")",
@@ -104,7 +138,7 @@ class Report:
             v = self.verification
             lines.append(f"verified against {v.get('reference')}: {v.get('verdict')}")
         for d in self.diagnostics:
-            lines.append(f"{d.severity}: {d.message}")
+            lines.append(f"{d.severity}: {d.message}" + (f" (fix: {d.fix})" if d.fix and d.fix not in d.message else ""))
         return "\n".join(lines)
 
 
@@ -133,6 +167,81 @@ def record_decisions(graph: torch.fx.Graph) -> list[NodeRecord]:
     return records
 
 
+def _finite(obj):
+    """JSON has no NaN/Infinity: non-finite floats become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024 or unit == "MiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _concrete(dim) -> tuple[int, bool]:
+    """(value, was_symbolic) for a shape entry: a symbolic dim takes its example value (the hint)."""
+    if isinstance(dim, int):
+        return dim, False
+    node = getattr(dim, "node", None)
+    hint = getattr(node, "hint", None)
+    if hint is not None:
+        return int(hint), True
+    try:
+        env = node.shape_env
+        return int(node.expr.xreplace(env.var_to_val)), True
+    except Exception:
+        return 1, True
+
+
+def runtime_casts(graph: torch.fx.Graph) -> list[CastRecord]:
+    """One CastRecord per cast node left in ``graph``, with its bytes moved (from the nodes' meta values)."""
+    out = []
+    for node in graph.nodes:
+        if not is_cast(node):
+            continue
+        src = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        dims = [_concrete(d) for d in val.shape]
+        numel = math.prod(d for d, _ in dims)
+        in_size = src.dtype.itemsize if isinstance(src, torch.Tensor) else val.dtype.itemsize
+        out.append(
+            CastRecord(
+                name=node.name,
+                src_dtype=dtype_name(src.dtype) if isinstance(src, torch.Tensor) else None,
+                dtype=dtype_name(val.dtype),
+                shape=[d for d, _ in dims],
+                bytes=numel * (in_size + val.dtype.itemsize),
+                symbolic=any(s for _, s in dims),
+                module=module_path(node),
+                location=user_source_line(node),
+            )
+        )
+    return out
+
+
+def write_program_info(ep: ExportedProgram, rep: Report) -> None:
+    """Store the report's diagnostics and allowed codes with the program (custom meta, saved by
+    torch.export.save), so ``precast.report`` on a saved program shows them."""
+    first = next((n for n in ep.graph.nodes if n.op == "call_function"), None)
+    if first is None:
+        return
+    info = first.meta.setdefault("custom", {}).setdefault(META_KEY, {}).setdefault("program", {})
+    info["diagnostics"] = [asdict(d) for d in rep.diagnostics]
+    info["allowed"] = list(rep.allowed)
+    if rep.verification:
+        info["verification"] = _finite(rep.verification)
+
+
 def _op_name(node: torch.fx.Node) -> str:
     t = node.target
     return str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
@@ -150,8 +259,12 @@ def report(ep: ExportedProgram) -> Report:
             rep.nodes.append(NodeRecord(**entry["decision"]))
         if "program" in entry:
             for k, v in entry["program"].items():
-                setattr(rep, k, v)
-    rep.casts_runtime = sum(1 for n in ep.graph.nodes if is_cast(n))
+                if k == "diagnostics":
+                    v = [Diagnostic(**d) for d in v]
+                if hasattr(rep, k):
+                    setattr(rep, k, v)
+    rep.casts = runtime_casts(ep.graph)
+    rep.casts_runtime = len(rep.casts)
     rep.weight_bytes_after = constant_bytes(Program(ep))
     sources = constant_sources(ep)
     if not rep.weight_bytes_before:

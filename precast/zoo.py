@@ -204,14 +204,16 @@ class BufferUnderAutocast(nn.Module):
     def __init__(self):
         super().__init__()
         self.register_buffer("basis", torch.randn(32, 16))
+        self.register_buffer("mix", torch.randn(16, 16) / 4, persistent=False)
         self.register_buffer("scale", torch.rand(16) + 0.5, persistent=False)
         self.lin = nn.Linear(32, 32)
 
     def forward(self, x):
         with torch.autocast("cpu", dtype=BF16):
             h = self.lin(x)
-            y = h @ self.basis  # buffer cast under autocast
-            y = y * self.scale
+            y = h @ self.basis  # persistent buffer cast under autocast
+            y = y @ self.mix  # non-persistent buffer cast under autocast
+            y = y * self.scale  # mul is not an autocast op: promotes to fp32, scale stays fp32
         return y.float()
 
 

@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--exclude-ops", nargs="*", default=(), metavar="OP")
     p.add_argument("--no-verify", action="store_true", help="skip the run comparing against the reference")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a summary")
+    p.add_argument("--allow", action="append", default=[], metavar="CODE",
+                   help="downgrade this diagnostic error to a warning (repeatable), e.g. --allow control-flow")
     p.set_defaults(run=run)
 
 
@@ -59,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device_type=args.device_type,
         verify=not args.no_verify,
+        allow=tuple(getattr(args, "allow", ()) or ()),
         **opts,
     )
     with atomic_path(args.output) as tmp:

@@ -1,0 +1,143 @@
+"""precast check FILE.pt2 [--inputs FILE.pt]: error of the converted program against its float32 reference.
+
+The float32 reference of a converted program is the same graph with precision taken out of it:
+
+- every constant precast cast at conversion gets its original dtype back (``precast.constant_sources``): the
+  original float32 value when the program still holds it, else the stored low-precision value widened (the
+  original float32 weights are not in the file, so weight rounding is *not* part of the measured error);
+- every cast to bfloat16/float16 is removed (its input flows on in float32), and export's dtype asserts go.
+
+So the metrics measure what running activations in low precision costs, on the same graph and weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+
+from precast.errors import PrecastError
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "check",
+        help="compare a converted program against its float32 reference (max abs/rel error, cosine, bitwise)",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("program", help="a program saved with torch.export.save")
+    p.add_argument("--inputs", default=None, help="inputs saved with torch.save: a tensor, a tuple, or (args, kwargs)")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.set_defaults(run=run)
+
+
+def fp32_reference(ep: torch.export.ExportedProgram) -> torch.nn.Module:
+    """The converted program's float32 reference (see the module docstring)."""
+    from precast.passes.insert_casts import cast_dtype, is_cast
+    from precast.program import constant_sources
+
+    module = ep.module()
+    values = {**ep.state_dict, **ep.constants}
+    for stored, src in constant_sources(ep).items():
+        if src.original_dtype == src.dtype or stored not in values:
+            continue
+        original = values.get(src.original)
+        value = original if isinstance(original, torch.Tensor) else values[stored].to(src.original_dtype)
+        _set_attr(module, stored, value.detach().to(src.original_dtype))
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+        elif is_cast(node) and cast_dtype(node) in LOW:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+    module.recompile()
+    return module
+
+
+def _set_attr(module: torch.nn.Module, fqn: str, value: torch.Tensor) -> None:
+    *path, name = fqn.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    if isinstance(getattr(owner, name, None), torch.nn.Parameter):
+        value = torch.nn.Parameter(value, requires_grad=False)
+    setattr(owner, name, value)
+
+
+def metrics(got, want) -> list[dict]:
+    out = []
+    for a, e in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
+        if not isinstance(a, torch.Tensor):
+            out.append({"dtype": type(a).__name__, "bitwise": a == e, "max_abs": 0.0, "max_rel": 0.0, "cosine": 1.0})
+            continue
+        af, ef = a.detach().double().flatten(), e.detach().double().flatten()
+        diff = (af - ef).abs()
+        max_abs = diff.max().item() if diff.numel() else 0.0
+        max_rel = (diff / ef.abs().clamp_min(1e-12)).max().item() if diff.numel() else 0.0
+        cosine = torch.nn.functional.cosine_similarity(af, ef, dim=0).item() if af.numel() else 1.0
+        bitwise = a.dtype == e.dtype and a.shape == e.shape and bool(torch.equal(a, e))
+        out.append(
+            {
+                "dtype": str(a.dtype).removeprefix("torch."),
+                "shape": list(a.shape),
+                "max_abs": max_abs,
+                "max_rel": max_rel,
+                "cosine": cosine,
+                "bitwise": bitwise,
+            }
+        )
+    return out
+
+
+def load_inputs(path: str | None, ep) -> tuple[tuple, dict]:
+    from precast.capture import normalize_inputs
+
+    if path is None:
+        if ep.example_inputs is None:
+            raise PrecastError("the program carries no example inputs; pass --inputs FILE.pt (saved with torch.save)")
+        return normalize_inputs(ep.example_inputs)
+    p = Path(path)
+    if not p.is_file():
+        raise PrecastError(f"{p}: no such file; save the inputs with torch.save((x,), '{p.name}')")
+    try:
+        value = torch.load(p, weights_only=True)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PrecastError(f"{p}: cannot be loaded with torch.load ({first})") from exc
+    return normalize_inputs(value)
+
+
+def run(args: argparse.Namespace) -> int:
+    from precast.capture import load_program
+
+    ep = load_program(args.program)
+    inputs, kwargs = load_inputs(args.inputs, ep)
+    try:
+        with torch.no_grad():
+            got = ep.module()(*inputs, **kwargs)
+            want = fp32_reference(ep)(*inputs, **kwargs)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PrecastError(f"{args.program}: running the program on these inputs failed: {first}") from exc
+    rows = metrics(got, want)
+    if args.json:
+        clean = [{k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in r.items()} for r in rows]
+        print(json.dumps({"reference": "float32", "outputs": clean}, indent=2))
+        return 0
+    print(f"{'output':<8} {'dtype':<9} {'max abs':>10} {'max rel':>10} {'cosine':>10}  bitwise")
+    for i, r in enumerate(rows):
+        print(
+            f"{i:<8} {r['dtype']:<9} {r['max_abs']:>10.3g} {r['max_rel']:>10.3g} {r['cosine']:>10.6f}  "
+            f"{'yes' if r['bitwise'] else 'no'}"
+        )
+    return 0

@@ -1,0 +1,448 @@
+"""AOTInductor compilation of (converted) programs, with a disk cache and weight swapping.
+
+    cm = precast.compile(res.program)           # compile once, cached on disk and in process
+    y = cm(x)                                   # any batch size (dim 0 is dynamic by default)
+    cm.load_weights(model.state_dict())         # new fp32 weights by original name, cast on load
+
+Cache entries live in ``<cache_dir>/aoti/<key>/`` (``model.pt2`` + ``manifest.json``). The key hashes the
+graph, the weights, the inductor configs, the torch version and the CPU/CUDA capability. An entry is built in a
+temporary folder and renamed into place after its manifest (sha256 of every file) is written, under a file lock,
+so concurrent processes compile a key once and a killed compile never leaves a loadable entry. An entry whose
+files do not match its manifest is rebuilt, never loaded: it is native code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from precast.errors import PrecastError
+from precast.program import CONSTANT_KINDS, ConstantSource, constant_sources
+
+MODES = ("default", "max-autotune")
+CACHE_ENV = "PRECAST_CACHE_DIR"
+MANIFEST = "manifest.json"
+PACKAGE = "model.pt2"
+COMPILE_LOG = "compile.log"  # one JSON line per compile actually run (tests count them)
+FORMAT = 1
+
+# program -> {options key: CompiledModel}; weak so a cached model never keeps a program's weights alive
+_MEMO: weakref.WeakKeyDictionary[ExportedProgram, dict[str, CompiledModel]] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """What load_weights needs to know about one stored constant (no tensor kept)."""
+
+    source: ConstantSource
+    shape: tuple[int, ...]
+    device: str
+
+
+class CompiledModel:
+    """A loaded AOTInductor package. Call it like the program's module; swap weights with ``load_weights``."""
+
+    def __init__(
+        self,
+        runner: Any,
+        package_path: Path,
+        key: str,
+        stored: dict[str, _Stored],
+        *,
+        from_cache: bool,
+        compile_seconds: float,
+        load_seconds: float,
+    ):
+        self._runner = runner
+        self.package_path = Path(package_path)
+        self.key = key
+        self._stored = stored
+        self.from_cache = from_cache
+        self.compile_seconds = compile_seconds
+        self.load_seconds = load_seconds
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._runner(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        how = "from cache" if self.from_cache else f"compiled in {self.compile_seconds:.1f}s"
+        return f"CompiledModel({self.package_path}, {how})"
+
+    def constant_fqns(self) -> list[str]:
+        """Names of the constants the compiled code reads (stored names, possibly low precision)."""
+        return sorted(self._runner.get_constant_fqns())
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Replace the weights by the model's ORIGINAL state_dict (fp32, original names), without recompiling.
+
+        Each tensor is cast to the dtype(s) the converted program stores it in. Names, shapes and dtypes are
+        checked first; on any mismatch a PrecastError lists them all and the model keeps its old weights.
+        """
+        by_original: dict[str, list[_Stored]] = {}
+        for st in self._stored.values():
+            by_original.setdefault(st.source.original, []).append(st)
+        swappable = set(self._runner.get_constant_fqns())
+        missing = sorted(n for n in by_original if n not in state_dict)
+        unexpected = sorted(n for n in state_dict if n not in by_original)
+        problems: list[str] = []
+        for name in sorted(set(by_original) & set(state_dict)):
+            value = state_dict[name]
+            want = by_original[name][0]
+            if not isinstance(value, torch.Tensor):
+                problems.append(f"{name} is a {type(value).__name__}, not a tensor")
+                continue
+            if tuple(value.shape) != want.shape:
+                problems.append(f"{name} has shape {tuple(value.shape)}, expected {want.shape}")
+            if value.dtype != want.source.original_dtype:
+                problems.append(f"{name} has dtype {value.dtype}, expected {want.source.original_dtype}")
+        folded = sorted(st.source.stored for st in self._stored.values() if st.source.stored not in swappable)
+        if missing:
+            problems.insert(0, f"missing {missing}")
+        if unexpected:
+            problems.insert(1 if missing else 0, f"unexpected {unexpected}")
+        if folded:
+            problems.append(
+                f"compiled code folded {folded} into itself (freezing?); recompile without freezing to swap them"
+            )
+        if problems:
+            raise PrecastError(
+                f"load_weights({self.package_path.name}): {len(problems)} problem(s): {'; '.join(problems)}; "
+                "pass the original fp32 state_dict of the model the program was converted from "
+                "(the compiled model still serves its previous weights)"
+            )
+        update: dict[str, torch.Tensor] = {}
+        for name, entries in by_original.items():
+            value = state_dict[name].detach()
+            for st in entries:
+                # a fresh contiguous copy in the stored dtype: the same rounding fold_constant_casts applied
+                update[st.source.stored] = value.to(
+                    device=st.device, dtype=st.source.dtype, copy=True, memory_format=torch.contiguous_format
+                )
+        self._runner.load_constants(update, check_full_update=set(update) >= swappable)
+
+
+# ---- public entry point -------------------------------------------------------------------------------------
+def compile(
+    program: ExportedProgram | Any,
+    *,
+    mode: str = "default",
+    cache_dir: str | os.PathLike | None = None,
+    dynamic: bool = True,
+    inductor_configs: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
+) -> CompiledModel:
+    """Compile ``program`` (an ExportedProgram or a ConvertResult) with AOTInductor, cached; returns a loaded model.
+
+    ``dynamic``: re-export with a dynamic dim 0 (batch) on every tensor input, as PyTorch's benchmark harness does.
+    ``cache_dir``: default ``$PRECAST_CACHE_DIR`` or the user cache dir. ``progress``: a spinner on stderr
+    (default: only when stderr is a terminal and ``CI`` is unset).
+    """
+    ep = getattr(program, "program", program)  # a ConvertResult
+    if not isinstance(ep, ExportedProgram):
+        raise PrecastError(
+            f"precast.compile: got {type(program).__name__}; pass an ExportedProgram "
+            "(torch.export.export(...) or precast.convert(...).program)"
+        )
+    if mode not in MODES:
+        raise PrecastError(f"precast.compile: mode={mode!r}; choose one of {', '.join(MODES)}")
+    configs = dict(inductor_configs or {})
+    if mode == "max-autotune":
+        configs["max_autotune"] = True
+    root = resolve_cache_dir(cache_dir)
+    options = json.dumps({"configs": configs, "dynamic": dynamic, "root": str(root)}, sort_keys=True, default=str)
+    memo = _MEMO.get(ep)
+    if memo is not None and options in memo:
+        return memo[options]
+
+    key = cache_key(ep, configs, dynamic)
+    stored = _stored_constants(ep)
+    entry = root / "aoti" / key
+    started = time.perf_counter()
+    from_cache = _valid_entry(entry, key) is None
+    compile_seconds = 0.0
+    if not from_cache:
+        compile_seconds = _build_locked(ep, root, key, configs, dynamic, stored, progress)
+    runner = _load(entry / PACKAGE)
+    model = CompiledModel(
+        runner,
+        entry / PACKAGE,
+        key,
+        stored,
+        from_cache=from_cache,
+        compile_seconds=compile_seconds,
+        load_seconds=time.perf_counter() - started - compile_seconds,
+    )
+    _MEMO.setdefault(ep, {})[options] = model
+    return model
+
+
+def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The argument, else ``$PRECAST_CACHE_DIR``, else the platform's user cache dir for precast."""
+    if cache_dir is None:
+        cache_dir = os.environ.get(CACHE_ENV) or None
+    if cache_dir is None:
+        from platformdirs import user_cache_dir
+
+        cache_dir = user_cache_dir("precast")
+    root = Path(cache_dir).expanduser()
+    try:
+        (root / "aoti").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PrecastError(
+            f"cache dir {root}: cannot create it ({exc.strerror}); pass cache_dir= or set {CACHE_ENV}"
+        ) from exc
+    return root
+
+
+# ---- cache key --------------------------------------------------------------------------------------------
+def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic: bool) -> str:
+    """sha256 of everything the compiled code depends on."""
+    h = hashlib.sha256()
+
+    def put(label: str, text: str) -> None:
+        h.update(f"{label}\0{text}\0".encode())
+
+    put("format", str(FORMAT))
+    put("graph", ep.graph_module.code)
+    put("signature", str(ep.graph_signature))
+    put("range_constraints", str(sorted((str(k), str(v)) for k, v in ep.range_constraints.items())))
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                put("input", f"{node.name}:{tuple(val.shape)}:{val.dtype}:{val.device.type}:{val.stride()}")
+            else:
+                put("input", f"{node.name}:{val!r}")
+    for name, value in sorted({**ep.constants, **ep.state_dict}.items()):
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            put("tensor", f"{name}:{t.dtype}:{tuple(t.shape)}")
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            put("object", f"{name}:{type(value).__qualname__}")
+    put("configs", json.dumps(dict(inductor_configs), sort_keys=True, default=str))
+    put("dynamic", str(dynamic))
+    put("torch", torch.__version__)
+    put("cpu", str(torch.backends.cpu.get_cpu_capability()))
+    if _program_device(ep) == "cuda" and torch.cuda.is_available():
+        put("cuda", f"{torch.version.cuda}:{torch.cuda.get_device_capability()}")
+    return h.hexdigest()[:32]
+
+
+def _program_device(ep: ExportedProgram) -> str:
+    for value in list(ep.state_dict.values()) + list(ep.constants.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
+            return node.meta["val"].device.type
+    return "cpu"
+
+
+def _stored_constants(ep: ExportedProgram) -> dict[str, _Stored]:
+    sources = constant_sources(ep)
+    out = {}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind not in CONSTANT_KINDS or spec.target not in sources:
+            continue
+        value = ep.state_dict.get(spec.target, ep.constants.get(spec.target))
+        if isinstance(value, torch.Tensor):
+            out[spec.target] = _Stored(sources[spec.target], tuple(value.shape), str(value.device))
+    return out
+
+
+# ---- cache entries ------------------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _valid_entry(entry: Path, key: str) -> str | None:
+    """None if ``entry`` is a complete, untampered entry for ``key``; else why not."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "absent"
+    except (OSError, ValueError) as exc:
+        return f"unreadable manifest ({exc})"
+    if manifest.get("format") != FORMAT or manifest.get("key") != key:
+        return "manifest for another key or format"
+    files = manifest.get("files") or {}
+    if PACKAGE not in files:
+        return f"manifest lists no {PACKAGE}"
+    for name, digest in files.items():
+        try:
+            if _sha256(entry / name) != digest:
+                return f"{name} does not match its manifest hash"
+        except OSError:
+            return f"{name} is missing"
+    return None
+
+
+def _build_locked(
+    ep: ExportedProgram,
+    root: Path,
+    key: str,
+    configs: dict[str, Any],
+    dynamic: bool,
+    stored: dict[str, _Stored],
+    progress: bool | None,
+) -> float:
+    """Compile and publish the entry for ``key`` unless another process did it while we waited for the lock.
+
+    Returns the seconds spent compiling (0.0 if another process published the entry first)."""
+    from filelock import FileLock
+
+    (root / "locks").mkdir(parents=True, exist_ok=True)
+    (root / "tmp").mkdir(parents=True, exist_ok=True)
+    entry = root / "aoti" / key
+    with FileLock(str(root / "locks" / f"{key}.lock")):
+        why = _valid_entry(entry, key)
+        if why is None:
+            return 0.0
+        if why != "absent":
+            _remove(entry, root)
+        for stale in (root / "tmp").glob(f"{key}.*"):  # left by a killed compile: we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        build = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=root / "tmp"))
+        try:
+            started = time.perf_counter()
+            with _progress(progress, f"precast: compiling with AOTInductor ({key[:12]}, ~30 s on a small CPU)"):
+                _aoti_compile(ep, build / PACKAGE, configs, dynamic)
+            seconds = time.perf_counter() - started
+            manifest = {
+                "format": FORMAT,
+                "key": key,
+                "files": {PACKAGE: _sha256(build / PACKAGE)},
+                "torch": torch.__version__,
+                "inductor_configs": configs,
+                "dynamic": dynamic,
+                "compile_seconds": round(seconds, 3),
+                "created": time.time(),
+                "constants": {
+                    name: [st.source.original, str(st.source.original_dtype), str(st.source.dtype)]
+                    for name, st in stored.items()
+                },
+            }
+            _write_text(build / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+            _fsync_dir(build)
+            os.rename(build, entry)  # atomic publish: the entry appears whole or not at all
+            _fsync_dir(entry.parent)
+        except BaseException:
+            shutil.rmtree(build, ignore_errors=True)
+            raise
+        with open(root / COMPILE_LOG, "a") as log:
+            log.write(json.dumps({"key": key, "pid": os.getpid(), "seconds": round(seconds, 3)}) + "\n")
+        return seconds
+
+
+def _remove(entry: Path, root: Path) -> None:
+    trash = Path(tempfile.mkdtemp(prefix="trash.", dir=root / "tmp"))
+    os.rename(entry, trash / "entry")
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool | None, message: str) -> Iterator[None]:
+    if enabled is None:
+        enabled = sys.stderr.isatty() and not os.environ.get("CI")
+    if not enabled:
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(message):
+        yield
+
+
+# ---- AOTInductor --------------------------------------------------------------------------------------------
+def dynamic_batch(ep: ExportedProgram) -> ExportedProgram:
+    """Re-export ``ep`` with dim 0 of every tensor input dynamic (min 1), as the dynamo harness does.
+
+    A batch of 1 in the example would be specialized (0/1 specialization), so it is traced at batch 2. Falls
+    back to ``Dim.AUTO`` (dynamic where the program allows) and then to the program as it is.
+    """
+    from torch.export import Dim
+
+    args, kwargs = ep.example_inputs or ((), {})
+    if kwargs or not args:
+        return ep
+    batched = [isinstance(a, torch.Tensor) and a.dim() > 0 for a in args]
+    if not any(batched):
+        return ep
+    sizes = {a.shape[0] for a, b in zip(args, batched, strict=True) if b}
+    trace_args = tuple(
+        torch.cat([a, a]) if b and a.shape[0] == 1 else a for a, b in zip(args, batched, strict=True)
+    )
+    module = ep.module(check_guards=False)  # the static program's guards pin the batch size
+    attempts: list[tuple] = []
+    if len(sizes) == 1:
+        batch = Dim("batch", min=1)
+        attempts.append(tuple({0: batch} if b else None for b in batched))
+    attempts.append(tuple({0: Dim.AUTO} if b else None for b in batched))
+    for shapes in attempts:
+        try:
+            return torch.export.export(module, trace_args, dynamic_shapes=shapes, strict=False)
+        except Exception:  # noqa: BLE001 - a model with a fixed batch: try the next, then keep it static
+            continue
+    return ep
+
+
+def _aoti_compile(ep: ExportedProgram, package: Path, configs: dict[str, Any], dynamic: bool) -> None:
+    import torch._inductor
+
+    with torch.no_grad():
+        program = dynamic_batch(ep) if dynamic else ep
+        try:
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(package), inductor_configs=dict(configs)
+            )
+        except Exception as exc:
+            raise PrecastError(
+                f"precast.compile: AOTInductor failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}; "
+                "run with TORCH_LOGS=output_code for details, or try dynamic=False"
+            ) from exc
+
+
+def _load(package: Path) -> Any:
+    import torch._inductor
+
+    try:
+        return torch._inductor.aoti_load_package(str(package))
+    except Exception as exc:
+        raise PrecastError(
+            f"precast.compile: cannot load {package}: {str(exc).splitlines()[0][:300]}; delete the cache entry"
+        ) from exc

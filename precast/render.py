@@ -1,0 +1,130 @@
+"""Renderings of a precast.Report: a terminal table grouped by module (rich), JSON, Model Explorer node data."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from precast.report import Report, _human_bytes
+
+DTYPE_STYLE = {"bf16": "cyan", "fp16": "magenta", "fp32": "default", "fp64": "yellow"}
+# Model Explorer colours, one per dtype (the node's value is its bit width)
+DTYPE_COLOR = {"bf16": "#7ec8e3", "fp16": "#d291bc", "fp32": "#eeeeee", "fp64": "#f6d55c"}
+DTYPE_BITS = {"bf16": 16, "fp16": 16, "fp32": 32, "fp64": 64}
+# the graph id Model Explorer's built-in PyTorch ExportedProgram adapter gives the program's graph; its node ids
+# are the fx node names (model_explorer/pytorch_exported_program_adapter_impl.py)
+MODEL_EXPLORER_GRAPH = "graph"
+
+
+def reason_text(rec) -> str:
+    text = f"{rec.source}/{rec.rule}: {rec.reason}"
+    if rec.measured is not None:
+        text += f" (measured {rec.measured:.4g}" + (f", limit {rec.limit:.4g})" if rec.limit is not None else ")")
+    return text
+
+
+def table(rep: Report) -> Table:
+    """One row per op, grouped by module path (in graph order), with its dtype and why."""
+    t = Table(title="precast report", show_lines=False, expand=False)
+    t.add_column("node", no_wrap=True)
+    t.add_column("op")
+    t.add_column("dtype", no_wrap=True)
+    t.add_column("reason")
+    t.add_column("source")
+    groups: dict[str, list] = {}
+    for rec in rep.nodes:
+        groups.setdefault(rec.module or "(top level)", []).append(rec)
+    for i, (module, recs) in enumerate(groups.items()):
+        if i:
+            t.add_section()
+        t.add_row(f"[bold]{module}[/bold]", "", "", "", "")
+        for rec in recs:
+            dtype = rec.dtype or "-"
+            style = DTYPE_STYLE.get(dtype, "default")
+            t.add_row(
+                f"  {rec.name}",
+                rec.op.removeprefix("aten."),
+                f"[{style}]{dtype}[/{style}]",
+                reason_text(rec),
+                (rec.location or "").rsplit("/", 1)[-1],
+            )
+    return t
+
+
+def summary_lines(rep: Report) -> list[str]:
+    mib = 1024 * 1024
+    by_dtype = ", ".join(f"{k} {v}" for k, v in sorted(rep.nodes_by_dtype().items()))
+    lines = [
+        f"policy: {rep.policy or 'regions only'}" + (f" ({rep.device_type}, {rep.dtype})" if rep.policy else ""),
+        f"ops by dtype: {by_dtype or '-'}",
+        f"casts: {rep.casts_runtime} at run time ({_human_bytes(rep.cast_bytes)} moved per forward), "
+        f"{rep.casts_folded} folded into constants",
+        "weights: "
+        + ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in sorted(rep.weight_bytes_before.items()))
+        + " -> "
+        + ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in sorted(rep.weight_bytes_after.items())),
+    ]
+    for d in rep.diagnostics:
+        where = f" [{d.node}]" if d.node else ""
+        lines.append(f"{d.severity}{where}: {d.message}" + (f" — fix: {d.fix}" if d.fix else ""))
+    return lines
+
+
+def render_table(rep: Report, console: Console | None = None) -> Console:
+    console = console or Console()
+    console.print(table(rep))
+    for line in summary_lines(rep):
+        console.print(line, markup=False, highlight=False)
+    return console
+
+
+def table_text(rep: Report, width: int = 160) -> str:
+    console = Console(width=width, record=True, file=_Null(), color_system=None)
+    render_table(rep, console)
+    return console.export_text()
+
+
+class _Null:
+    def write(self, _):
+        return 0
+
+    def flush(self):
+        pass
+
+
+def model_explorer_data(rep: Report) -> dict:
+    """Node data for Google's Model Explorer (``ModelNodeData`` JSON: graph id -> ``GraphNodeData``).
+
+    Each op is coloured by the dtype it computes in; its value is the dtype's bit width. Run-time casts are
+    included (value = bit width of the cast's output). Load it beside the program in Model Explorer
+    (``model_explorer.visualize_pytorch(name, ep, node_data={"node_data_path": path})``).
+    """
+    results: dict[str, dict] = {}
+    for rec in rep.nodes:
+        if rec.dtype in DTYPE_BITS:
+            results[rec.name] = {"value": DTYPE_BITS[rec.dtype], "bgColor": DTYPE_COLOR[rec.dtype]}
+    for cast in rep.casts:
+        if cast.dtype in DTYPE_BITS:
+            results[cast.name] = {"value": DTYPE_BITS[cast.dtype], "bgColor": "#f08a5d"}
+    graph = {
+        "name": "precast dtype",
+        "results": results,
+        "thresholds": [
+            {"value": 16, "bgColor": DTYPE_COLOR["bf16"]},
+            {"value": 32, "bgColor": DTYPE_COLOR["fp32"]},
+            {"value": 64, "bgColor": DTYPE_COLOR["fp64"]},
+        ],
+    }
+    return {MODEL_EXPLORER_GRAPH: graph}
+
+
+def render(rep: Report, fmt: str, width: int | None = None) -> str:
+    if fmt == "json":
+        return rep.to_json()
+    if fmt == "model-explorer":
+        return json.dumps(model_explorer_data(rep), indent=2, sort_keys=True)
+    if fmt == "table":
+        return table_text(rep, width or 160)
+    raise ValueError(f"unknown format {fmt!r}")
