@@ -120,11 +120,11 @@ class Program:
                 store[new_target] = store.pop(spec.target)
         self.input_spec[node] = InputSpec(kind=spec.kind, arg=spec.arg, target=new_target, persistent=spec.persistent)
 
-    def remove_unused_constants(self) -> list[str]:
-        """Drop constant placeholders nothing reads any more; returns their FQNs."""
+    def remove_unused_constants(self, keep: set[torch.fx.Node] = frozenset()) -> list[str]:
+        """Drop constant placeholders nothing reads any more (except ``keep``); returns their FQNs."""
         dropped = []
         for node in list(self.graph.nodes):
-            if node.op == "placeholder" and not node.users and self.constant_target(node) is not None:
+            if node.op == "placeholder" and not node.users and node not in keep and self.constant_target(node) is not None:
                 spec = self.input_spec.pop(node)
                 self.state_dict.pop(spec.target, None)
                 self.constants.pop(spec.target, None)

@@ -97,6 +97,8 @@ def fold_constant_casts(program: Program) -> FoldResult:
     rebuilt: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
     # original placeholder -> FQN, captured before renames
     original_name = {n: program.constant_target(n) for n in graph.nodes if n.op == "placeholder"}
+    # export keeps a placeholder per name of a tied parameter even when only one is read: not ours to drop
+    unused_from_start = {n for n in graph.nodes if n.op == "placeholder" and not n.users}
 
     for node in list(graph.nodes):
         if not is_cast(node):
@@ -141,7 +143,7 @@ def fold_constant_casts(program: Program) -> FoldResult:
         result.folded += 1
 
     graph.eliminate_dead_code()
-    result.dropped = program.remove_unused_constants()
+    result.dropped = program.remove_unused_constants(keep=unused_from_start)
     # a cast constant whose fp32 original is gone takes the original's name: names stay recognizable
     for (const, _dtype), new in cast_constants.items():
         if original_name[const] in result.dropped and new.users:

@@ -1,0 +1,180 @@
+"""Each diagnostic: one test that triggers it and one that does not."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import precast
+from precast import zoo
+from precast.diagnostics import AmbientAutocastWarning
+
+BF16 = torch.bfloat16
+
+
+def codes(res) -> set[str]:
+    return {d.code for d in res.report.diagnostics}
+
+
+# ---- dtype-mismatch --------------------------------------------------------------------------------------
+def test_dtype_mismatch_names_output_linear_source_and_fix():
+    torch.manual_seed(0)
+    with pytest.raises(precast.PrecastError) as info:
+        precast.convert(zoo.SeedModel(fixed=False).eval(), (torch.randn(4, 128),))
+    err = info.value
+    assert err.code == "dtype-mismatch"
+    d = err.diagnostic
+    assert d.module == "output" and d.node == err.node
+    assert d.location and d.location.endswith("zoo.py:50")  # `x = self.output(x)`
+    assert ".float()" in d.fix and ".float()" in str(err)
+    assert "(module output)" in str(err) and "--allow dtype-mismatch" in str(err)
+
+
+def test_dtype_mismatch_fixed_model_converts():
+    res = precast.convert(*zoo.seed_model())
+    assert "dtype-mismatch" not in codes(res)
+    assert res.report.verification["bitwise"]
+
+
+def test_dtype_mismatch_allowed_is_a_warning():
+    torch.manual_seed(0)
+    model = zoo.SeedModel(fixed=False).eval()
+    res = precast.convert(model, (torch.randn(4, 128),), allow=("dtype-mismatch",), verify=False)
+    (d,) = [d for d in res.report.diagnostics if d.code == "dtype-mismatch"]
+    assert d.severity == "warning" and d.allowed
+
+
+def test_unknown_allow_code():
+    with pytest.raises(precast.PrecastError, match="unknown diagnostic code"):
+        precast.convert(*zoo.seed_model(), allow=("nope",))
+
+
+# ---- unused-enabled-input --------------------------------------------------------------------------------
+class Flag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, flag: bool):
+        with torch.autocast("cpu", dtype=BF16, enabled=flag):
+            y = self.lin(x)
+        return y.float()
+
+
+def test_unused_enabled_input_warns_with_input_and_region():
+    res = precast.convert(Flag().eval(), (torch.randn(2, 8), True))
+    (d,) = [d for d in res.report.diagnostics if d.code == "unused-enabled-input"]
+    assert d.severity == "warning" and d.node == "flag"
+    assert "'flag'" in d.message and "autocast(cpu, bf16)" in d.message
+    assert d.region == 0 and d.location and "test_diagnostics.py" in d.location
+
+
+def test_unused_enabled_input_not_raised_without_flag():
+    assert "unused-enabled-input" not in codes(precast.convert(*zoo.seed_model()))
+
+
+# ---- noop-region -----------------------------------------------------------------------------------------
+class CudaRegion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.autocast("cuda", dtype=torch.float16):
+            y = self.lin(x)
+        return y
+
+
+def test_noop_region_warns_for_cuda_region_in_cpu_program():
+    res = precast.convert(CudaRegion().eval(), (torch.randn(2, 8),))
+    (d,) = [d for d in res.report.diagnostics if d.code == "noop-region"]
+    assert d.severity == "warning" and "does nothing" in d.message and "cuda" in d.message
+    assert d.location and "test_diagnostics.py" in d.location
+
+
+def test_noop_region_not_raised_for_cpu_region():
+    assert "noop-region" not in codes(precast.convert(*zoo.seed_model()))
+
+
+# ---- control-flow ----------------------------------------------------------------------------------------
+class Cond(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        def yes(x):
+            with torch.autocast("cpu", dtype=BF16):
+                return self.lin(x).float()
+
+        def no(x):
+            return x * 2
+
+        return torch.cond(x.sum() > 0, yes, no, (x,))
+
+
+def test_control_flow_is_an_error_naming_the_cond():
+    with pytest.raises(precast.PrecastError, match=r"node 'cond'.*torch.cond") as info:
+        precast.convert(Cond().eval(), (torch.randn(2, 8),), policy="torch")
+    assert info.value.code == "control-flow"
+
+
+def test_control_flow_allowed_converts_the_rest():
+    res = precast.convert(Cond().eval(), (torch.randn(2, 8),), policy="torch", allow=("control-flow",))
+    (d,) = [d for d in res.report.diagnostics if d.code == "control-flow"]
+    assert d.severity == "warning" and d.node == "cond"
+
+
+def test_control_flow_not_raised_for_regions():
+    assert "control-flow" not in codes(precast.convert(*zoo.nested()))
+
+
+# ---- device-unsupported (bf16 LSTM on this CPU's oneDNN) -------------------------------------------------
+def _lstm_runs_in_bf16() -> bool:
+    model, (x,) = zoo.lstm()
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+            model(x)
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.skipif(_lstm_runs_in_bf16(), reason="this CPU runs the bf16 LSTM")
+def test_device_unsupported_names_the_node():
+    with pytest.raises(precast.PrecastError) as info:
+        precast.convert(*zoo.lstm(), policy="torch")
+    err = info.value
+    assert err.code == "device-unsupported"
+    assert err.diagnostic.module == "rnn" and "mkldnn_rnn_layer" in err.diagnostic.message
+    assert err.diagnostic.location and "zoo.py" in err.diagnostic.location
+
+
+def test_device_unsupported_not_raised_for_mlp():
+    res = precast.convert(*zoo.plain_mlp(), policy="torch")
+    assert "device-unsupported" not in codes(res)
+
+
+# ---- ambient-autocast ------------------------------------------------------------------------------------
+def test_ambient_autocast_warns_once_at_call_time():
+    model, inputs = zoo.seed_model()
+    res = precast.convert(model, inputs)
+    for module in (res.program.module(), res.module()):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.autocast("cpu", dtype=BF16):
+                module(*inputs)
+                module(*inputs)
+        assert [w.category for w in caught if w.category is AmbientAutocastWarning] == [AmbientAutocastWarning]
+
+
+def test_ambient_autocast_silent_without_autocast():
+    model, inputs = zoo.seed_model()
+    module = precast.convert(model, inputs).program.module()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module(*inputs)
+    assert not [w for w in caught if w.category is AmbientAutocastWarning]

@@ -1,0 +1,140 @@
+"""Report: per-node records, cast bytes, save/load round trip, JSON schema, Model Explorer data, the table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from rich.console import Console
+
+import precast
+from precast import zoo
+from precast.render import model_explorer_data, render_table
+
+SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "report.schema.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def seed():
+    model, inputs = zoo.seed_model()
+    return precast.convert(model, inputs)
+
+
+def test_records_dtype_reason_module_and_source(seed):
+    rep = seed.report
+    lin1 = rep.node("linear")
+    assert (lin1.dtype, lin1.source, lin1.rule, lin1.module) == ("bf16", "region", "lower_precision_fp", "sub.linear1")
+    assert lin1.location.endswith("zoo.py:31")
+    out = rep.node("linear_2")
+    assert (out.dtype, out.module) == ("fp32", "output")
+
+
+def test_cast_bytes_from_meta_shapes(seed):
+    rep = seed.report
+    # input cast fp32->bf16 of (4, 128) and the .float() back: 512 * (4 + 2) bytes each
+    assert rep.casts_runtime == len(rep.casts) == 2
+    assert [c.bytes for c in rep.casts] == [4 * 128 * 6] * 2
+    assert rep.cast_bytes == 2 * 4 * 128 * 6
+    assert rep.weight_bytes_after["bf16"] * 2 == rep.weight_bytes_before["fp32"] - rep.weight_bytes_after["fp32"]
+
+
+def test_cast_bytes_symbolic_dims_use_the_hint():
+    model, (x,) = zoo.seed_model()
+    ep = torch.export.export(model, (torch.randn(6, 128),), dynamic_shapes=({0: torch.export.Dim("b", min=2)},))
+    rep = precast.convert(ep).report
+    assert all(c.symbolic for c in rep.casts)
+    assert [c.shape for c in rep.casts] == [[6, 128]] * 2
+
+
+def test_report_survives_save_and_load(seed, tmp_path):
+    path = tmp_path / "seed.pt2"
+    torch.export.save(seed.program, str(path))
+    rep = precast.report(torch.export.load(str(path)))
+    assert [n.name for n in rep.nodes] == [n.name for n in seed.report.nodes]
+    assert rep.node("linear").reason == seed.report.node("linear").reason
+    assert rep.cast_bytes == seed.report.cast_bytes
+    assert rep.weight_bytes_before == seed.report.weight_bytes_before
+    assert rep.verification["bitwise"]
+
+
+def test_saved_report_keeps_diagnostics(tmp_path):
+    from tests.test_diagnostics import CudaRegion
+
+    res = precast.convert(CudaRegion().eval(), (torch.randn(2, 8),))
+    path = tmp_path / "cuda.pt2"
+    torch.export.save(res.program, str(path))
+    rep = precast.report(torch.export.load(str(path)))
+    assert [d.code for d in rep.diagnostics] == ["noop-region"]
+
+
+def test_json_validates_against_schema(seed):
+    data = json.loads(seed.report.to_json())
+    jsonschema.validate(data, SCHEMA)
+    assert data["schema_version"] == 1
+    assert data["cast_bytes"] == seed.report.cast_bytes
+
+
+def test_json_with_diagnostics_validates():
+    from tests.test_diagnostics import Flag
+
+    res = precast.convert(Flag().eval(), (torch.randn(2, 8), True))
+    data = json.loads(res.report.to_json())
+    jsonschema.validate(data, SCHEMA)
+    assert data["diagnostics"][0]["code"] == "unused-enabled-input"
+
+
+def test_schema_rejects_a_broken_report(seed):
+    data = json.loads(seed.report.to_json())
+    del data["nodes"][0]["dtype"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(data, SCHEMA)
+
+
+def test_model_explorer_node_data(seed):
+    data = model_explorer_data(seed.report)
+    graph_ids = {n.name for n in seed.program.graph.nodes}
+    try:  # the package's own data classes, when installed (optional test dependency)
+        from model_explorer import node_data_builder as ndb
+
+        graph = data["graph"]
+        model = ndb.ModelNodeData(
+            graphsData={
+                "graph": ndb.GraphNodeData(
+                    name=graph["name"],
+                    results={k: ndb.NodeDataResult(**v) for k, v in graph["results"].items()},
+                    thresholds=[ndb.ThresholdItem(**t) for t in graph["thresholds"]],
+                )
+            }
+        )
+        assert json.loads(model.to_json_string()) == data
+    except ImportError:
+        pass
+    # the documented format: {graph id: {"results": {node id: {"value": number, "bgColor"?: str}}, ...}}
+    assert list(data) == ["graph"]  # the id the PyTorch ExportedProgram adapter gives the graph
+    results = data["graph"]["results"]
+    assert set(results) <= graph_ids  # node ids: the adapter uses fx node names
+    assert results["linear"]["value"] == 16 and results["linear_2"]["value"] == 32
+    assert {c.name for c in seed.report.casts} <= set(results)
+    for r in results.values():
+        assert isinstance(r["value"], (int, float)) and set(r) <= {"value", "bgColor", "textColor"}
+    for t in data["graph"]["thresholds"]:
+        assert set(t) <= {"value", "bgColor", "textColor"}
+
+
+def test_table_has_every_node_with_dtype_and_reason(seed):
+    console = Console(width=200, record=True, file=open("/dev/null", "w"), color_system=None)
+    render_table(seed.report, console)
+    text = console.export_text()
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if line.count("│") > 4}
+    for rec in seed.report.nodes:
+        row = rows[rec.name]
+        cells = [c.strip() for c in row.split("│")]
+        assert cells[3] == (rec.dtype or "-")
+        assert f"{rec.source}/{rec.rule}" in cells[4]
+    # grouped by module: the module header precedes its nodes
+    order = [line.split("│")[1].strip() for line in text.splitlines() if line.count("│") > 4]
+    assert order.index("sub.linear1") < order.index("linear") < order.index("output") < order.index("linear_2")
+    assert "6.0 KiB moved per forward" in text
