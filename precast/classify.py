@@ -13,6 +13,8 @@ autocast leaves alone stay as the user wrote them.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from torch._guards import detect_fake_mode
 from precast.errors import PrecastError, where
 from precast.policy.autocast import autocast_decision, op_device_type, tensor_args
 from precast.policy.base import Decision, Policy, dtype_name
-from precast.policy.torch_tables import Category, category
+from precast.policy.torch_tables import category
 from precast.program import Program
 from precast.regions import innermost_region
 
@@ -84,12 +86,14 @@ def classify(
             args = torch.fx.node.map_aggregate(node.args, load)
             kwargs = torch.fx.node.map_aggregate(node.kwargs, load)
             if _should_decompose(node, args, kwargs, policy, mode):
-                first = _splice_decomposition(program, node, args, kwargs, mode)
+                first = _splice_decomposition(program, node, args, kwargs, mode, policy)
                 if first is not None:
                     result.decomposed.append(f"{node.name} ({node.target})")
                     node = first
                     continue
-            decision = _decide(node, args, kwargs, policy, user_rules)
+            traced = node.meta.get(TRACED_META)
+            # nodes traced under autocast already hold eager's casts: deciding again would cast twice
+            decision = copy.copy(traced) if traced is not None else _decide(node, args, kwargs, policy, user_rules)
             if node.target is ASSERT_METADATA and isinstance(args[0], torch.Tensor):
                 # export's runtime check of a `.to()` input: keep it true for the dtype that now flows
                 if node.kwargs.get("dtype") not in (None, args[0].dtype):
@@ -166,10 +170,33 @@ def apply_decision(target, args: tuple, kwargs: dict, decision: Decision | None,
             seq = list(holder[path[1]])
             seq[path[2]] = cast(seq[path[2]], dtype)
             holder[path[1]] = seq
-    kwargs.update(decision.kwarg_updates)
     if decision.new_target is not None:
+        args, kwargs = redispatch_args(target, decision.new_target, args, kwargs)
         target = decision.new_target
+    kwargs.update(decision.kwarg_updates)
     return target, tuple(args), kwargs
+
+
+def redispatch_args(old, new, args: list, kwargs: dict) -> tuple[list, dict]:
+    """Arguments of ``old`` rebound by name to ``new``'s schema, with ``old``'s defaults filled in
+    (``norm.Scalar(x)`` means p=2; ``norm.ScalarOpt_dtype`` requires p)."""
+    named = {}
+    for i, arg in enumerate(old._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            named[arg.name] = args[i]
+        elif arg.name in kwargs:
+            named[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            named[arg.name] = arg.default_value
+    new_args, new_kwargs = [], {}
+    for arg in new._schema.arguments:
+        if arg.name not in named:
+            continue
+        if arg.kwarg_only:
+            new_kwargs[arg.name] = named[arg.name]
+        else:
+            new_args.append(named[arg.name])
+    return new_args, new_kwargs
 
 
 def _run(node, args, kwargs, decision, mode, on_error=None):
@@ -241,7 +268,36 @@ def _dtypes(args, kwargs) -> str:
     return "(" + ", ".join(dtype_name(t.dtype) or "?" for _, t in tensor_args(args, kwargs)) + ")"
 
 
-# ---- decomposition of composites that eager autocast would decompose ------------------------------------
+# ---- composites that eager autocast would decompose --------------------------------------------------------
+# A CompositeImplicitAutograd op with no autocast kernel (einsum, gru, bilinear...) runs its decomposition in
+# eager *below* the autocast key, so the table ops inside it are cast. precast traces the op under real
+# autocast (post-autograd make_fx: the dispatcher decomposes exactly as eager does and autocast inserts its
+# casts at exactly the same levels) and splices that subgraph in when it contains a cast. Ops whose
+# decomposition autocast leaves alone stay as the user wrote them.
+TRACED_META = "precast_traced"
+# composites that only reshape, move or convert: they never reach an autocast op
+NEVER_CASTS = frozenset(
+    f"aten::{n}"
+    for n in (
+        "reshape", "flatten", "unflatten", "contiguous", "to", "type_as", "view_as", "reshape_as", "expand_as",
+        "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "squeeze", "movedim", "swapaxes",
+        "transpose", "chunk", "split", "tensor_split", "unsafe_chunk", "flip", "t", "numpy_T", "mT", "size",
+        "layer_norm", "group_norm", "batch_norm", "instance_norm", "softmax", "log_softmax", "relu6", "hardtanh",
+    )
+)
+
+
+@contextlib.contextmanager
+def _real_autocast(device: str, dtype: torch.dtype):
+    """torch.autocast refuses 'cuda' without a GPU; the dispatcher's autocast works on fake CUDA tensors."""
+    prev = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+    torch.set_autocast_enabled(device, True)
+    torch.set_autocast_dtype(device, dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device, prev[0])
+        torch.set_autocast_dtype(device, prev[1])
 
 
 def _is_composite(op: object) -> bool:
@@ -252,7 +308,7 @@ def _is_composite(op: object) -> bool:
 
 def _should_decompose(node, args, kwargs, policy, mode) -> bool:
     op = node.target
-    if not _is_composite(op):
+    if node.meta.get(TRACED_META) or not _is_composite(op) or op._schema.name in NEVER_CASTS:
         return False
     device = op_device_type(args, kwargs)
     if device is None or category(device, op) is not None:
@@ -260,65 +316,63 @@ def _should_decompose(node, args, kwargs, policy, mode) -> bool:
     state = _autocast_state(node, device, policy)
     if state is None or not state[0]:
         return False
-    if not any(t.is_floating_point() for _, t in tensor_args(args, kwargs)):
-        return False
-    return _reaches_autocast_op(op, args, kwargs, device, mode, depth=0)
+    return any(t.is_floating_point() and t.dtype != torch.float64 for _, t in tensor_args(args, kwargs))
 
 
-def _trace_decomposition(op, args, kwargs, mode) -> torch.fx.GraphModule:
+def _trace(op, args, kwargs, mode, autocast: tuple[str, torch.dtype] | None) -> torch.fx.GraphModule:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     flat, spec = pytree.tree_flatten((args, kwargs))
     idx = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
 
-    def decomposed(*tensors):
+    def call(*tensors):
         vals = list(flat)
         for i, t in zip(idx, tensors, strict=True):
             vals[i] = t
         a, k = pytree.tree_unflatten(vals, spec)
-        return op.decompose(*a, **k)
+        if autocast is None:
+            return op(*a, **k)
+        with _real_autocast(*autocast):
+            return op(*a, **k)
 
+    inputs = [flat[i] for i in idx]
+    symbolic = any(free_symbols(t) for t in inputs)
     with mode:
-        return make_fx(decomposed, pre_dispatch=True)(*[flat[i] for i in idx])
+        return make_fx(call, tracing_mode="symbolic" if symbolic else "real")(*inputs)
 
 
-def _reaches_autocast_op(op, args, kwargs, device, mode, depth) -> bool:
-    if depth > 4:
-        return False
+def free_symbols(t: torch.Tensor) -> bool:
+    return any(isinstance(s, torch.SymInt) for s in t.shape)
+
+
+def _casts(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default)
+
+
+def _splice_decomposition(program: Program, node, args, kwargs, mode, policy) -> torch.fx.Node | None:
+    """Replace ``node`` by its decomposition traced under autocast, when autocast casts anything inside it.
+
+    Returns the first new node, or None when the op stays as it is."""
+    device = op_device_type(args, kwargs)
+    enabled, dtype, source, context, region = _autocast_state(node, device, policy)
     try:
-        sub = _trace_decomposition(op, args, kwargs, mode)
+        traced = _trace(node.target, args, kwargs, mode, (device, dtype))
+        plain = _trace(node.target, args, kwargs, mode, None)
     except Exception:
-        return False  # a decomposition we cannot trace: keep the op (eager would run it as is when not composite)
-    for n in sub.graph.nodes:
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
-            continue
-        cat = category(device, n.target)
-        if cat is not None and cat != Category.FALLTHROUGH:
-            return True
-        if _is_composite(n.target):
-            a = torch.fx.node.map_aggregate(n.args, lambda x: x.meta.get("val") if isinstance(x, torch.fx.Node) else x)
-            k = torch.fx.node.map_aggregate(n.kwargs, lambda x: x.meta.get("val") if isinstance(x, torch.fx.Node) else x)
-            if _reaches_autocast_op(n.target, a, k, device, mode, depth + 1):
-                return True
-    return False
-
-
-def _splice_decomposition(program: Program, node, args, kwargs, mode) -> torch.fx.Node | None:
-    """Replace ``node`` by its one-level decomposition; returns the first new node (None if not possible)."""
-    sub = _trace_decomposition(node.target, args, kwargs, mode)
-    if any(n.op == "get_attr" for n in sub.graph.nodes):
+        return None  # not traceable here: keep the op (its own kernel runs, as eager would below autocast)
+    if _casts(traced) <= _casts(plain) or any(n.op == "get_attr" for n in traced.graph.nodes):
         return None
     flat_nodes, _ = pytree.tree_flatten((node.args, node.kwargs))
     flat_vals, _ = pytree.tree_flatten((args, kwargs))
     tensor_nodes = [n for n, v in zip(flat_nodes, flat_vals, strict=True) if isinstance(v, torch.Tensor)]
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    env = dict(zip(placeholders, tensor_nodes, strict=True))
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    env: dict = dict(zip(placeholders, tensor_nodes, strict=True))
     graph = program.graph
-    first = None
-    out = None
-    keep = {k: node.meta[k] for k in ("stack_trace", "nn_module_stack", "precast_regions", "custom") if k in node.meta}
+    first = out = None
+    keep = {k: node.meta[k] for k in ("stack_trace", "nn_module_stack", "precast_regions") if k in node.meta}
+    why = f"{context}: inside {node.target} (a composite eager autocast decomposes), as eager runs it"
     with graph.inserting_before(node):
-        for n in sub.graph.nodes:
+        for n in traced.graph.nodes:
             if n.op == "placeholder":
                 continue
             if n.op == "output":
@@ -326,7 +380,7 @@ def _splice_decomposition(program: Program, node, args, kwargs, mode) -> torch.f
                 continue
             new = graph.node_copy(n, lambda a: env[a])
             new.meta.update(keep)
-            new.meta["precast_decomposed_from"] = f"{node.name} ({node.target})"
+            new.meta[TRACED_META] = Decision(None, source, "decomposed", why, region=region)
             env[n] = new
             first = first or new
     if first is None:

@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
+import types
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -163,7 +164,9 @@ def compile(
     if mode == "max-autotune":
         configs["max_autotune"] = True
     root = resolve_cache_dir(cache_dir)
-    options = json.dumps({"configs": configs, "dynamic": dynamic, "root": str(root)}, sort_keys=True, default=str)
+    options = json.dumps(
+        {"configs": configs, "dynamic": dynamic, "root": str(root)}, sort_keys=True, default=str
+    )
     memo = _MEMO.get(ep)
     if memo is not None and options in memo:
         return memo[options]
@@ -172,10 +175,10 @@ def compile(
     stored = _stored_constants(ep)
     entry = root / "aoti" / key
     started = time.perf_counter()
-    from_cache = _valid_entry(entry, key) is None
     compile_seconds = 0.0
-    if not from_cache:
+    if _valid_entry(entry, key) is not None:
         compile_seconds = _build_locked(ep, root, key, configs, dynamic, stored, progress)
+    from_cache = compile_seconds == 0.0  # published by an earlier run or by a process we waited for
     runner = _load(entry / PACKAGE)
     model = CompiledModel(
         runner,
@@ -324,7 +327,9 @@ def _build_locked(
         build = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=root / "tmp"))
         try:
             started = time.perf_counter()
-            with _progress(progress, f"precast: compiling with AOTInductor ({key[:12]}, ~30 s on a small CPU)"):
+            with _progress(
+                progress, f"precast: compiling with AOTInductor ({key[:12]}, ~30 s on a small CPU)"
+            ):
                 _aoti_compile(ep, build / PACKAGE, configs, dynamic)
             seconds = time.perf_counter() - started
             manifest = {
@@ -446,3 +451,14 @@ def _load(package: Path) -> Any:
         raise PrecastError(
             f"precast.compile: cannot load {package}: {str(exc).splitlines()[0][:300]}; delete the cache entry"
         ) from exc
+
+
+class _CallableModule(types.ModuleType):
+    """Importing ``precast.compile`` (the module) binds the package attribute ``precast.compile`` to it,
+    shadowing the function: make the module callable so ``precast.compile(program)`` works either way."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> CompiledModel:
+        return compile(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from precast import diagnostics
 from precast.capture import capture, normalize_inputs
 from precast.classify import classify
 from precast.errors import PrecastError
@@ -20,7 +21,6 @@ from precast.policy.base import dtype_name
 from precast.policy.torch_policy import TorchPolicy
 from precast.program import META_KEY, Program
 from precast.regions import inline_regions
-from precast import diagnostics
 from precast.report import Diagnostic, Report, record_decisions, runtime_casts, write_program_info
 from precast.verify import compare, refresh_vals
 
@@ -230,8 +230,15 @@ def _verify(out: ExportedProgram, ep: ExportedProgram, rep: Report, policy, devi
     if policy == "torch":
 
         def ref(*a, **k):
-            with torch.autocast(device, dtype=low):
-                return reference(*a, **k)
+            # the MHA fast path is a fused kernel torch.export never records: compare against the regular path
+            fast = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+            try:
+                # cache off: eager's cast cache is keyed by tensor, not dtype (stale copies in nested regions)
+                with torch.autocast(device, dtype=low, cache_enabled=False):
+                    return reference(*a, **k)
+            finally:
+                torch.backends.mha.set_fastpath_enabled(fast)
 
         name = f"eager torch.autocast({device}, {dtype_name(low)})"
     else:

@@ -50,8 +50,14 @@ def parse_allow(allow) -> list[str]:
     return sorted(set(codes))
 
 
-def diagnostic(severity: str, code: str, message: str, node: torch.fx.Node | None = None, fix: str | None = None,
-               region: int | None = None) -> Diagnostic:
+def diagnostic(
+    severity: str,
+    code: str,
+    message: str,
+    node: torch.fx.Node | None = None,
+    fix: str | None = None,
+    region: int | None = None,
+) -> Diagnostic:
     return Diagnostic(
         severity=severity,
         code=code,
@@ -175,9 +181,12 @@ def control_flow_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         if node.target.name() in REGION_HOPS:
             continue
         flat = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
-        if any(isinstance(a, torch.fx.Node) and a.op == "get_attr" and isinstance(_attr(gm, a.target),
-                                                                                 torch.fx.GraphModule)
-               for a in flat):
+        if any(
+            isinstance(a, torch.fx.Node)
+            and a.op == "get_attr"
+            and isinstance(_attr(gm, a.target), torch.fx.GraphModule)
+            for a in flat
+        ):
             found.append(node)
     return found
 
@@ -260,12 +269,14 @@ def check_runs(ep: ExportedProgram, args: tuple, kwargs: dict, rep: Report) -> b
         if node is None or node.op != "call_function":
             return True  # not an op failure (input checks): leave it to the comparison that follows
         device = rep.device_type or "cpu"
-        dtypes = sorted({
-            str(v.dtype).removeprefix("torch.")
-            for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
-            if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)
-            for v in [v.meta["val"]]
-        })
+        dtypes = sorted(
+            {
+                str(v.dtype).removeprefix("torch.")
+                for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+                if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)
+                for v in [v.meta["val"]]
+            }
+        )
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         add(
             rep,

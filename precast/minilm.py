@@ -156,8 +156,7 @@ def embed(sentences: list[str], model: torch.nn.Module | None = None, seq: int |
 
 def minilm(batch: int = 2, seq: int = 16) -> tuple[MiniLM, tuple[torch.Tensor, torch.Tensor]]:
     """Factory for ``precast convert precast.minilm:minilm``: the model and (input_ids, attention_mask)."""
-    words = "the quick brown fox jumps over a lazy dog near river bank while birds sing softly today".split()
-    sentences = [" ".join(words[i % 5 : i % 5 + 3 + (i * 7) % max(1, seq - 5)]) for i in range(batch)]
+    sentences = [SENTENCES[i % len(SENTENCES)] for i in range(batch)]
     return load_minilm(), tokenize(sentences, seq)
 
 

@@ -21,7 +21,9 @@ MODEL_EXPLORER_GRAPH = "graph"
 def reason_text(rec) -> str:
     text = f"{rec.source}/{rec.rule}: {rec.reason}"
     if rec.measured is not None:
-        text += f" (measured {rec.measured:.4g}" + (f", limit {rec.limit:.4g})" if rec.limit is not None else ")")
+        text += f" (measured {rec.measured:.4g}" + (
+            f", limit {rec.limit:.4g})" if rec.limit is not None else ")"
+        )
     return text
 
 
@@ -57,7 +59,8 @@ def summary_lines(rep: Report) -> list[str]:
     mib = 1024 * 1024
     by_dtype = ", ".join(f"{k} {v}" for k, v in sorted(rep.nodes_by_dtype().items()))
     lines = [
-        f"policy: {rep.policy or 'regions only'}" + (f" ({rep.device_type}, {rep.dtype})" if rep.policy else ""),
+        f"policy: {rep.policy or 'regions only'}"
+        + (f" ({rep.device_type}, {rep.dtype})" if rep.policy else ""),
         f"ops by dtype: {by_dtype or '-'}",
         f"casts: {rep.casts_runtime} at run time ({_human_bytes(rep.cast_bytes)} moved per forward), "
         f"{rep.casts_folded} folded into constants",

@@ -138,7 +138,10 @@ class Report:
             v = self.verification
             lines.append(f"verified against {v.get('reference')}: {v.get('verdict')}")
         for d in self.diagnostics:
-            lines.append(f"{d.severity}: {d.message}" + (f" (fix: {d.fix})" if d.fix and d.fix not in d.message else ""))
+            lines.append(
+                f"{d.severity}: {d.message}"
+                + (f" (fix: {d.fix})" if d.fix and d.fix not in d.message else "")
+            )
         return "\n".join(lines)
 
 

@@ -168,7 +168,9 @@ def test_ambient_autocast_warns_once_at_call_time():
             with torch.autocast("cpu", dtype=BF16):
                 module(*inputs)
                 module(*inputs)
-        assert [w.category for w in caught if w.category is AmbientAutocastWarning] == [AmbientAutocastWarning]
+        assert [w.category for w in caught if w.category is AmbientAutocastWarning] == [
+            AmbientAutocastWarning
+        ]
 
 
 def test_ambient_autocast_silent_without_autocast():

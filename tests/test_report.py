@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -26,7 +27,12 @@ def seed():
 def test_records_dtype_reason_module_and_source(seed):
     rep = seed.report
     lin1 = rep.node("linear")
-    assert (lin1.dtype, lin1.source, lin1.rule, lin1.module) == ("bf16", "region", "lower_precision_fp", "sub.linear1")
+    assert (lin1.dtype, lin1.source, lin1.rule, lin1.module) == (
+        "bf16",
+        "region",
+        "lower_precision_fp",
+        "sub.linear1",
+    )
     assert lin1.location.endswith("zoo.py:31")
     out = rep.node("linear_2")
     assert (out.dtype, out.module) == ("fp32", "output")
@@ -38,12 +44,16 @@ def test_cast_bytes_from_meta_shapes(seed):
     assert rep.casts_runtime == len(rep.casts) == 2
     assert [c.bytes for c in rep.casts] == [4 * 128 * 6] * 2
     assert rep.cast_bytes == 2 * 4 * 128 * 6
-    assert rep.weight_bytes_after["bf16"] * 2 == rep.weight_bytes_before["fp32"] - rep.weight_bytes_after["fp32"]
+    assert (
+        rep.weight_bytes_after["bf16"] * 2 == rep.weight_bytes_before["fp32"] - rep.weight_bytes_after["fp32"]
+    )
 
 
 def test_cast_bytes_symbolic_dims_use_the_hint():
     model, (x,) = zoo.seed_model()
-    ep = torch.export.export(model, (torch.randn(6, 128),), dynamic_shapes=({0: torch.export.Dim("b", min=2)},))
+    ep = torch.export.export(
+        model, (torch.randn(6, 128),), dynamic_shapes=({0: torch.export.Dim("b", min=2)},)
+    )
     rep = precast.convert(ep).report
     assert all(c.symbolic for c in rep.casts)
     assert [c.shape for c in rep.casts] == [[6, 128]] * 2
@@ -125,7 +135,7 @@ def test_model_explorer_node_data(seed):
 
 
 def test_table_has_every_node_with_dtype_and_reason(seed):
-    console = Console(width=200, record=True, file=open("/dev/null", "w"), color_system=None)
+    console = Console(width=200, record=True, file=io.StringIO(), color_system=None)
     render_table(seed.report, console)
     text = console.export_text()
     rows = {line.split("│")[1].strip(): line for line in text.splitlines() if line.count("│") > 4}
@@ -136,5 +146,7 @@ def test_table_has_every_node_with_dtype_and_reason(seed):
         assert f"{rec.source}/{rec.rule}" in cells[4]
     # grouped by module: the module header precedes its nodes
     order = [line.split("│")[1].strip() for line in text.splitlines() if line.count("│") > 4]
-    assert order.index("sub.linear1") < order.index("linear") < order.index("output") < order.index("linear_2")
+    assert (
+        order.index("sub.linear1") < order.index("linear") < order.index("output") < order.index("linear_2")
+    )
     assert "6.0 KiB moved per forward" in text

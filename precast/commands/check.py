@@ -33,7 +33,9 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("program", help="a program saved with torch.export.save")
-    p.add_argument("--inputs", default=None, help="inputs saved with torch.save: a tensor, a tuple, or (args, kwargs)")
+    p.add_argument(
+        "--inputs", default=None, help="inputs saved with torch.save: a tensor, a tuple, or (args, kwargs)"
+    )
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.set_defaults(run=run)
 
@@ -78,7 +80,9 @@ def metrics(got, want) -> list[dict]:
     out = []
     for a, e in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
         if not isinstance(a, torch.Tensor):
-            out.append({"dtype": type(a).__name__, "bitwise": a == e, "max_abs": 0.0, "max_rel": 0.0, "cosine": 1.0})
+            out.append(
+                {"dtype": type(a).__name__, "bitwise": a == e, "max_abs": 0.0, "max_rel": 0.0, "cosine": 1.0}
+            )
             continue
         af, ef = a.detach().double().flatten(), e.detach().double().flatten()
         diff = (af - ef).abs()
@@ -104,7 +108,9 @@ def load_inputs(path: str | None, ep) -> tuple[tuple, dict]:
 
     if path is None:
         if ep.example_inputs is None:
-            raise PrecastError("the program carries no example inputs; pass --inputs FILE.pt (saved with torch.save)")
+            raise PrecastError(
+                "the program carries no example inputs; pass --inputs FILE.pt (saved with torch.save)"
+            )
         return normalize_inputs(ep.example_inputs)
     p = Path(path)
     if not p.is_file():
@@ -118,9 +124,9 @@ def load_inputs(path: str | None, ep) -> tuple[tuple, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precast.capture import load_program
+    from precast.commands.report import load_quietly
 
-    ep = load_program(args.program)
+    ep = load_quietly(args.program)
     inputs, kwargs = load_inputs(args.inputs, ep)
     try:
         with torch.no_grad():
@@ -131,7 +137,10 @@ def run(args: argparse.Namespace) -> int:
         raise PrecastError(f"{args.program}: running the program on these inputs failed: {first}") from exc
     rows = metrics(got, want)
     if args.json:
-        clean = [{k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in r.items()} for r in rows]
+        clean = [
+            {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in r.items()}
+            for r in rows
+        ]
         print(json.dumps({"reference": "float32", "outputs": clean}, indent=2))
         return 0
     print(f"{'output':<8} {'dtype':<9} {'max abs':>10} {'max rel':>10} {'cosine':>10}  bitwise")

@@ -36,11 +36,13 @@ def add_parser(sub) -> None:
 
 def load_source(source: str):
     """(program_or_module, example_inputs) from a .pt2 path or a module:factory spec."""
-    from precast.capture import load_factory, load_program
+    from precast.capture import load_factory
 
     if ":" in source and not Path(source).exists() and not source.endswith(".pt2"):
         return load_factory(source)
-    return load_program(source), None
+    from precast.commands.report import load_quietly
+
+    return load_quietly(source), None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -81,9 +81,10 @@ def autocast_decision(
     if cat == Category.FP32:
         return Decision(torch.float32, source, cat.value, why, casts=cast_to(torch.float32), region=region)
     if cat == Category.PROMOTE:
+        # at::autocast::prioritize, argument by argument: float32 wins; two low dtypes stay low; else an error
         target = low
         for _, t in elig:
-            if t.dtype == torch.float32:
+            if target == torch.float32 or t.dtype == torch.float32:
                 target = torch.float32
             elif t.dtype != low:
                 raise PrecastError(

@@ -17,7 +17,6 @@ Integer, bool and float64 tensors are never cast.
 from __future__ import annotations
 
 import math
-import operator
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
-from precast.errors import PrecastError, module_path, user_source_line
+from precast.errors import PrecastError, module_path
 from precast.policy.autocast import tensor_args
 from precast.policy.base import Decision, dtype_name
 from precast.policy.calibrate import Calibration, calibrate
@@ -501,7 +500,7 @@ def convert_with_rules(
     if result is not None:
         from precast.policy.fallback import check_program
 
-        final = check_program(out, ep, program, tol, batches)
+        final = check_program(out, ep, program, tol, batches, result.refs)
         result.final = final
         rep.verification["tolerance"] = {"target": tol.spec, "achieved": final, "kept_fp32": list(policy.fallback)}
         if not tol.met(final):
@@ -575,10 +574,3 @@ def _restore_output_dtypes(program: Program, original: list, keep_io: bool) -> N
         graph.lint()
         refresh_vals(program)
 
-
-def where_line(node: torch.fx.Node) -> str:
-    loc = user_source_line(node)
-    return f" at {loc}" if loc else ""
-
-
-_ = operator  # getitem nodes are follow ops (not OpOverloads)

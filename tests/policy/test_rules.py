@@ -1,0 +1,313 @@
+"""Policy "rules": each rule fires where it should and only there; casts, I/O dtypes, odd ops."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import precast
+from precast.errors import PrecastError
+from precast.passes.insert_casts import cast_dtype, is_cast
+
+FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
+OFF = math.inf  # turns a range rule off
+
+
+class Block(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.encoder = nn.ModuleList([Block(d), Block(d)])
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        for b in self.encoder:
+            x = b(x)
+        return self.head(x).softmax(-1)
+
+
+def net():
+    torch.manual_seed(0)
+    return Net().eval(), (torch.randn(2, 8),)
+
+
+def dtypes(res) -> dict[str, str]:
+    return {n.name: n.dtype for n in res.report.nodes}
+
+
+def convert(model_inputs, **kw):
+    model, inputs = model_inputs
+    kw.setdefault("dtype", FP16)
+    kw.setdefault("data_max", OFF)
+    return precast.convert(model, inputs, policy="rules", **kw)
+
+
+def test_default_everything_low_outputs_keep_dtype():
+    res = convert(net())
+    d = dtypes(res)
+    assert d["linear"] == d["layer_norm"] == d["softmax"] == "fp16"
+    out = res.module()(*net()[1])
+    assert out.dtype == FP32  # keep_io_types=True by default
+    assert torch.allclose(out, net()[0](*net()[1]), atol=2e-3)
+
+
+def test_keep_io_types_false_lets_outputs_follow():
+    res = convert(net(), keep_io_types=False)
+    assert res.module()(*net()[1]).dtype == FP16
+
+
+@pytest.mark.parametrize(
+    "pattern,expect_fp32",
+    [
+        (r"^layer_norm$", {"layer_norm"}),  # node name
+        (r"^encoder\.1", {"linear_1", "add_1", "layer_norm_1"}),  # module paths encoder.1, encoder.1.fc, ...
+        (r"nothing_matches_this", set()),
+    ],
+)
+def test_exclude_nodes(pattern, expect_fp32):
+    res = convert(net(), exclude_nodes=[pattern])
+    fp32 = {n.name for n in res.report.nodes if n.dtype == "fp32"}
+    assert fp32 == expect_fp32
+    for name in expect_fp32:
+        assert res.report.node(name).rule == "exclude_nodes"
+
+
+@pytest.mark.parametrize(
+    "op", ["aten.softmax", "softmax", "aten::softmax", "aten.softmax.int", torch.ops.aten.softmax, torch.ops.aten.softmax.int]
+)
+def test_exclude_ops_every_form(op):
+    res = convert(net(), exclude_ops=[op])
+    assert dtypes(res)["softmax"] == "fp32"
+    assert res.report.node("softmax").rule == "exclude_ops"
+    assert dtypes(res)["linear"] == "fp16"
+
+
+def test_exclude_ops_other_overload_does_not_match():
+    res = convert(net(), exclude_ops=[torch.ops.aten.softmax.int_out])
+    assert dtypes(res)["softmax"] == "fp16"
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"exclude_nodes": ["encoder[.1"]}, "not a valid regular expression"),
+        ({"include_nodes": ["(unclosed"]}, "not a valid regular expression"),
+        ({"exclude_ops": ["aten.softmaxx"]}, "no op named 'aten.softmaxx'"),
+        ({"exclude_ops": ["LayerNorm"]}, "did you mean 'layernorm'"),
+        ({"include_ops": [42]}, "not an op"),
+        ({"max_reduction_depth": 0}, "positive integer"),
+        ({"data_max": -1}, "positive number"),
+    ],
+)
+def test_bad_options_are_clear_errors(kw, needle):
+    with pytest.raises(PrecastError, match=needle.replace("[", r"\[").replace("(", r"\(")):
+        convert(net(), **kw)
+
+
+def test_include_wins_over_depth_and_exclude():
+    res = convert(net(), max_reduction_depth=4, include_ops=["linear"], exclude_nodes=["^linear$"])
+    d = dtypes(res)
+    assert d["linear"] == d["linear_1"] == "fp16"
+    assert res.report.node("linear").rule == "include_ops"
+    assert d["layer_norm"] == "fp32"  # normalizes over 8 > 4
+    res = convert(net(), max_reduction_depth=4, include_nodes=[r"encoder\.0\.norm"])
+    assert dtypes(res)["layer_norm"] == "fp16" and dtypes(res)["layer_norm_1"] == "fp32"
+
+
+def test_max_reduction_depth_linear_conv_sdpa_reductions():
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wide = nn.Linear(64, 4)
+            self.narrow = nn.Linear(4, 4)
+            self.conv = nn.Conv1d(4, 4, 5, padding=2)  # depth 4*5 = 20
+            self.conv_dw = nn.Conv1d(4, 4, 3, padding=1, groups=4)  # depth 1*3 = 3
+
+        def forward(self, x):
+            h = self.narrow(self.wide(x))  # (2, 4)
+            c = self.conv_dw(self.conv(h.unsqueeze(-1).expand(2, 4, 6)))
+            q = h.view(2, 1, 1, 4).expand(2, 1, 3, 4)
+            a = F.scaled_dot_product_attention(q, q, q)  # head dim 4, keys 3
+            return c.sum(-1) + a.mean((1, 2)) + x.sum(-1, keepdim=True)[:, :4]
+
+    torch.manual_seed(0)
+    mi = (Deep().eval(), (torch.randn(2, 64),))
+    res = convert(mi, dtype=BF16, max_reduction_depth=16)
+    d = dtypes(res)
+    rec = {n.name: n for n in res.report.nodes}
+    assert d["linear"] == "fp32" and rec["linear"].measured == 64 and rec["linear"].limit == 16
+    assert d["linear_1"] == "bf16"
+    conv = [n for n in res.report.nodes if "conv" in n.op]
+    assert [c.dtype for c in conv] == ["fp32", "bf16"] and conv[0].measured == 20
+    assert rec["scaled_dot_product_attention"].dtype == "bf16"
+    sums = [n for n in res.report.nodes if n.op.startswith("aten.sum")]
+    assert {s.measured for s in sums if s.dtype == "fp32"} == {64.0}  # x.sum over 64; c.sum over 6 is fine
+    res = convert(mi, dtype=BF16, max_reduction_depth=100)
+    assert "fp32" not in {n.dtype for n in res.report.nodes if n.source == "rules"}
+
+
+def test_init_max_fires_and_not():
+    model, inputs = net()
+    with torch.no_grad():
+        model.encoder[0].fc.weight[0, 0] = 1e5  # > fp16 max 65504
+    res = convert((model, inputs))
+    rec = res.report.node("linear")
+    assert rec.dtype == "fp32" and rec.rule == "init_max" and rec.measured == pytest.approx(1e5)
+    assert dtypes(res)["linear_1"] == "fp16"
+    assert "fp32" not in {n.dtype for n in convert(net()).report.nodes if n.source == "rules"}
+
+
+class Scaled(nn.Module):
+    """A residual stream scaled past fp16's range (65504) feeding layer_norm."""
+
+    def __init__(self, d=16, scale=3e4):
+        super().__init__()
+        self.up = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.down = nn.Linear(d, 4)
+        self.scale = scale
+
+    def forward(self, x):
+        h = self.up(x) * self.scale
+        h = h + h * 3.0
+        return self.down(torch.relu(self.norm(h)))
+
+
+def scaled():
+    torch.manual_seed(0)
+    return Scaled().eval(), (torch.randn(4, 16),)
+
+
+def test_fp16_overflow_data_max_keeps_range_in_fp32():
+    model, inputs = scaled()
+    want = model(*inputs)
+    naive = convert((model, inputs), dtype=FP16, data_max=OFF)
+    assert not torch.isfinite(naive.module()(*inputs)).all()  # inf/NaN in plain fp16
+    torch.manual_seed(1)
+    cal = [(torch.randn(4, 16),) for _ in range(4)]
+    res = precast.convert(model, inputs, policy="rules", dtype=FP16, calibration=cal)  # data_max 512 default
+    got = res.module()(*inputs)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max().item() < 1e-2  # stated tolerance: 1e-2 absolute
+    kept = {n.name for n in res.report.nodes if n.rule == "data_max"}
+    assert {"mul", "mul_1", "add", "layer_norm"} <= kept
+    assert res.report.node("layer_norm").measured > 65504 and res.report.node("layer_norm").limit == 512
+    assert res.report.node("linear").dtype == "fp16"
+    text = res.report.summary()
+    assert "layer_norm (data_max: absmax" in text and "> 512" in text
+
+
+def test_data_max_does_not_fire_in_range_and_uses_example_inputs_when_no_data():
+    model, inputs = scaled()
+    model.scale = 1.0
+    res = precast.convert(model, inputs, policy="rules", dtype=FP16)
+    assert "fp32" not in {n.dtype for n in res.report.nodes if n.source == "rules"}
+    assert any(d.code == "ranges-from-example-inputs" for d in res.report.diagnostics)
+    bf = precast.convert(*scaled(), policy="rules", dtype=BF16)  # bf16: no data_max by default
+    assert not any(n.rule == "data_max" for n in bf.report.nodes)
+
+
+def test_custom_rule():
+    def big_norms(node, ctx):
+        if node.target is torch.ops.aten.layer_norm.default and ctx.module.startswith("encoder.1"):
+            return "second block's norm"
+        return None
+
+    res = convert(net(), custom_rules=[big_norms])
+    rec = res.report.node("layer_norm_1")
+    assert rec.dtype == "fp32" and rec.rule == "custom:big_norms" and "second block" in rec.reason
+    assert dtypes(res)["layer_norm"] == "fp16"
+
+
+def test_disabled_region_stays_fp32():
+    class R(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):
+                h = self.a(x)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    res = convert((R().eval(), (torch.randn(2, 8),)), include_ops=["linear"])
+    region = [n for n in res.report.nodes if n.source == "region"]
+    assert [(n.op, n.dtype, n.rule) for n in region] == [("aten.linear.default", "fp32", "disabled")]
+    rest = [n for n in res.report.nodes if n.op == "aten.linear.default" and n.source != "region"]
+    assert [n.dtype for n in rest] == ["fp16"]
+
+
+class Odd(nn.Module):
+    """Integer/bool/float64 tensors, an in-place op, multi-output ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, ids, extra):
+        h = self.emb(ids)  # int64 indices
+        h = self.fc(h)
+        a, b = h.split(4, dim=-1)
+        m, idx = a.max(dim=-1)
+        parts = torch.unbind(b, dim=1)
+        y = parts[0].clone()
+        y.add_(1.0)  # in place on a low value
+        mask = ids > 3  # bool
+        z = torch.where(mask, h.sum(-1), 0.0)
+        w = extra * 2  # float64 stays float64
+        return m + y.sum(-1)[:, None] + z, idx, w
+
+
+def test_ints_bools_fp64_inplace_and_multi_output():
+    torch.manual_seed(0)
+    model = Odd().eval()
+    inputs = (torch.randint(0, 10, (2, 3)), torch.randn(2, dtype=torch.float64))
+    res = convert((model, inputs))
+    casts = [n for n in res.program.graph.nodes if is_cast(n)]
+    for c in casts:
+        src = c.args[0].meta["val"]
+        assert src.is_floating_point() and src.dtype != torch.float64, c
+    out, idx, w = res.module()(*inputs)
+    want = model(*inputs)
+    assert idx.dtype == torch.int64 and torch.equal(idx, want[1])
+    assert w.dtype == torch.float64 and torch.equal(w, want[2])
+    assert out.dtype == FP32 and torch.allclose(out, want[0], atol=5e-2, rtol=1e-2)
+    inplace = [n for n in res.program.graph.nodes if n.target is torch.ops.aten.add_.Tensor]
+    assert inplace and not is_cast(inplace[0].args[0])  # mutated argument is the real tensor
+
+
+def test_one_cast_per_producer_and_dtype():
+    class Fan(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fcs = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x):
+            h = self.norm(x)  # kept fp32 below, then feeds four low linears and two fp32 ops
+            return sum(f(h) for f in self.fcs) + h.exp() + h.sin()
+
+    torch.manual_seed(0)
+    res = convert((Fan().eval(), (torch.randn(2, 8),)), exclude_ops=["layer_norm", "exp", "sin"])
+    casts = [(n.args[0], cast_dtype(n)) for n in res.program.graph.nodes if is_cast(n)]
+    assert casts, "expected run-time casts"
+    counts = Counter(casts)
+    assert max(counts.values()) == 1, counts
+    ln = next(n for n in res.program.graph.nodes if n.name == "layer_norm")
+    assert sum(1 for n in ln.users if is_cast(n)) == 1  # one fp16 copy shared by the four linears

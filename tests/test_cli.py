@@ -1,0 +1,179 @@
+"""CLI: bad input gives one line on stderr, exit status 2, no traceback and no output file; good input works.
+
+Bad-input commands run as real subprocesses (``sys.executable -m precast``), started together to keep it fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+import precast
+from precast import zoo
+from precast.cli import main
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    model, inputs = zoo.seed_model()
+    res = precast.convert(model, inputs)
+    good = d / "good.pt2"
+    torch.export.save(res.program, str(good))
+    raw = d / "raw.pt2"
+    torch.export.save(torch.export.export(model, inputs), str(raw))
+    (d / "text.pt2").write_text("not a program\n")
+    other = d / "other.pt2"
+    with zipfile.ZipFile(other, "w") as z:
+        z.writestr("hello.txt", "a zip, but not a saved program")
+    data = bytearray(good.read_bytes())
+    with zipfile.ZipFile(good) as z:  # flip bytes inside the largest stored member: its CRC no longer matches
+        big = max(z.infolist(), key=lambda i: i.compress_size)
+        start = big.header_offset + 30 + len(big.filename.encode()) + len(big.extra)
+    for i in range(start + 10, start + 60):
+        data[i] ^= 0xFF
+    (d / "corrupt.pt2").write_bytes(bytes(data))
+    torch.save((torch.randn(4, 128),), d / "inputs.pt")
+    return d
+
+
+# run as subprocesses: name -> (argv, output file that must not exist afterwards)
+BAD = {
+    "convert-missing": (["convert", "{d}/nope.pt2", "-o", "{d}/out1.pt2"], "out1.pt2"),
+    "convert-corrupt": (["convert", "{d}/corrupt.pt2", "-o", "{d}/out4.pt2"], "out4.pt2"),
+    "convert-bad-factory": (["convert", "no_such_pkg.models:make", "-o", "{d}/out5.pt2"], "out5.pt2"),
+    "convert-dtype-mismatch": (["convert", "tests.test_cli:broken_seed", "-o", "{d}/out7.pt2"], "out7.pt2"),
+}
+# run in-process through precast.cli.main (same code path, no interpreter start-up)
+BAD_INPROCESS = {
+    "convert-unwritable": (
+        ["convert", "{d}/raw.pt2", "-o", "{d}/no/such/dir/out.pt2"],
+        "no/such/dir/out.pt2",
+    ),
+    "convert-not-program": (["convert", "{d}/other.pt2", "-o", "{d}/out3.pt2"], "out3.pt2"),
+    "convert-text": (["convert", "{d}/text.pt2", "-o", "{d}/out2.pt2"], "out2.pt2"),
+    "convert-output-is-dir": (["convert", "{d}/raw.pt2", "-o", "{d}"], None),
+    "convert-bad-attr": (["convert", "precast.zoo:no_such_factory", "-o", "{d}/out6.pt2"], "out6.pt2"),
+    "report-missing": (["report", "{d}/nope.pt2"], None),
+    "report-not-program": (["report", "{d}/other.pt2"], None),
+    "report-corrupt": (["report", "{d}/corrupt.pt2", "--format", "json", "-o", "{d}/r1.json"], "r1.json"),
+    "report-unwritable": (["report", "{d}/good.pt2", "-o", "{d}/no/such/r.json"], "no/such/r.json"),
+    "check-not-program": (["check", "{d}/text.pt2"], None),
+    "check-missing-inputs": (["check", "{d}/good.pt2", "--inputs", "{d}/nope.pt"], None),
+    "check-bad-inputs": (["check", "{d}/good.pt2", "--inputs", "{d}/text.pt2"], None),
+}
+
+
+def broken_seed():
+    torch.manual_seed(0)
+    return zoo.SeedModel(fixed=False).eval(), (torch.randn(4, 128),)
+
+
+@pytest.fixture(scope="module")
+def bad_runs(files):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = {}
+    for name, (argv, _) in BAD.items():
+        cmd = [sys.executable, "-m", "precast", *[a.format(d=files) for a in argv]]
+        procs[name] = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    return {name: (p.wait(timeout=120), *p.communicate()) for name, p in procs.items()}
+
+
+def _check_bad(table, name, rc, out, err, files):
+    assert rc == 2, (out, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"precast {table[name][0][0]}: error: ")
+    leftover = table[name][1]
+    if leftover:
+        assert not (files / leftover).exists()
+    assert not [p for p in files.rglob(".*.tmp")]  # no temporary file left either
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_subprocess(name, bad_runs, files):
+    _check_bad(BAD, name, *bad_runs[name], files)
+
+
+@pytest.mark.parametrize("name", list(BAD_INPROCESS))
+def test_bad_input_in_process(name, files, capfd):
+    rc = main([a.format(d=files) for a in BAD_INPROCESS[name][0]])
+    out, err = capfd.readouterr()
+    _check_bad(BAD_INPROCESS, name, rc, out, err, files)
+
+
+def test_dtype_mismatch_line_names_node_and_fix(bad_runs):
+    err = bad_runs["convert-dtype-mismatch"][2]
+    assert "module output" in err and ".float()" in err and "--allow dtype-mismatch" in err
+
+
+def test_convert_allow_flag(files, capsys):
+    out = files / "allowed.pt2"
+    rc = main(
+        ["convert", "tests.test_cli:broken_seed", "-o", str(out), "--allow", "dtype-mismatch", "--no-verify"]
+    )
+    assert rc == 0 and out.exists()
+    assert "warning" in capsys.readouterr().out
+
+
+def test_report_json_validates(files, capsys):
+    assert main(["report", str(files / "good.pt2"), "--format", "json"]) == 0
+    schema = json.loads((ROOT / "docs" / "report.schema.json").read_text())
+    data = json.loads(capsys.readouterr().out)
+    jsonschema.validate(data, schema)
+    assert data["casts_runtime"] == 2
+
+
+def test_report_table_and_model_explorer_file(files, capsys):
+    assert main(["report", str(files / "good.pt2"), "--width", "160"]) == 0
+    text = capsys.readouterr().out
+    assert "sub.linear1" in text and "linear_2" in text and "bf16" in text
+    target = files / "me.json"
+    assert main(["report", str(files / "good.pt2"), "--format", "model-explorer", "-o", str(target)]) == 0
+    data = json.loads(target.read_text())
+    assert data["graph"]["results"]["linear"]["value"] == 16
+
+
+def test_check_reports_metrics_per_output(files, capsys):
+    assert main(["check", str(files / "good.pt2"), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["outputs"]
+    assert not row["bitwise"] and 0 < row["max_abs"] < 0.05 and row["cosine"] > 0.999
+    assert main(["check", str(files / "good.pt2"), "--inputs", str(files / "inputs.pt")]) == 0
+    assert "max rel" in capsys.readouterr().out
+
+
+def test_check_unconverted_program_is_bitwise(files, capsys):
+    assert main(["check", str(files / "raw.pt2"), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["outputs"]
+    # the unconverted program keeps its autocast region: fp32 reference drops it -> not bitwise either;
+    # a program without regions is its own reference
+    assert row["cosine"] > 0.999
+
+
+def test_check_fp32_reference_restores_weights(files):
+    from precast.commands.check import fp32_reference
+
+    ep = torch.export.load(str(files / "good.pt2"))
+    ref = fp32_reference(ep)
+    assert all(p.dtype == torch.float32 for p in ref.parameters())
+    model, (x,) = zoo.seed_model()
+    with torch.no_grad():
+        # same graph in fp32 with bf16-rounded weights: close to the original fp32 model
+        assert torch.allclose(
+            ref(x),
+            model.sub.linear2(torch.relu(model.sub.linear1(x))) @ model.output.weight.T + model.output.bias,
+            atol=0.05,
+        )

@@ -1,0 +1,242 @@
+"""precast.compile: AOTInductor packages, the disk cache (concurrency, crashes, tampering), load_weights."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import precast
+from precast.compile import COMPILE_LOG, MANIFEST, PACKAGE, _valid_entry, cache_key
+from tests.conftest import ROOT, run_python, small_model
+
+pytestmark = pytest.mark.aoti
+
+# a child process: build the small MLP (weights perturbed by SEED), convert, compile; print what happened
+CHILD = r"""
+import json, sys, time, warnings
+warnings.filterwarnings("ignore")
+import torch, precast
+from tests.conftest import small_model
+seed, cache = int(sys.argv[1]), sys.argv[2]
+model, inputs = small_model(seed)
+res = precast.convert(model, inputs)
+import precast.compile  # the import is not part of the load time
+t = time.perf_counter()
+cm = precast.compile(res.program, cache_dir=cache, progress=False)
+seconds = time.perf_counter() - t
+out = cm(*inputs)
+print(json.dumps({"seconds": seconds, "from_cache": cm.from_cache, "key": cm.key, "out": out.tolist()}))
+"""
+
+
+def compiles(cache: Path, key: str) -> int:
+    log = cache / COMPILE_LOG
+    if not log.exists():
+        return 0
+    return sum(1 for line in log.read_text().splitlines() if json.loads(line)["key"] == key)
+
+
+def child_json(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def concurrent_b(aoti_cache):
+    """Two processes started together on the cold key of the seed-1 weights."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD, "1", str(aoti_cache)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
+        for _ in range(2)
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        results.append(child_json(subprocess.CompletedProcess(p.args, p.returncode, out, err)))
+    return results
+
+
+# ---- outputs ------------------------------------------------------------------------------------------------
+def test_outputs_equal_converted_program(converted_a, compiled_a):
+    _, inputs, res = converted_a
+    # at the example batch the compiled code computes exactly what the program's module does
+    assert torch.equal(compiled_a(*inputs), res.program.module()(*inputs))
+    # dim 0 is dynamic: other batches (1 included) run and agree within bf16 rounding
+    model = converted_a[0]
+    for batch in (1, 3, 16):
+        x = torch.randn(batch, 64)
+        got, want = compiled_a(x), precast.convert(model, (x,)).program.module()(x)
+        assert got.shape == (batch, 10)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_second_compile_in_fresh_process_loads_fast(compiled_a, aoti_cache):
+    before = compiles(aoti_cache, compiled_a.key)
+    info = child_json(run_python(CHILD, "0", str(aoti_cache)))
+    print(f"\nfresh-process cached precast.compile: {info['seconds'] * 1e3:.0f} ms")
+    assert info["from_cache"] and info["key"] == compiled_a.key
+    assert info["seconds"] < 2.0
+    assert compiles(aoti_cache, compiled_a.key) == before == 1
+    assert torch.equal(torch.tensor(info["out"]), compiled_a(*small_model(0)[1]))
+
+
+def test_in_process_cache_returns_same_model(converted_a, compiled_a, aoti_cache):
+    _, _, res = converted_a
+    assert precast.compile(res.program, cache_dir=aoti_cache) is compiled_a
+
+
+def test_two_processes_on_a_cold_key_compile_once(concurrent_b, aoti_cache):
+    a, b = concurrent_b
+    assert a["key"] == b["key"]
+    assert compiles(aoti_cache, a["key"]) == 1
+    assert sorted([a["from_cache"], b["from_cache"]]) == [False, True]
+    assert a["out"] == b["out"]
+
+
+def test_killed_compile_leaves_no_loadable_entry(tmp_path):
+    from filelock import FileLock
+
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, "2", str(cache)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list((cache / "tmp").glob("*.*")) and time.monotonic() < deadline:
+            assert proc.poll() is None, "the child finished before it could be killed"
+            time.sleep(0.1)
+        time.sleep(2.0)  # inside aoti_compile_and_package
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    entries = list((cache / "aoti").iterdir())
+    assert entries == [], f"a killed compile published {entries}"
+    key = cache_key(precast.convert(*small_model(2)).program, {}, True)
+    assert _valid_entry(cache / "aoti" / key, key) == "absent"
+    with FileLock(str(cache / "locks" / f"{key}.lock"), timeout=5):  # the dead process's lock is released
+        pass
+
+
+def test_tampered_entry_is_rebuilt(converted_a, compiled_a, tmp_path):
+    _, inputs, res = converted_a
+    cache = tmp_path / "cache"
+    entry = cache / "aoti" / compiled_a.key
+    entry.parent.mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(compiled_a.package_path.parent, entry)
+    blob = bytearray((entry / PACKAGE).read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    (entry / PACKAGE).write_bytes(bytes(blob))
+    assert "does not match" in _valid_entry(entry, compiled_a.key)
+    cm = precast.compile(res.program, cache_dir=cache, progress=False)
+    assert not cm.from_cache and compiles(cache, compiled_a.key) == 1
+    assert _valid_entry(entry, compiled_a.key) is None
+    assert torch.equal(cm(*inputs), compiled_a(*inputs))
+    manifest = json.loads((entry / MANIFEST).read_text())
+    assert manifest["constants"]["layers.0.weight"] == ["layers.0.weight", "torch.float32", "torch.bfloat16"]
+
+
+# ---- cache key ------------------------------------------------------------------------------------------------
+def test_cache_key_covers_graph_weights_and_configs(converted_a):
+    model, inputs, res = converted_a
+    again = precast.convert(*small_model(0)).program
+    assert cache_key(res.program, {}, True) == cache_key(again, {}, True)
+    assert cache_key(res.program, {}, True) != cache_key(res.program, {}, False)
+    assert cache_key(res.program, {}, True) != cache_key(res.program, {"freezing": True}, True)
+    assert cache_key(res.program, {}, True) != cache_key(precast.convert(*small_model(1)).program, {}, True)
+    plain = torch.export.export(model, inputs, strict=False)  # same weights, different graph
+    assert cache_key(plain, {}, True) != cache_key(res.program, {}, True)
+
+
+def test_cache_dir_from_env(monkeypatch, tmp_path):
+    from precast.compile import resolve_cache_dir
+
+    monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path / "env"))
+    assert resolve_cache_dir() == tmp_path / "env"
+    assert resolve_cache_dir(tmp_path / "arg") == tmp_path / "arg"
+
+
+# ---- load_weights ---------------------------------------------------------------------------------------------
+def fresh_copy(res, cache):
+    """A second CompiledModel on the same cached package (the in-process cache is per program object)."""
+    cm = precast.compile(copy.deepcopy(res.program), cache_dir=cache, progress=False)
+    assert cm.from_cache
+    return cm
+
+
+def test_load_weights_equals_fresh_compile_bitwise(converted_a, compiled_a, concurrent_b, aoti_cache):
+    model_a, inputs, res_a = converted_a
+    model_b, _ = small_model(1)
+    res_b = precast.convert(model_b, inputs)
+    cm_b = precast.compile(res_b.program, cache_dir=aoti_cache, progress=False)  # compiled by concurrent_b
+    assert cm_b.from_cache
+    cm = fresh_copy(res_a, aoti_cache)
+    assert sorted(cm.constant_fqns()) == sorted(res_a.program.state_dict)
+    x = torch.randn(7, 64)
+    assert not torch.equal(cm(x), cm_b(x))
+    cm.load_weights(model_b.state_dict())
+    assert torch.equal(cm(x), cm_b(x))
+    assert torch.equal(cm(*inputs), cm_b(*inputs))
+    cm.load_weights(model_a.state_dict())
+    assert torch.equal(cm(x), compiled_a(x))
+
+
+def test_load_weights_reports_every_mismatch_and_keeps_old_weights(converted_a, aoti_cache):
+    model, inputs, res = converted_a
+    cm = fresh_copy(res, aoti_cache)
+    before = cm(*inputs)
+    sd = dict(model.state_dict())
+    del sd["layers.1.bias"]
+    sd["layers.9.weight"] = torch.zeros(64, 64)
+    sd["layers.0.weight"] = torch.zeros(64, 32)
+    sd["head.bias"] = torch.zeros(10, dtype=torch.float16)
+    with pytest.raises(precast.PrecastError) as err:
+        cm.load_weights(sd)
+    msg = str(err.value)
+    print(msg)
+    assert "\n" not in msg
+    for part in (
+        "missing ['layers.1.bias']",
+        "unexpected ['layers.9.weight']",
+        "layers.0.weight has shape (64, 32)",
+        "head.bias has dtype torch.float16",
+    ):
+        assert part in msg
+    assert torch.equal(cm(*inputs), before)
+
+
+# ---- CLI --------------------------------------------------------------------------------------------------------
+def test_cli_compile_copies_package(converted_a, compiled_a, aoti_cache, tmp_path, capsys):
+    from precast.cli import main
+
+    _, inputs, res = converted_a
+    src = tmp_path / "fast.pt2"
+    torch.export.save(res.program, str(src))
+    out = tmp_path / "pkg.pt2"
+    assert main(["compile", str(src), "-o", str(out), "--cache-dir", str(aoti_cache)]) == 0
+    assert "loaded from cache" in capsys.readouterr().err
+    loaded = torch._inductor.aoti_load_package(str(out))
+    assert torch.equal(loaded(*inputs), compiled_a(*inputs))
+    assert main(["compile", str(tmp_path / "nope.pt2")]) == 2
+    assert "no such file" in capsys.readouterr().err
