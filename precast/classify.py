@@ -94,11 +94,14 @@ def classify(
             traced = node.meta.get(TRACED_META)
             # nodes traced under autocast already hold eager's casts: deciding again would cast twice
             decision = copy.copy(traced) if traced is not None else _decide(node, args, kwargs, policy, user_rules)
-            if node.target is ASSERT_METADATA and isinstance(args[0], torch.Tensor):
-                # export's runtime check of a `.to()` input: keep it true for the dtype that now flows
-                if node.kwargs.get("dtype") not in (None, args[0].dtype):
-                    decision = Decision(None, "none", "assert", "export's dtype check, updated to the new dtype")
-                    decision.kwarg_updates = {"dtype": args[0].dtype}
+            # export's runtime check of a `.to()` input: keep it true for the dtype that now flows
+            if (
+                node.target is ASSERT_METADATA
+                and isinstance(args[0], torch.Tensor)
+                and node.kwargs.get("dtype") not in (None, args[0].dtype)
+            ):
+                decision = Decision(None, "none", "assert", "export's dtype check, updated to the new dtype")
+                decision.kwarg_updates = {"dtype": args[0].dtype}
             env[node] = _run(node, args, kwargs, decision, mode, on_error)
             if decision is None and isinstance(node.target, torch._ops.OpOverload):
                 decision = _unchanged(node, env[node])
