@@ -15,12 +15,10 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # compile pulls in torch._inductor: import it only when asked for
+    # compile pulls in torch._inductor: import it only when asked for (the module is precast.aoti, so the
+    # function precast.compile is never shadowed by a submodule of the same name)
     if name in ("compile", "CompiledModel"):
-        import importlib
+        from precast import aoti
 
-        # importing the submodule binds precast.compile to the module: rebind both names to the API objects
-        _compile_mod = importlib.import_module("precast.compile")
-        globals().update(compile=_compile_mod.compile, CompiledModel=_compile_mod.CompiledModel)
-        return globals()[name]
+        return getattr(aoti, name)
     raise AttributeError(f"module 'precast' has no attribute {name!r}")

@@ -511,6 +511,8 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
                 info["cpu"] = line.split(":", 1)[1].strip()
     info["cores"] = os.cpu_count()
     info["threads"] = torch.get_num_threads()
+    with contextlib.suppress(OSError):
+        info["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)  # other processes skew CPU timings
     if device == "cuda" and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info

@@ -48,7 +48,9 @@ class Attention(nn.Module):
         def split(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
 
-        ctx = F.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)), split(self.value(x)), mask)
+        ctx = F.scaled_dot_product_attention(
+            split(self.query(x)), split(self.key(x)), split(self.value(x)), mask
+        )
         return self.norm(x + self.dense(ctx.transpose(1, 2).reshape(b, s, h)))
 
 
@@ -93,8 +95,12 @@ def _rename(key: str) -> str | None:
     """HF BertModel state-dict name -> MiniLM name (None: unused, e.g. the pooler)."""
     if key.startswith("pooler.") or key.endswith("position_ids"):
         return None
-    key = key.replace("embeddings.word_embeddings", "word").replace("embeddings.position_embeddings", "position")
-    key = key.replace("embeddings.token_type_embeddings", "token_type").replace("embeddings.LayerNorm", "norm")
+    key = key.replace("embeddings.word_embeddings", "word").replace(
+        "embeddings.position_embeddings", "position"
+    )
+    key = key.replace("embeddings.token_type_embeddings", "token_type").replace(
+        "embeddings.LayerNorm", "norm"
+    )
     key = key.replace("encoder.layer.", "layers.")
     key = key.replace("attention.self.", "attention.").replace("attention.output.dense", "attention.dense")
     key = key.replace("attention.output.LayerNorm", "attention.norm")

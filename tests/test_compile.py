@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import precast
-from precast.compile import COMPILE_LOG, MANIFEST, PACKAGE, _valid_entry, cache_key
+from precast.aoti import COMPILE_LOG, MANIFEST, PACKAGE, _valid_entry, cache_key
 from tests.conftest import ROOT, run_python, small_model
 
 pytestmark = pytest.mark.aoti
@@ -29,7 +29,7 @@ from tests.conftest import small_model
 seed, cache = int(sys.argv[1]), sys.argv[2]
 model, inputs = small_model(seed)
 res = precast.convert(model, inputs)
-import precast.compile  # the import is not part of the load time
+import precast.aoti  # the import is not part of the load time
 t = time.perf_counter()
 cm = precast.compile(res.program, cache_dir=cache, progress=False)
 seconds = time.perf_counter() - t
@@ -170,7 +170,7 @@ def test_cache_key_covers_graph_weights_and_configs(converted_a):
 
 
 def test_cache_dir_from_env(monkeypatch, tmp_path):
-    from precast.compile import resolve_cache_dir
+    from precast.aoti import resolve_cache_dir
 
     monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path / "env"))
     assert resolve_cache_dir() == tmp_path / "env"

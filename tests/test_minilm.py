@@ -48,7 +48,9 @@ def test_reference_behaviour(minilm):
     assert s("The cat sits outside.", "The dog plays in the garden.") < 0.4
     assert s("A man is eating food.", "The new movie is awesome.") < 0.2
     # the model card's first sentence, from the sentence-transformers reference implementation
-    assert ref[idx["This is an example sentence"], :3].tolist() == pytest.approx([0.0677, 0.0634, 0.0488], abs=2e-3)
+    assert ref[idx["This is an example sentence"], :3].tolist() == pytest.approx(
+        [0.0677, 0.0634, 0.0488], abs=2e-3
+    )
 
 
 def test_rules_bf16_cosine(minilm):
@@ -57,7 +59,9 @@ def test_rules_bf16_cosine(minilm):
     with torch.no_grad():
         got = res.module()(*inputs)
     cos = cosines(got, ref)
-    print(f"\nMiniLM rules bf16 vs fp32 over {len(cos)} sentences: min cosine {cos.min():.6f} mean {cos.mean():.6f}")
+    print(
+        f"\nMiniLM rules bf16 vs fp32 over {len(cos)} sentences: min cosine {cos.min():.6f} mean {cos.mean():.6f}"
+    )
     assert len(cos) >= 32 and cos.min() >= 0.999
     assert res.report.weight_bytes_after.get("bf16", 0) > 0.9 * sum(res.report.weight_bytes_after.values())
 
@@ -68,7 +72,13 @@ def test_tolerance_tighter_target(minilm):
     target = 0.99996
     cal = [(ids[:8], mask[:8])]
     res = precast.convert(
-        model, cal[0], policy="rules", dtype=torch.bfloat16, calibration=cal, tolerance={"cosine": target}, verify=False
+        model,
+        cal[0],
+        policy="rules",
+        dtype=torch.bfloat16,
+        calibration=cal,
+        tolerance={"cosine": target},
+        verify=False,
     )
     kept = [n.name for n in res.report.nodes if n.rule == "tolerance"]
     info = res.report.verification["tolerance"]

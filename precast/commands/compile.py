@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from precast.capture import load_program
     from precast.io import atomic_path, check_writable
 
-    compile_mod = importlib.import_module("precast.compile")
+    compile_mod = importlib.import_module("precast.aoti")
     if args.output:
         check_writable(args.output)
     started = time.perf_counter()

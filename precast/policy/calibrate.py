@@ -69,8 +69,17 @@ def flat_inputs(program: Program, ep: ExportedProgram, batch: Any, index: int | 
     where = f"calibration batch {index}" if isinstance(index, int) else index
     in_spec = ep.call_spec.in_spec
     names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
-    if not args and kwargs and set(kwargs) == set(names) and in_spec is not None and in_spec.children_specs[1].num_leaves == 0:
-        args, kwargs = tuple(kwargs[n] for n in names), {}  # keyword batch for a positionally exported program
+    if (
+        not args
+        and kwargs
+        and set(kwargs) == set(names)
+        and in_spec is not None
+        and in_spec.children_specs[1].num_leaves == 0
+    ):
+        args, kwargs = (
+            tuple(kwargs[n] for n in names),
+            {},
+        )  # keyword batch for a positionally exported program
     try:
         if in_spec is not None:
             from torch.export._tree_utils import reorder_kwargs
@@ -88,7 +97,9 @@ def flat_inputs(program: Program, ep: ExportedProgram, batch: Any, index: int | 
         )
     nodes = user_input_nodes(program)
     if len(user) != len(nodes):
-        raise PrecastError(f"{where}: {len(user)} inputs given, the program takes {len(nodes)} {_signature(ep)}")
+        raise PrecastError(
+            f"{where}: {len(user)} inputs given, the program takes {len(nodes)} {_signature(ep)}"
+        )
     for node, value in zip(nodes, user, strict=True):
         want = node.meta.get("val")
         if not isinstance(want, torch.Tensor):

@@ -45,9 +45,7 @@ class Tolerance:
     spec: dict
 
     def met(self, m: dict) -> bool:
-        return all(
-            (m["cosine"] >= lim) if k == "cosine" else (m[k] <= lim) for k, lim in self.spec.items()
-        )
+        return all((m["cosine"] >= lim) if k == "cosine" else (m[k] <= lim) for k, lim in self.spec.items())
 
     def score(self, m: dict) -> float:
         """Error as a fraction of what the tolerance allows (> 1: violated), the worst bound."""
@@ -78,7 +76,9 @@ def parse_tolerance(tolerance: Any) -> Tolerance | None:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise PrecastError(f"tolerance[{k!r}]={v!r}: give a finite number >= 0")
         if k == "cosine" and not (0 < v < 1):
-            raise PrecastError(f"tolerance['cosine']={v!r}: give a similarity between 0 and 1 (exclusive), e.g. 0.9999")
+            raise PrecastError(
+                f"tolerance['cosine']={v!r}: give a similarity between 0 and 1 (exclusive), e.g. 0.9999"
+            )
         spec[k] = float(v)
     return Tolerance(spec)
 
@@ -102,7 +102,9 @@ class Errors:
             diff = a - e
             self.m["max_abs"] = max(self.m["max_abs"], diff.abs().max().item())
             ref = e.norm().item()
-            self.m["rel"] = max(self.m["rel"], diff.norm().item() / ref if ref else (0.0 if not diff.any() else math.inf))
+            self.m["rel"] = max(
+                self.m["rel"], diff.norm().item() / ref if ref else (0.0 if not diff.any() else math.inf)
+            )
             rows_a = a.reshape(-1, a.shape[-1]) if a.dim() >= 1 else a.reshape(1, 1)
             rows_e = e.reshape(-1, e.shape[-1]) if e.dim() >= 1 else e.reshape(1, 1)
             cos = F.cosine_similarity(rows_a, rows_e, dim=-1, eps=1e-30)
@@ -159,7 +161,9 @@ class FallbackResult:
         )
 
 
-def meet_tolerance(program: Program, ep: ExportedProgram, policy: Any, tol: Tolerance, batches) -> FallbackResult:
+def meet_tolerance(
+    program: Program, ep: ExportedProgram, policy: Any, tol: Tolerance, batches
+) -> FallbackResult:
     from precast.policy.rules import GEMM_OPS, op_name
 
     inputs = [flat_inputs(program, ep, b, i) for i, b in enumerate(batches)]
@@ -237,8 +241,14 @@ def meet_tolerance(program: Program, ep: ExportedProgram, policy: Any, tol: Tole
     return result
 
 
-def check_program(out: ExportedProgram, ep: ExportedProgram, program: Program, tol: Tolerance, batches,
-                  refs: list | None = None) -> dict:
+def check_program(
+    out: ExportedProgram,
+    ep: ExportedProgram,
+    program: Program,
+    tol: Tolerance,
+    batches,
+    refs: list | None = None,
+) -> dict:
     """Errors of the converted program itself over the batches (against ``refs`` or the unconverted program)."""
     module = out.module()
     reference = ep.module() if refs is None else None

@@ -38,41 +38,206 @@ from precast.report import Diagnostic, Report
 # the matmul / convolution family: what low precision is for; the accuracy fallback never moves these
 GEMM_OPS = frozenset(
     {
-        "linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "addbmm", "addmv", "mv", "dot", "einsum",
-        "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
-        "conv_transpose3d", "scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention", "bilinear", "tensordot",
+        "linear",
+        "mm",
+        "addmm",
+        "bmm",
+        "matmul",
+        "baddbmm",
+        "addbmm",
+        "addmv",
+        "mv",
+        "dot",
+        "einsum",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "convolution",
+        "_convolution",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "scaled_dot_product_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "bilinear",
+        "tensordot",
     }
 )
 # ops that follow their inputs' dtype: shape/index/data movement, comparisons, exact selections, casts
 FOLLOW_OPS = frozenset(
     {
-        "clone", "contiguous", "cat", "concat", "concatenate", "stack", "hstack", "vstack", "index", "index_select",
-        "gather", "take", "take_along_dim", "flip", "roll", "repeat", "tile", "constant_pad_nd", "pad", "_to_copy",
-        "to", "type_as", "copy", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
-        "new_zeros", "new_ones", "new_empty", "new_full", "where", "masked_fill", "masked_select", "masked_scatter",
-        "scatter", "index_put", "index_copy", "index_fill", "dropout", "feature_dropout", "alpha_dropout",
-        "reshape", "flatten", "unflatten", "repeat_interleave", "tril", "triu", "diag", "diagonal_copy",
-        "max", "min", "amax", "amin", "maximum", "minimum", "sort", "topk", "kthvalue", "median", "argsort",
-        "relu", "abs", "neg", "sign", "eq", "ne", "lt", "le", "gt", "ge", "isnan", "isinf", "isfinite",
-        "isneginf", "isposinf", "logical_and", "logical_or", "logical_not", "logical_xor", "argmax", "argmin",
-        "any", "all", "nonzero", "searchsorted", "bucketize", "bitwise_and", "bitwise_or", "bitwise_not",
-        "lift_fresh_copy", "detach", "scalar_tensor", "sym_size", "sym_numel", "sym_stride", "_assert_tensor_metadata",
-        "_assert_scalar", "_assert_async", "empty", "zeros", "ones", "full", "arange", "eye", "one_hot",
-        "unfold", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "narrow", "select_scatter",
-        "slice_scatter", "diagonal_scatter", "as_strided_scatter", "fill", "zero",
+        "clone",
+        "contiguous",
+        "cat",
+        "concat",
+        "concatenate",
+        "stack",
+        "hstack",
+        "vstack",
+        "index",
+        "index_select",
+        "gather",
+        "take",
+        "take_along_dim",
+        "flip",
+        "roll",
+        "repeat",
+        "tile",
+        "constant_pad_nd",
+        "pad",
+        "_to_copy",
+        "to",
+        "type_as",
+        "copy",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_full",
+        "where",
+        "masked_fill",
+        "masked_select",
+        "masked_scatter",
+        "scatter",
+        "index_put",
+        "index_copy",
+        "index_fill",
+        "dropout",
+        "feature_dropout",
+        "alpha_dropout",
+        "reshape",
+        "flatten",
+        "unflatten",
+        "repeat_interleave",
+        "tril",
+        "triu",
+        "diag",
+        "diagonal_copy",
+        "max",
+        "min",
+        "amax",
+        "amin",
+        "maximum",
+        "minimum",
+        "sort",
+        "topk",
+        "kthvalue",
+        "median",
+        "argsort",
+        "relu",
+        "abs",
+        "neg",
+        "sign",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "isnan",
+        "isinf",
+        "isfinite",
+        "isneginf",
+        "isposinf",
+        "logical_and",
+        "logical_or",
+        "logical_not",
+        "logical_xor",
+        "argmax",
+        "argmin",
+        "any",
+        "all",
+        "nonzero",
+        "searchsorted",
+        "bucketize",
+        "bitwise_and",
+        "bitwise_or",
+        "bitwise_not",
+        "lift_fresh_copy",
+        "detach",
+        "scalar_tensor",
+        "sym_size",
+        "sym_numel",
+        "sym_stride",
+        "_assert_tensor_metadata",
+        "_assert_scalar",
+        "_assert_async",
+        "empty",
+        "zeros",
+        "ones",
+        "full",
+        "arange",
+        "eye",
+        "one_hot",
+        "unfold",
+        "pixel_shuffle",
+        "pixel_unshuffle",
+        "channel_shuffle",
+        "narrow",
+        "select_scatter",
+        "slice_scatter",
+        "diagonal_scatter",
+        "as_strided_scatter",
+        "fill",
+        "zero",
     }
 )
 REDUCE_DIM_OPS = frozenset(
-    {"sum", "mean", "nansum", "nanmean", "cumsum", "cumprod", "logcumsumexp", "softmax", "log_softmax",
-     "_softmax", "_log_softmax", "var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm",
-     "frobenius_norm", "logsumexp", "prod"}
+    {
+        "sum",
+        "mean",
+        "nansum",
+        "nanmean",
+        "cumsum",
+        "cumprod",
+        "logcumsumexp",
+        "softmax",
+        "log_softmax",
+        "_softmax",
+        "_log_softmax",
+        "var",
+        "std",
+        "var_mean",
+        "std_mean",
+        "norm",
+        "linalg_vector_norm",
+        "frobenius_norm",
+        "logsumexp",
+        "prod",
+    }
 )
 NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"})
-CONV_OPS = frozenset({"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
-                      "conv_transpose2d", "conv_transpose3d"})
-MATMUL_INNER = {"linear": ("w", 1), "mm": ("a", 0), "bmm": ("a", 0), "matmul": ("a", 0), "addmm": ("a", 1),
-                "baddbmm": ("a", 1), "addbmm": ("a", 1), "addmv": ("a", 1), "mv": ("a", 0), "dot": ("a", 0)}
+CONV_OPS = frozenset(
+    {
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "convolution",
+        "_convolution",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+    }
+)
+MATMUL_INNER = {
+    "linear": ("w", 1),
+    "mm": ("a", 0),
+    "bmm": ("a", 0),
+    "matmul": ("a", 0),
+    "addmm": ("a", 1),
+    "baddbmm": ("a", 1),
+    "addbmm": ("a", 1),
+    "addmv": ("a", 1),
+    "mv": ("a", 0),
+    "dot": ("a", 0),
+}
 FP16_DATA_MAX = 512.0
 
 # a custom rule: (node, context) -> reason to keep the node in fp32, or None
@@ -88,7 +253,9 @@ def op_name(target: object) -> str:
 
 def mutates(target: object) -> bool:
     schema = getattr(target, "_schema", None)
-    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return schema is not None and any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    )
 
 
 def op_kind(node: torch.fx.Node, args: tuple, kwargs: dict) -> str:
@@ -114,7 +281,9 @@ def casts_for(node: torch.fx.Node, args: tuple, kwargs: dict, target: torch.dtyp
     schema = getattr(node.target, "_schema", None)
     written = set()
     if schema is not None:
-        written = {i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+        written = {
+            i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+        }
         written |= {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     return {
         path: target
@@ -132,7 +301,9 @@ def compile_patterns(patterns: Iterable[str], option: str) -> list[re.Pattern]:
     out = []
     for p in patterns:
         if not isinstance(p, str):
-            raise PrecastError(f"{option}: {p!r} is not a string; give regular expressions like 'encoder\\.layer\\.0'")
+            raise PrecastError(
+                f"{option}: {p!r} is not a string; give regular expressions like 'encoder\\.layer\\.0'"
+            )
         try:
             out.append(re.compile(p))
         except re.error as exc:
@@ -151,11 +322,18 @@ def resolve_op(spec: Any, option: str) -> torch._ops.OpOverload | torch._ops.OpO
         )
     text = spec.strip().removeprefix("torch.ops.").replace("::", ".")
     parts = text.split(".")
-    ns, rest = (parts[0], parts[1:]) if len(parts) > 1 and hasattr(torch.ops, parts[0]) and parts[0] in (
-        "aten", "prims", "quantized", "higher_order"
-    ) or len(parts) > 2 else ("aten", parts)
+    ns, rest = (
+        (parts[0], parts[1:])
+        if len(parts) > 1
+        and hasattr(torch.ops, parts[0])
+        and parts[0] in ("aten", "prims", "quantized", "higher_order")
+        or len(parts) > 2
+        else ("aten", parts)
+    )
     if len(rest) not in (1, 2) or not rest[0]:
-        raise PrecastError(f"{option}: cannot read {spec!r} as an op name; write 'aten.softmax' or 'aten.softmax.int'")
+        raise PrecastError(
+            f"{option}: cannot read {spec!r} as an op name; write 'aten.softmax' or 'aten.softmax.int'"
+        )
     try:
         packet = getattr(getattr(torch.ops, ns), rest[0])
         if not isinstance(packet, torch._ops.OpOverloadPacket):
@@ -199,8 +377,18 @@ class RuleOptions:
     custom_rules: tuple = ()
 
     @classmethod
-    def build(cls, low, exclude_nodes=(), exclude_ops=(), include_nodes=(), include_ops=(), data_max=None,
-              init_max=None, max_reduction_depth=None, custom_rules=()) -> RuleOptions:
+    def build(
+        cls,
+        low,
+        exclude_nodes=(),
+        exclude_ops=(),
+        include_nodes=(),
+        include_ops=(),
+        data_max=None,
+        init_max=None,
+        max_reduction_depth=None,
+        custom_rules=(),
+    ) -> RuleOptions:
         if data_max is None and low == torch.float16:
             data_max = FP16_DATA_MAX
         if init_max is None:
@@ -209,12 +397,16 @@ class RuleOptions:
             if value is not None and (not isinstance(value, (int, float)) or value <= 0):
                 raise PrecastError(f"{name}={value!r}: give a positive number (math.inf turns the rule off)")
         if max_reduction_depth is not None and (
-            not isinstance(max_reduction_depth, int) or isinstance(max_reduction_depth, bool) or max_reduction_depth < 1
+            not isinstance(max_reduction_depth, int)
+            or isinstance(max_reduction_depth, bool)
+            or max_reduction_depth < 1
         ):
             raise PrecastError(f"max_reduction_depth={max_reduction_depth!r}: give a positive integer")
         for rule in custom_rules:
             if not callable(rule):
-                raise PrecastError(f"custom_rules: {rule!r} is not callable; give functions (node, context) -> reason")
+                raise PrecastError(
+                    f"custom_rules: {rule!r} is not callable; give functions (node, context) -> reason"
+                )
         ops = lambda xs, opt: [resolve_op(x, opt) for x in ((xs,) if isinstance(xs, str) else xs)]  # noqa: E731
         return cls(
             low=low,
@@ -280,7 +472,15 @@ def reduction_depth(node: torch.fx.Node, args: tuple, kwargs: dict) -> tuple[int
     if name in REDUCE_DIM_OPS:
         t = tensors[0]
         dim = _arg(node, args, kwargs, "dim")
-        if name in ("softmax", "log_softmax", "_softmax", "_log_softmax", "cumsum", "cumprod", "logcumsumexp"):
+        if name in (
+            "softmax",
+            "log_softmax",
+            "_softmax",
+            "_log_softmax",
+            "cumsum",
+            "cumprod",
+            "logcumsumexp",
+        ):
             dim = [dim]
         if t.dim() == 0:
             return 1, "elements"
@@ -356,8 +556,15 @@ class RulesPolicy:
         o, low, fp32 = self.opts, self.opts.low, torch.float32
 
         def make(dtype, source, rule, reason, measured=None, limit=None):
-            return Decision(dtype, source, rule, reason, casts=casts_for(node, args, kwargs, dtype),
-                            measured=measured, limit=limit)
+            return Decision(
+                dtype,
+                source,
+                rule,
+                reason,
+                casts=casts_for(node, args, kwargs, dtype),
+                measured=measured,
+                limit=limit,
+            )
 
         hit = match_node(node, o.include_nodes)
         if hit:
@@ -389,25 +596,47 @@ class RulesPolicy:
             for cname, t in consts.items():
                 m = self._const_absmax(cname, t)
                 if m > o.init_max:
-                    return make(fp32, "rules", "init_max", f"init_max: constant {cname} absmax {m:.3g} > {o.init_max:g}",
-                                m, o.init_max)
+                    return make(
+                        fp32,
+                        "rules",
+                        "init_max",
+                        f"init_max: constant {cname} absmax {m:.3g} > {o.init_max:g}",
+                        m,
+                        o.init_max,
+                    )
         if o.data_max is not None and self.calibration is not None:
             found = self._data_range(node)
             if found is not None and found[0] > o.data_max:
                 m, what = found
-                return make(fp32, "rules", "data_max", f"data_max: absmax {m:.3g} of {what} > {o.data_max:g}",
-                            m, o.data_max)
+                return make(
+                    fp32,
+                    "rules",
+                    "data_max",
+                    f"data_max: absmax {m:.3g} of {what} > {o.data_max:g}",
+                    m,
+                    o.data_max,
+                )
         if o.max_reduction_depth is not None:
             depth = reduction_depth(node, args, kwargs)
             if depth is not None and depth[0] > o.max_reduction_depth:
-                return make(fp32, "rules", "max_reduction_depth",
-                            f"max_reduction_depth: accumulates over {depth[0]} ({depth[1]}) > {o.max_reduction_depth}",
-                            float(depth[0]), float(o.max_reduction_depth))
+                return make(
+                    fp32,
+                    "rules",
+                    "max_reduction_depth",
+                    f"max_reduction_depth: accumulates over {depth[0]} ({depth[1]}) > {o.max_reduction_depth}",
+                    float(depth[0]),
+                    float(o.max_reduction_depth),
+                )
         if node.name in self.fallback:
             score = self.fallback[node.name]
-            return make(fp32, "rules", "tolerance",
-                        f"tolerance: among the ops whose low precision costs most accuracy (alone: {score:.3g} of "
-                        "the allowed error)", score)
+            return make(
+                fp32,
+                "rules",
+                "tolerance",
+                f"tolerance: among the ops whose low precision costs most accuracy (alone: {score:.3g} of "
+                "the allowed error)",
+                score,
+            )
         return make(low, "rules", "default", f"{dtype_name(low)}: no rule keeps it in fp32")
 
     def _data_range(self, node: torch.fx.Node) -> tuple[float, str] | None:
@@ -427,7 +656,11 @@ class RulesPolicy:
     def _context(self, node, args, kwargs, consts) -> RuleContext:
         stats = self.calibration.stats if self.calibration else {}
         return RuleContext(
-            node=node, args=args, kwargs=kwargs, low=self.opts.low, module=module_path(node),
+            node=node,
+            args=args,
+            kwargs=kwargs,
+            low=self.opts.low,
+            module=module_path(node),
             stats=stats.get(node.name),
             input_stats={a.name: stats[a.name] for a in node.all_input_nodes if a.name in stats},
             constants=consts,
@@ -461,25 +694,48 @@ def convert_with_rules(
     from precast.policy.fallback import meet_tolerance, parse_tolerance
 
     keep_io = True if keep_io_types is None else bool(keep_io_types)
-    opts = RuleOptions.build(low, exclude_nodes, exclude_ops, include_nodes, include_ops, data_max, init_max,
-                             max_reduction_depth, custom_rules)
+    opts = RuleOptions.build(
+        low,
+        exclude_nodes,
+        exclude_ops,
+        include_nodes,
+        include_ops,
+        data_max,
+        init_max,
+        max_reduction_depth,
+        custom_rules,
+    )
     tol = parse_tolerance(tolerance)
     batches, source = _batches(calibration, ep, need=opts.data_max is not None or tol is not None)
     if batches is None and opts.data_max is not None:
-        rep.diagnostics.append(Diagnostic(
-            "warning", "data-max-inactive",
-            f"data_max={opts.data_max:g} is not applied: no calibration data and the program has no example "
-            "inputs; pass calibration=[inputs, ...]"))
+        rep.diagnostics.append(
+            Diagnostic(
+                "warning",
+                "data-max-inactive",
+                f"data_max={opts.data_max:g} is not applied: no calibration data and the program has no example "
+                "inputs; pass calibration=[inputs, ...]",
+            )
+        )
     if tol is not None and batches is None:
         raise PrecastError("tolerance= needs data to measure the error on: pass calibration=[inputs, ...]")
     if batches is not None and source != "calibration data":
-        rep.diagnostics.append(Diagnostic(
-            "info", "ranges-from-example-inputs",
-            "no calibration data: value ranges (data_max) and errors were measured on the example inputs only; "
-            "pass calibration=[inputs, ...] for representative ranges"))
-    cal = calibrate(program, ep, batches, source=source) if batches is not None and opts.data_max is not None else None
+        rep.diagnostics.append(
+            Diagnostic(
+                "info",
+                "ranges-from-example-inputs",
+                "no calibration data: value ranges (data_max) and errors were measured on the example inputs only; "
+                "pass calibration=[inputs, ...] for representative ranges",
+            )
+        )
+    cal = (
+        calibrate(program, ep, batches, source=source)
+        if batches is not None and opts.data_max is not None
+        else None
+    )
     if cal is not None and source == "calibration data":
-        rep.diagnostics.append(Diagnostic("info", "calibrated", f"value ranges measured on {cal.batches} batches"))
+        rep.diagnostics.append(
+            Diagnostic("info", "calibrated", f"value ranges measured on {cal.batches} batches")
+        )
 
     original_out = _output_dtypes(program)
     policy = RulesPolicy(program, opts, cal)
@@ -492,26 +748,43 @@ def convert_with_rules(
     out = finish(program, rep)
     kept = [r for r in rep.nodes if r.source in ("rules", "user") and r.dtype == "fp32"]
     if kept:
-        rep.diagnostics.append(Diagnostic(
-            "info", "kept-fp32",
-            f"{len(kept)} op(s) kept in fp32 by rules: " + "; ".join(
-                f"{r.name} ({r.reason})" + (f" at {r.location}" if r.location else "") for r in kept[:20])
-            + ("; ..." if len(kept) > 20 else "")))
+        rep.diagnostics.append(
+            Diagnostic(
+                "info",
+                "kept-fp32",
+                f"{len(kept)} op(s) kept in fp32 by rules: "
+                + "; ".join(
+                    f"{r.name} ({r.reason})" + (f" at {r.location}" if r.location else "") for r in kept[:20]
+                )
+                + ("; ..." if len(kept) > 20 else ""),
+            )
+        )
     if result is not None:
         from precast.policy.fallback import check_program
 
         final = check_program(out, ep, program, tol, batches, result.refs)
         result.final = final
-        rep.verification["tolerance"] = {"target": tol.spec, "achieved": final, "kept_fp32": list(policy.fallback)}
+        rep.verification["tolerance"] = {
+            "target": tol.spec,
+            "achieved": final,
+            "kept_fp32": list(policy.fallback),
+        }
         if not tol.met(final):
-            rep.diagnostics.append(Diagnostic(
-                "warning", "tolerance-not-met",
-                f"the converted program measures {tol.describe(final)} on the calibration data, outside {tol.spec}"))
+            rep.diagnostics.append(
+                Diagnostic(
+                    "warning",
+                    "tolerance-not-met",
+                    f"the converted program measures {tol.describe(final)} on the calibration data, outside {tol.spec}",
+                )
+            )
     if verify:
         _verify(out, ep, rep, "rules", device, low)
         if result is not None:
-            rep.verification["tolerance"] = {"target": tol.spec, "achieved": result.final,
-                                             "kept_fp32": list(policy.fallback)}
+            rep.verification["tolerance"] = {
+                "target": tol.spec,
+                "achieved": result.final,
+                "kept_fp32": list(policy.fallback),
+            }
     return ConvertResult(out, rep)
 
 
@@ -573,4 +846,3 @@ def _restore_output_dtypes(program: Program, original: list, keep_io: bool) -> N
         out.args = (pytree.tree_unflatten(leaves, spec),)
         graph.lint()
         refresh_vals(program)
-

@@ -55,7 +55,9 @@ def test_calibrate_many_batches_bounded_state():
     assert many.stats["scale"].absmax == 39.0 and many.stats["scale"].batches == 40
     assert many.stats["sum_1"].absmax > few.stats["sum_1"].absmax
     dicts = calibrate(p, ep, [{"x": torch.randn(2, 4), "scale": torch.tensor(1.0)}], progress=False)
-    assert dicts.batches == 1 and math.isfinite(dicts.stats["max_1"].absmax if "max_1" in dicts.stats else 0.0)
+    assert dicts.batches == 1 and math.isfinite(
+        dicts.stats["max_1"].absmax if "max_1" in dicts.stats else 0.0
+    )
 
 
 @pytest.mark.parametrize(

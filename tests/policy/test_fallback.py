@@ -52,7 +52,9 @@ def test_parse_tolerance_errors(tol, needle):
 def test_errors_metrics():
     e = Errors()
     e.update([torch.tensor([[1.0, 0.0], [0.0, 2.0]])], [torch.tensor([[1.0, 0.0], [0.0, 1.0]])])
-    assert e.m["max_abs"] == 1.0 and e.m["cosine"] == pytest.approx(1.0) and e.m["rel"] == pytest.approx(2**-0.5)
+    assert (
+        e.m["max_abs"] == 1.0 and e.m["cosine"] == pytest.approx(1.0) and e.m["rel"] == pytest.approx(2**-0.5)
+    )
     e.update([torch.tensor([float("nan")])], [torch.tensor([0.0])])
     assert e.m["max_abs"] == float("inf")
 
@@ -80,11 +82,20 @@ def test_fallback_keeps_fewest_ops_and_reports_them():
 
 def test_met_without_fallback():
     model, inputs = model_inputs()
-    res = precast.convert(model, inputs, policy="rules", dtype=torch.bfloat16, calibration=cal(), tolerance={"max_abs": 10.0})
+    res = precast.convert(
+        model, inputs, policy="rules", dtype=torch.bfloat16, calibration=cal(), tolerance={"max_abs": 10.0}
+    )
     assert not [n for n in res.report.nodes if n.rule == "tolerance"]
 
 
 def test_unmeetable_tolerance_is_an_error():
     model, inputs = model_inputs()
     with pytest.raises(PrecastError, match="cannot be met.*matmul/conv family"):
-        precast.convert(model, inputs, policy="rules", dtype=torch.bfloat16, calibration=cal(), tolerance={"max_abs": 1e-9})
+        precast.convert(
+            model,
+            inputs,
+            policy="rules",
+            dtype=torch.bfloat16,
+            calibration=cal(),
+            tolerance={"max_abs": 1e-9},
+        )

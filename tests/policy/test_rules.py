@@ -87,7 +87,15 @@ def test_exclude_nodes(pattern, expect_fp32):
 
 
 @pytest.mark.parametrize(
-    "op", ["aten.softmax", "softmax", "aten::softmax", "aten.softmax.int", torch.ops.aten.softmax, torch.ops.aten.softmax.int]
+    "op",
+    [
+        "aten.softmax",
+        "softmax",
+        "aten::softmax",
+        "aten.softmax.int",
+        torch.ops.aten.softmax,
+        torch.ops.aten.softmax.int,
+    ],
 )
 def test_exclude_ops_every_form(op):
     res = convert(net(), exclude_ops=[op])

@@ -21,7 +21,6 @@ import shutil
 import sys
 import tempfile
 import time
-import types
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -451,14 +450,3 @@ def _load(package: Path) -> Any:
         raise PrecastError(
             f"precast.compile: cannot load {package}: {str(exc).splitlines()[0][:300]}; delete the cache entry"
         ) from exc
-
-
-class _CallableModule(types.ModuleType):
-    """Importing ``precast.compile`` (the module) binds the package attribute ``precast.compile`` to it,
-    shadowing the function: make the module callable so ``precast.compile(program)`` works either way."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> CompiledModel:
-        return compile(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
