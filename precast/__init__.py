@@ -1,8 +1,8 @@
 """precast: ahead-of-time mixed precision for torch.export programs.
 
-    res = precast.convert(program_or_module, example_inputs, policy=None | "torch" | "rules", dtype=...)
-    res.program   # a standard torch.export.ExportedProgram: casts explicit, weights cast once
-    res.report    # every decision explained
+res = precast.convert(program_or_module, example_inputs, policy=None | "torch" | "rules", dtype=...)
+res.program   # a standard torch.export.ExportedProgram: casts explicit, weights cast once
+res.report    # every decision explained
 """
 
 from precast.convert import ConvertResult, convert
@@ -10,7 +10,16 @@ from precast.errors import PrecastError
 from precast.program import constant_sources
 from precast.report import Report, report
 
-__all__ = ["ConvertResult", "PrecastError", "Report", "constant_sources", "convert", "report", "compile", "CompiledModel"]
+__all__ = [
+    "ConvertResult",
+    "PrecastError",
+    "Report",
+    "constant_sources",
+    "convert",
+    "report",
+    "compile",
+    "CompiledModel",
+]
 __version__ = "0.1.0"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import zipfile
 from pathlib import Path
@@ -61,7 +62,9 @@ def capture(
             "semantics"
         )
     try:
-        return torch.export.export(program_or_module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        return torch.export.export(
+            program_or_module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False
+        )
     except PrecastError:
         raise
     except Exception as exc:
@@ -80,13 +83,25 @@ def load_program(path: str | Path) -> ExportedProgram:
     if p.is_dir():
         raise PrecastError(f"{p}: is a directory, not a program saved with torch.export.save")
     if not zipfile.is_zipfile(p):
-        raise PrecastError(f"{p}: not a saved torch.export program (not a zip archive); save it with torch.export.save")
+        raise PrecastError(
+            f"{p}: not a saved torch.export program (not a zip archive); save it with torch.export.save"
+        )
     try:
         with zipfile.ZipFile(p) as z:
             bad = z.testzip()
         if bad is not None:
-            raise PrecastError(f"{p}: corrupted archive (member {bad} fails its checksum); save the program again")
-        return torch.export.load(str(p))
+            raise PrecastError(
+                f"{p}: corrupted archive (member {bad} fails its checksum); save the program again"
+            )
+        # torch.export.load logs a traceback at WARNING before failing on a file that is not a program;
+        # precast turns the failure into one line instead
+        logger = logging.getLogger("torch.export")
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            return torch.export.load(str(p))
+        finally:
+            logger.setLevel(level)
     except PrecastError:
         raise
     except Exception as exc:
@@ -107,11 +122,15 @@ def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
     try:
         module = importlib.import_module(mod_name)
     except ModuleNotFoundError as exc:
-        raise PrecastError(f"'{spec}': cannot import module '{mod_name}' ({exc}); check the name and PYTHONPATH") from exc
+        raise PrecastError(
+            f"'{spec}': cannot import module '{mod_name}' ({exc}); check the name and PYTHONPATH"
+        ) from exc
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise PrecastError(f"'{spec}': module '{mod_name}' has no callable '{attr}'")
     made = factory()
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
-        raise PrecastError(f"'{spec}': the factory must return (model, example_inputs), got {type(made).__name__}")
+        raise PrecastError(
+            f"'{spec}': the factory must return (model, example_inputs), got {type(made).__name__}"
+        )
     return made

@@ -38,10 +38,38 @@ ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 SAME_DTYPE_OPS = frozenset(
     name
     for base in (
-        "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "einsum",
-        "bilinear", "tensordot", "linalg_vecdot", "conv1d", "conv2d", "conv3d", "convolution", "_convolution",
-        "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "conv_tbc", "scaled_dot_product_attention",
-        "_addmm_activation", "prelu", "mkldnn_rnn_layer", "lstm", "gru", "rnn_tanh", "rnn_relu",
+        "linear",
+        "matmul",
+        "mm",
+        "bmm",
+        "addmm",
+        "baddbmm",
+        "addbmm",
+        "addmv",
+        "mv",
+        "dot",
+        "vdot",
+        "einsum",
+        "bilinear",
+        "tensordot",
+        "linalg_vecdot",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "convolution",
+        "_convolution",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "conv_tbc",
+        "scaled_dot_product_attention",
+        "_addmm_activation",
+        "prelu",
+        "mkldnn_rnn_layer",
+        "lstm",
+        "gru",
+        "rnn_tanh",
+        "rnn_relu",
     )
     for name in (f"aten::{base}",)
 )
@@ -59,12 +87,17 @@ def fake_mode_of(program: Program):
     vals = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode(vals)
     if mode is None:
-        raise PrecastError("the program's placeholders carry no fake values; re-export it with torch.export.export")
+        raise PrecastError(
+            "the program's placeholders carry no fake values; re-export it with torch.export.export"
+        )
     return mode
 
 
 def classify(
-    program: Program, policy: Policy | None, user_rules: tuple[UserRule, ...] = (), on_error: Callable | None = None
+    program: Program,
+    policy: Policy | None,
+    user_rules: tuple[UserRule, ...] = (),
+    on_error: Callable | None = None,
 ) -> ClassifyResult:
     """``on_error(err, node)``, when given, receives the dtype-mismatch errors instead of raising them here
     (precast.diagnostics records them, and re-raises unless the user allowed the code)."""
@@ -93,7 +126,9 @@ def classify(
                     continue
             traced = node.meta.get(TRACED_META)
             # nodes traced under autocast already hold eager's casts: deciding again would cast twice
-            decision = copy.copy(traced) if traced is not None else _decide(node, args, kwargs, policy, user_rules)
+            decision = (
+                copy.copy(traced) if traced is not None else _decide(node, args, kwargs, policy, user_rules)
+            )
             # export's runtime check of a `.to()` input: keep it true for the dtype that now flows
             if (
                 node.target is ASSERT_METADATA
@@ -147,7 +182,9 @@ def _decide(node, args, kwargs, policy, user_rules) -> Decision | None:
         enabled, dtype, source, context, region = state
         if not enabled:
             return Decision(None, "region", "disabled", f"{context}: autocast off", region=region)
-        return autocast_decision(node, args, kwargs, device, dtype, source=source, context=context, region=region)
+        return autocast_decision(
+            node, args, kwargs, device, dtype, source=source, context=context, region=region
+        )
     for rule in user_rules:
         decision = rule(node, args, kwargs)
         if decision is not None:
@@ -282,10 +319,40 @@ TRACED_META = "precast_traced"
 NEVER_CASTS = frozenset(
     f"aten::{n}"
     for n in (
-        "reshape", "flatten", "unflatten", "contiguous", "to", "type_as", "view_as", "reshape_as", "expand_as",
-        "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "squeeze", "movedim", "swapaxes",
-        "transpose", "chunk", "split", "tensor_split", "unsafe_chunk", "flip", "t", "numpy_T", "mT", "size",
-        "layer_norm", "group_norm", "batch_norm", "instance_norm", "softmax", "log_softmax", "relu6", "hardtanh",
+        "reshape",
+        "flatten",
+        "unflatten",
+        "contiguous",
+        "to",
+        "type_as",
+        "view_as",
+        "reshape_as",
+        "expand_as",
+        "dropout",
+        "feature_dropout",
+        "alpha_dropout",
+        "feature_alpha_dropout",
+        "squeeze",
+        "movedim",
+        "swapaxes",
+        "transpose",
+        "chunk",
+        "split",
+        "tensor_split",
+        "unsafe_chunk",
+        "flip",
+        "t",
+        "numpy_T",
+        "mT",
+        "size",
+        "layer_norm",
+        "group_norm",
+        "batch_norm",
+        "instance_norm",
+        "softmax",
+        "log_softmax",
+        "relu6",
+        "hardtanh",
     )
 )
 
@@ -379,7 +446,9 @@ def _splice_decomposition(program: Program, node, args, kwargs, mode, policy) ->
             if n.op == "placeholder":
                 continue
             if n.op == "output":
-                out = torch.fx.node.map_aggregate(n.args[0], lambda a: env[a] if isinstance(a, torch.fx.Node) else a)
+                out = torch.fx.node.map_aggregate(
+                    n.args[0], lambda a: env[a] if isinstance(a, torch.fx.Node) else a
+                )
                 continue
             new = graph.node_copy(n, lambda a: env[a])
             new.meta.update(keep)
@@ -394,7 +463,9 @@ def _splice_decomposition(program: Program, node, args, kwargs, mode, policy) ->
                 user.replace_all_uses_with(out[user.args[1]])
                 graph.erase_node(user)
             else:
-                raise PrecastError(f"{where(user)}: unexpected use of a multi-output op while decomposing {node.name}")
+                raise PrecastError(
+                    f"{where(user)}: unexpected use of a multi-output op while decomposing {node.name}"
+                )
     else:
         node.replace_all_uses_with(out)
     graph.erase_node(node)

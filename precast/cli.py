@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not os.environ.get("PRECAST_VERBOSE"):
-        warnings.filterwarnings("ignore")  # torch's own UserWarnings drown the output; PRECAST_VERBOSE=1 shows them
+        warnings.filterwarnings(
+            "ignore"
+        )  # torch's own UserWarnings drown the output; PRECAST_VERBOSE=1 shows them
     try:
         return int(args.run(args) or 0)
     except PrecastError as err:

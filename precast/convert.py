@@ -48,7 +48,9 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
         return dtype
     if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.lower().removeprefix("torch.")]
-    raise PrecastError(f"dtype={dtype!r}: precast lowers to torch.bfloat16 or torch.float16 ('bf16' / 'fp16')")
+    raise PrecastError(
+        f"dtype={dtype!r}: precast lowers to torch.bfloat16 or torch.float16 ('bf16' / 'fp16')"
+    )
 
 
 def program_device_type(ep: ExportedProgram) -> str:
@@ -100,7 +102,9 @@ def convert(
     warnings in ``report.diagnostics`` instead of stopping the conversion.
     """
     if policy not in POLICIES:
-        raise PrecastError(f"policy={policy!r}: choose None (the program's own autocast regions), 'torch' or 'rules'")
+        raise PrecastError(
+            f"policy={policy!r}: choose None (the program's own autocast regions), 'torch' or 'rules'"
+        )
     low = parse_dtype(dtype)
     ep = capture(program_or_module, example_inputs, dynamic_shapes)
     device = device_type or program_device_type(ep)
@@ -139,16 +143,21 @@ def convert(
     if policy is None and not regions:
         rep.weight_bytes_after = dict(rep.weight_bytes_before)
         rep.diagnostics.append(
-            Diagnostic("info", "no-regions", "the program has no autocast regions: returned unchanged "
-                       "(use policy='torch' or 'rules' to add mixed precision)")
+            Diagnostic(
+                "info",
+                "no-regions",
+                "the program has no autocast regions: returned unchanged "
+                "(use policy='torch' or 'rules' to add mixed precision)",
+            )
         )
         return ConvertResult(ep, rep)
 
     if policy == "rules":
         from precast.policy.rules import convert_with_rules
 
-        return convert_with_rules(program, ep, rep, low=low, device=device, keep_io_types=keep_io_types,
-                                  verify=verify, **rule_opts)
+        return convert_with_rules(
+            program, ep, rep, low=low, device=device, keep_io_types=keep_io_types, verify=verify, **rule_opts
+        )
 
     pol = TorchPolicy(device, low) if policy == "torch" else None
     run_pipeline(program, pol, rep)
@@ -220,11 +229,16 @@ def reference_module(ep: ExportedProgram) -> torch.nn.Module:
     return module
 
 
-def _verify(out: ExportedProgram, ep: ExportedProgram, rep: Report, policy, device, low, original=None) -> None:
+def _verify(
+    out: ExportedProgram, ep: ExportedProgram, rep: Report, policy, device, low, original=None
+) -> None:
     if ep.example_inputs is None:
         return
     args, kwargs = normalize_inputs(ep.example_inputs)
-    if any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args) and not torch.cuda.is_available():
+    if (
+        any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+        and not torch.cuda.is_available()
+    ):
         return
     reference = original if original is not None else reference_module(ep)
     if policy == "torch":

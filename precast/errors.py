@@ -11,7 +11,9 @@ class PrecastError(Exception):
     The CLI prints ``str(err)`` and exits with status 2; no traceback.
     """
 
-    def __init__(self, message: str, *, code: str = "error", node: str | None = None, source: str | None = None):
+    def __init__(
+        self, message: str, *, code: str = "error", node: str | None = None, source: str | None = None
+    ):
         self.code = code
         self.node = node
         self.source = source
@@ -48,7 +50,11 @@ def user_source_code(node: torch.fx.Node) -> str | None:
         return None
     path, _, lineno = where.rpartition(":")
     for i, ln in enumerate(lines):
-        if ln.startswith(f'File "{path}", line {lineno},') and i + 1 < len(lines) and not lines[i + 1].startswith("File"):
+        if (
+            ln.startswith(f'File "{path}", line {lineno},')
+            and i + 1 < len(lines)
+            and not lines[i + 1].startswith("File")
+        ):
             return lines[i + 1]
     return None
 

@@ -118,13 +118,20 @@ class Program:
         for store in (self.state_dict, self.constants):
             if spec.target in store:
                 store[new_target] = store.pop(spec.target)
-        self.input_spec[node] = InputSpec(kind=spec.kind, arg=spec.arg, target=new_target, persistent=spec.persistent)
+        self.input_spec[node] = InputSpec(
+            kind=spec.kind, arg=spec.arg, target=new_target, persistent=spec.persistent
+        )
 
     def remove_unused_constants(self, keep: set[torch.fx.Node] = frozenset()) -> list[str]:
         """Drop constant placeholders nothing reads any more (except ``keep``); returns their FQNs."""
         dropped = []
         for node in list(self.graph.nodes):
-            if node.op == "placeholder" and not node.users and node not in keep and self.constant_target(node) is not None:
+            if (
+                node.op == "placeholder"
+                and not node.users
+                and node not in keep
+                and self.constant_target(node) is not None
+            ):
                 spec = self.input_spec.pop(node)
                 self.state_dict.pop(spec.target, None)
                 self.constants.pop(spec.target, None)
@@ -143,7 +150,9 @@ class Program:
         for n in placeholders:
             spec = self.input_spec[n]
             arg = TensorArgument(name=n.name) if isinstance(spec.arg, TensorArgument) else spec.arg
-            input_specs.append(InputSpec(kind=spec.kind, arg=arg, target=spec.target, persistent=spec.persistent))
+            input_specs.append(
+                InputSpec(kind=spec.kind, arg=arg, target=spec.target, persistent=spec.persistent)
+            )
         out_args = self.graph.output_node().args[0]
         output_specs = []
         for spec, arg in zip(self.output_specs, out_args, strict=True):
@@ -175,7 +184,11 @@ class Program:
             node = by_target.get(stored)
             if node is None:
                 continue
-            record = [src.original, str(src.original_dtype).removeprefix("torch."), str(src.dtype).removeprefix("torch.")]
+            record = [
+                src.original,
+                str(src.original_dtype).removeprefix("torch."),
+                str(src.dtype).removeprefix("torch."),
+            ]
             for user in _readers(node):
                 custom = user.meta.setdefault("custom", {})
                 entry = custom.setdefault(META_KEY, {})

@@ -103,7 +103,9 @@ def _splice(
     env: dict[torch.fx.Node, object] = {}
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(operands):
-        raise PrecastError(f"autocast region {where(hop)} has {len(operands)} operands for {len(placeholders)} inputs")
+        raise PrecastError(
+            f"autocast region {where(hop)} has {len(operands)} operands for {len(placeholders)} inputs"
+        )
     env.update(zip(placeholders, operands, strict=True))
     outputs: tuple = ()
     with gm.graph.inserting_before(hop):

@@ -24,7 +24,9 @@ def refresh_vals(program: Program) -> None:
     except Exception as exc:
         node = getattr(prop, "_current_node", None) or _failing_node(exc)
         loc = where(node) if node is not None else "the converted graph"
-        raise PrecastError(f"{loc}: the converted program fails shape/dtype checks: {str(exc).splitlines()[0]}") from exc
+        raise PrecastError(
+            f"{loc}: the converted program fails shape/dtype checks: {str(exc).splitlines()[0]}"
+        ) from exc
 
 
 def _failing_node(exc: Exception):
@@ -42,8 +44,14 @@ def error_metrics(actual: Any, expected: Any) -> list[dict]:
         bitwise = same_dtype and a.shape == e.shape and bool(torch.equal(a, e) or _nan_equal(a, e))
         af, ef = a.detach().double().flatten(), e.detach().double().flatten()
         finite = torch.isfinite(af).all().item() and torch.isfinite(ef).all().item()
-        max_abs = (af - ef).abs().max().item() if af.numel() and finite else (0.0 if bitwise else float("inf"))
-        cos = torch.nn.functional.cosine_similarity(af, ef, dim=0).item() if af.numel() and finite else float("nan")
+        max_abs = (
+            (af - ef).abs().max().item() if af.numel() and finite else (0.0 if bitwise else float("inf"))
+        )
+        cos = (
+            torch.nn.functional.cosine_similarity(af, ef, dim=0).item()
+            if af.numel() and finite
+            else float("nan")
+        )
         out.append(
             {
                 "dtype": str(a.dtype).removeprefix("torch."),
@@ -59,8 +67,10 @@ def error_metrics(actual: Any, expected: Any) -> list[dict]:
 
 
 def _nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.is_floating_point() and bool(torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))) and bool(
-        torch.equal(torch.isnan(a), torch.isnan(b))
+    return (
+        a.is_floating_point()
+        and bool(torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)))
+        and bool(torch.equal(torch.isnan(a), torch.isnan(b)))
     )
 
 
@@ -74,4 +84,10 @@ def compare(
     bitwise = all(m["bitwise"] for m in metrics)
     worst = max((m["max_abs"] for m in metrics), default=0.0)
     verdict = "bitwise equal" if bitwise else f"max abs error {worst:.3g}"
-    return {"reference": reference_name, "bitwise": bitwise, "max_abs": worst, "outputs": metrics, "verdict": verdict}
+    return {
+        "reference": reference_name,
+        "bitwise": bitwise,
+        "max_abs": worst,
+        "outputs": metrics,
+        "verdict": verdict,
+    }

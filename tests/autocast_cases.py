@@ -66,7 +66,9 @@ def _method(name: str) -> Callable:
 
 
 def _to(args: tuple, dtype: torch.dtype) -> tuple:
-    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t, args)
+    return pytree.tree_map(
+        lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t, args
+    )
 
 
 def cpu_cases(dtype: torch.dtype) -> list[Case]:
@@ -77,7 +79,11 @@ def cpu_cases(dtype: torch.dtype) -> list[Case]:
     for list_name, kind in LISTS.items():
         for entry in getattr(lists, list_name):
             op = entry[0]
-            if list_name in ("torch_need_autocast_promote", "torch_expect_builtin_promote", "methods_expect_builtin_promote"):
+            if list_name in (
+                "torch_need_autocast_promote",
+                "torch_expect_builtin_promote",
+                "methods_expect_builtin_promote",
+            ):
                 args, kwargs = (entry[1] if dtype == torch.bfloat16 else entry[2]), {}
             else:
                 args = entry[1] if dtype == torch.bfloat16 else _to(entry[1], dtype)

@@ -17,7 +17,9 @@ def assert_bitwise(got, want) -> None:
         if isinstance(a, torch.Tensor):
             assert a.dtype == b.dtype, f"dtype {a.dtype} != {b.dtype}"
             assert a.shape == b.shape
-            assert torch.equal(a, b), f"values differ: max abs {(a.double() - b.double()).abs().max().item():.3g}"
+            assert torch.equal(a, b), (
+                f"values differ: max abs {(a.double() - b.double()).abs().max().item():.3g}"
+            )
         else:
             assert a == b
 
@@ -28,14 +30,22 @@ def constant_casts(ep: ExportedProgram) -> list[str]:
     from precast.passes.fold_constants import VIEW_OPS
 
     consts = {s.arg.name for s in ep.graph_signature.input_specs if s.kind in CONSTANT_KINDS}
-    casts = (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.prims.convert_element_type.default)
+    casts = (
+        torch.ops.aten._to_copy.default,
+        torch.ops.aten.to.dtype,
+        torch.ops.prims.convert_element_type.default,
+    )
 
     def from_constant(node) -> bool:
         while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in VIEW_OPS:
             node = node.args[0]
         return isinstance(node, torch.fx.Node) and node.name in consts
 
-    return [n.name for n in ep.graph.nodes if n.op == "call_function" and n.target in casts and from_constant(n.args[0])]
+    return [
+        n.name
+        for n in ep.graph.nodes
+        if n.op == "call_function" and n.target in casts and from_constant(n.args[0])
+    ]
 
 
 def casts_per_producer(ep: ExportedProgram) -> dict:

@@ -46,7 +46,9 @@ class ViewsOfWeights(nn.Module):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             a = x @ self.w.t()
             b = x @ self.w.transpose(0, 1)  # same view, same cast: shared
-            c = torch.bmm(x.unsqueeze(0).expand(4, -1, -1), self.k.reshape(4, 16, 4) @ self.k.reshape(4, 4, 16))
+            c = torch.bmm(
+                x.unsqueeze(0).expand(4, -1, -1), self.k.reshape(4, 16, 4) @ self.k.reshape(4, 4, 16)
+            )
         return a.float() + b.float() + c.float().sum(0)
 
 

@@ -177,3 +177,42 @@ def test_check_fp32_reference_restores_weights(files):
             model.sub.linear2(torch.relu(model.sub.linear1(x))) @ model.output.weight.T + model.output.bias,
             atol=0.05,
         )
+
+
+def test_convert_rules_flags_with_calibration_file(tmp_path, capsys):
+    """--policy rules with --data-max and a torch.save'd calibration list: the op that overflows stays fp32."""
+    from precast.cli import main
+
+    model, inputs = zoo.plain_mlp()  # no regions of its own: the rules decide every op
+    ep = torch.export.export(model, inputs)
+    src, out, cal = tmp_path / "in.pt2", tmp_path / "out.pt2", tmp_path / "cal.pt"
+    torch.export.save(ep, str(src))
+    torch.save([inputs, (torch.randn(4, 64),)], cal)
+    code = main(
+        [
+            "convert",
+            str(src),
+            "-o",
+            str(out),
+            "--policy",
+            "rules",
+            "--dtype",
+            "fp16",
+            "--data-max",
+            "1e-3",
+            "--calibration",
+            str(cal),
+            "--json",
+        ]
+    )
+    assert code == 0 and out.exists()
+    rep = precast.report(torch.export.load(str(out)))
+    linears = [n for n in rep.nodes if n.op == "aten.linear.default"]
+    assert linears and all(n.dtype == "fp32" and n.rule == "data_max" for n in linears)
+
+    bad = tmp_path / "bad.pt"
+    torch.save({"not": "a list"}, bad)
+    out2 = tmp_path / "out2.pt2"
+    code = main(["convert", str(src), "-o", str(out2), "--policy", "rules", "--calibration", str(bad)])
+    assert code == 2 and not out2.exists()
+    assert "expected a non-empty list of input tuples" in capsys.readouterr().err

@@ -43,7 +43,9 @@ def test_no_regions_left_and_no_constant_casts_after_decompositions(converted):
     after_ep = res.program.run_decompositions()
     assert constant_casts(after_ep) == []
     if name not in ("other_device",):  # a CUDA region on CPU casts nothing to begin with
-        assert before, "the unconverted program should cast weights at run time (else this test proves nothing)"
+        assert before, (
+            "the unconverted program should cast weights at run time (else this test proves nothing)"
+        )
     # decompositions change numerics on their own (layer_norm, sdpa): compare like with like
     with torch.no_grad():
         assert_bitwise(after_ep.module()(*inputs), ep.run_decompositions().module()(*inputs))
@@ -53,7 +55,11 @@ def test_io_dtypes_unchanged(converted):
     _, _, inputs, ep, res = converted
 
     def io_dtypes(p):
-        ins = [n.meta["val"].dtype for n in p.graph.nodes if n.op == "placeholder" and n.name in p.graph_signature.user_inputs]
+        ins = [
+            n.meta["val"].dtype
+            for n in p.graph.nodes
+            if n.op == "placeholder" and n.name in p.graph_signature.user_inputs
+        ]
         outs = [a.meta["val"].dtype for a in p.graph.output_node().args[0]]
         return ins, outs
 
@@ -114,7 +120,9 @@ def test_tied_weights_cast_once():
     ep = torch.export.export(model, inputs)
     read = {n.name for n in ep.graph.nodes if n.op == "placeholder" and n.users}
     specs = ep.graph_signature.input_specs
-    (tied_name,) = [s.target for s in specs if s.target in ("emb.weight", "out.weight") and s.arg.name in read]
+    (tied_name,) = [
+        s.target for s in specs if s.target in ("emb.weight", "out.weight") and s.arg.name in read
+    ]
     assert set(sd) >= {"emb.weight", "out.weight"}  # both names of the tied parameter stay
     assert sd[tied_name].dtype == torch.float32
     copies = [s for s in precast.constant_sources(res.program).values() if s.original == tied_name]
@@ -190,7 +198,9 @@ def test_converted_program_compiles_with_inductor_aot_compatible_graph():
     targets = {str(n.target) for n in core.graph.nodes if n.op == "call_function"}
     assert "higher_order.wrap_with_autocast" not in " ".join(targets)
     with torch.no_grad():
-        assert_bitwise(core.module()(*inputs), torch.export.export(model, inputs).run_decompositions().module()(*inputs))
+        assert_bitwise(
+            core.module()(*inputs), torch.export.export(model, inputs).run_decompositions().module()(*inputs)
+        )
 
 
 def test_unsupported_dtype_and_policy_are_one_line_errors():

@@ -65,7 +65,9 @@ def test_zoo_bitwise_equal_to_eager_autocast(name, dtype):
         want = eager_autocast(model, inputs, DTYPES[dtype])
     except RuntimeError as exc:
         if LSTM_ONEDNN in str(exc):
-            pytest.skip("eager autocast fails here too: oneDNN has no low-precision LSTM primitive on this CPU (AVX2)")
+            pytest.skip(
+                "eager autocast fails here too: oneDNN has no low-precision LSTM primitive on this CPU (AVX2)"
+            )
         raise
     res = precast.convert(model, inputs, policy="torch", dtype=DTYPES[dtype])
     with torch.no_grad():
@@ -156,7 +158,12 @@ def _cuda_cases(mode):
         ("mm mixed", aten.mm.default, (f16, sq), {}),
         ("matmul bf16 in", aten.matmul.default, (bf, sq), {}),
         ("bmm", aten.bmm.default, (b3, b3.transpose(1, 2)), {}),
-        ("addmm", aten.addmm.default, (torch.zeros(4, 8, device="meta").to("cpu") if False else f32, f32, sq), {}),
+        (
+            "addmm",
+            aten.addmm.default,
+            (torch.zeros(4, 8, device="meta").to("cpu") if False else f32, f32, sq),
+            {},
+        ),
         ("conv2d", aten.conv2d.default, (img, k), {}),
         ("sdpa", aten.scaled_dot_product_attention.default, (b3, b3, b3), {}),
         ("exp fp16 -> fp32", aten.exp.default, (f16,), {}),

@@ -124,9 +124,9 @@ def load_inputs(path: str | None, ep) -> tuple[tuple, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precast.commands.report import load_quietly
+    from precast.capture import load_program
 
-    ep = load_quietly(args.program)
+    ep = load_program(args.program)
     inputs, kwargs = load_inputs(args.inputs, ep)
     try:
         with torch.no_grad():

@@ -22,27 +22,64 @@ def add_parser(sub) -> None:
     )
     p.add_argument("source", help="a program saved with torch.export.save, or 'package.module:factory'")
     p.add_argument("-o", "--output", required=True, help="where to save the converted program (.pt2)")
-    p.add_argument("--policy", choices=["torch", "rules"], default=None, help="default: the program's own regions")
+    p.add_argument(
+        "--policy", choices=["torch", "rules"], default=None, help="default: the program's own regions"
+    )
     p.add_argument("--dtype", default=None, help="bf16 or fp16 (default: the device's autocast dtype)")
     p.add_argument("--device-type", default=None, choices=["cpu", "cuda"])
     p.add_argument("--exclude-nodes", nargs="*", default=(), metavar="REGEX")
     p.add_argument("--exclude-ops", nargs="*", default=(), metavar="OP")
+    p.add_argument(
+        "--include-nodes", nargs="*", default=(), metavar="REGEX", help="rules: force low precision"
+    )
+    p.add_argument("--include-ops", nargs="*", default=(), metavar="OP", help="rules: force low precision")
+    p.add_argument("--data-max", type=float, default=None, help="rules: fp32 where |values| exceed this")
+    p.add_argument("--init-max", type=float, default=None, help="rules: fp32 where a constant exceeds this")
+    p.add_argument(
+        "--max-reduction-depth", type=int, default=None, help="rules: fp32 above this accumulation depth"
+    )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE.pt",
+        help="rules: a list of input tuples saved with torch.save, for data_max and tolerance",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the run comparing against the reference")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a summary")
-    p.add_argument("--allow", action="append", default=[], metavar="CODE",
-                   help="downgrade this diagnostic error to a warning (repeatable), e.g. --allow control-flow")
+    p.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="CODE",
+        help="downgrade this diagnostic error to a warning (repeatable), e.g. --allow control-flow",
+    )
     p.set_defaults(run=run)
 
 
 def load_source(source: str):
     """(program_or_module, example_inputs) from a .pt2 path or a module:factory spec."""
-    from precast.capture import load_factory
+    from precast.capture import load_factory, load_program
 
     if ":" in source and not Path(source).exists() and not source.endswith(".pt2"):
         return load_factory(source)
-    from precast.commands.report import load_quietly
+    return load_program(source), None
 
-    return load_quietly(source), None
+
+def _load_calibration(path: str) -> list:
+    p = Path(path)
+    if not p.is_file():
+        raise PrecastError(f"--calibration {p}: no such file; save a list of input tuples with torch.save")
+    try:
+        batches = torch.load(p, weights_only=True)
+    except Exception as exc:
+        raise PrecastError(
+            f"--calibration {p}: cannot be read with torch.load ({str(exc).splitlines()[0]})"
+        ) from exc
+    if not isinstance(batches, (list, tuple)) or not batches:
+        raise PrecastError(
+            f"--calibration {p}: expected a non-empty list of input tuples, got {type(batches).__name__}"
+        )
+    return list(batches)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
         opts["exclude_nodes"] = args.exclude_nodes
     if args.exclude_ops:
         opts["exclude_ops"] = args.exclude_ops
+    for name in ("include_nodes", "include_ops", "data_max", "init_max", "max_reduction_depth"):
+        value = getattr(args, name)
+        if value not in (None, (), []):
+            opts[name] = value
+    if args.calibration:
+        opts["calibration"] = _load_calibration(args.calibration)
     res = precast.convert(
         obj,
         inputs,

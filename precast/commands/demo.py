@@ -11,7 +11,9 @@ from precast.errors import PrecastError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="convert the built-in example (the seed's model) and compare before/after")
+    p = sub.add_parser(
+        "demo", help="convert the built-in example (the seed's model) and compare before/after"
+    )
     p.add_argument("--repeats", type=int, default=200, help="timed forwards per variant")
     p.set_defaults(run=run)
 
@@ -19,7 +21,11 @@ def add_parser(sub) -> None:
 def _weight_casts(ep: torch.export.ExportedProgram) -> int:
     """Casts whose input is a parameter/buffer in the decomposed graph: work done on every forward."""
     ep = ep.run_decompositions()
-    consts = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")}
+    consts = {
+        s.arg.name
+        for s in ep.graph_signature.input_specs
+        if s.kind.name in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR")
+    }
     return sum(
         1
         for n in ep.graph.nodes
@@ -68,8 +74,12 @@ def run(args: argparse.Namespace) -> int:
         same = torch.equal(before(x), after(x))
     print("\n3. Before vs after:")
     print(f"   outputs bitwise equal: {same}")
-    print(f"   weight casts per forward (decomposed graph): {_weight_casts(ep)} -> {_weight_casts(res.program)}")
+    print(
+        f"   weight casts per forward (decomposed graph): {_weight_casts(ep)} -> {_weight_casts(res.program)}"
+    )
     t0, t1 = _median_ms(before, x, args.repeats), _median_ms(after, x, args.repeats)
-    print(f"   eager ep.module() median latency: {t0:.3f} ms -> {t1:.3f} ms (CPU; bf16 math is emulated here)")
+    print(
+        f"   eager ep.module() median latency: {t0:.3f} ms -> {t1:.3f} ms (CPU; bf16 math is emulated here)"
+    )
     print("\nNext: `precast convert model.pt2 -o fast.pt2`, then compile fast.pt2 with AOTInductor.")
     return 0 if same else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from precast.capture import load_program
 from precast.errors import PrecastError
 from precast.io import atomic_path, check_writable
 
@@ -24,29 +25,13 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def load_quietly(path: str):
-    """``capture.load_program`` without torch.export.load's logged traceback for a file that is not a program
-    (its fallback logs one at WARNING before precast turns the failure into one line)."""
-    import logging
-
-    from precast.capture import load_program
-
-    logger = logging.getLogger("torch.export")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        return load_program(path)
-    finally:
-        logger.setLevel(level)
-
-
 def run(args: argparse.Namespace) -> int:
     import precast
     from precast.render import render, render_table
 
     if args.output:
         check_writable(args.output)
-    ep = load_quietly(args.program)
+    ep = load_program(args.program)
     rep = precast.report(ep)
     if args.output is None and args.format == "table":
         from rich.console import Console

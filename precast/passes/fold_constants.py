@@ -160,4 +160,3 @@ def fold_constant_casts(program: Program) -> FoldResult:
     result.bytes_after = constant_bytes(program)
     graph.lint()
     return result
-

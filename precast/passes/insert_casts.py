@@ -40,7 +40,9 @@ def insert_casts(program: Program) -> int:
         if not (decision.casts or decision.kwarg_updates or decision.new_target is not None):
             continue
 
-        def cast(producer: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node = node) -> torch.fx.Node:
+        def cast(
+            producer: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node = node
+        ) -> torch.fx.Node:
             nonlocal added
             key = (producer, dtype)
             if key not in made:

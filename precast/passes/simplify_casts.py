@@ -72,7 +72,11 @@ def simplify_casts(graph: torch.fx.Graph) -> SimplifyResult:
                 result.same_dtype += 1
                 changed = True
                 continue
-            if isinstance(src, torch.fx.Node) and is_cast(src) and (_dtype(src.args[0]), cast_dtype(src)) in LOSSLESS:
+            if (
+                isinstance(src, torch.fx.Node)
+                and is_cast(src)
+                and (_dtype(src.args[0]), cast_dtype(src)) in LOSSLESS
+            ):
                 origin = src.args[0]
                 node.args = (origin,)
                 node.kwargs = {"dtype": dtype}

@@ -94,11 +94,15 @@ def autocast_decision(
                     code="autocast-promote",
                     node=node.name,
                 )
-        return Decision(target, source, cat.value, f"{why} to {dtype_name(target)}", casts=cast_to(target), region=region)
+        return Decision(
+            target, source, cat.value, f"{why} to {dtype_name(target)}", casts=cast_to(target), region=region
+        )
     if cat == Category.FP32_SET_OPT_DTYPE:
         if not first_eligible:
             return None
-        updates = {} if kwargs.get("dtype") is not None or _positional_dtype(op, args) else {"dtype": torch.float32}
+        updates = (
+            {} if kwargs.get("dtype") is not None or _positional_dtype(op, args) else {"dtype": torch.float32}
+        )
         return Decision(torch.float32, source, cat.value, why, kwarg_updates=updates, region=region)
     if cat == Category.FP32_APPEND_DTYPE:
         if not first_eligible:

@@ -46,7 +46,9 @@ def _check(build, in_dtype):
 
 
 def test_same_dtype_cast_is_removed():
-    gm, res = _check(lambda g, x: (g.call_function(torch.relu, (g.call_function(TO, (x,), {"dtype": BF}),)),), BF)
+    gm, res = _check(
+        lambda g, x: (g.call_function(torch.relu, (g.call_function(TO, (x,), {"dtype": BF}),)),), BF
+    )
     assert _casts(gm) == [] and res.same_dtype == 1
 
 
