@@ -33,6 +33,7 @@ import torch
 
 from precast import zoo
 from precast.errors import PrecastError
+from precast.progress import ProgressBar
 
 VARIANTS = (
     "eager_fp32",
@@ -358,7 +359,7 @@ def run_bench(
     work = Path(workdir or os.environ.get("TMPDIR", "/tmp")) / f"precast-bench-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     results: list[Result] = []
-    with _Progress(progress, total=len(models) * len(batches)) as bar:
+    with ProgressBar("bench", len(models) * len(batches), progress) as bar:
         for name in models:
             for batch in batches:
                 bar.describe(f"{name} batch {batch}: building")
@@ -398,44 +399,6 @@ def run_bench(
                     results.append(r)
                 bar.advance()
     return results
-
-
-class _Progress:
-    """A rich progress bar on stderr when it is a terminal (and not CI); silent otherwise."""
-
-    def __init__(self, enabled: bool | None, total: int):
-        if enabled is None:
-            enabled = sys.stderr.isatty() and not os.environ.get("CI")
-        self.enabled, self.total = enabled, total
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._p = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
-                transient=True,
-            )
-            self._p.__enter__()
-            self._task = self._p.add_task("bench", total=self.total)
-        return self
-
-    def describe(self, text: str) -> None:
-        if self.enabled:
-            self._p.update(self._task, description=text)
-
-    def advance(self) -> None:
-        if self.enabled:
-            self._p.advance(self._task)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.enabled:
-            self._p.__exit__(*exc)
 
 
 # ---- output -----------------------------------------------------------------------------------------------

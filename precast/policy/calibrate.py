@@ -21,6 +21,7 @@ from torch.export.graph_signature import InputKind
 from precast.capture import normalize_inputs
 from precast.errors import PrecastError
 from precast.program import Program
+from precast.progress import ProgressBar
 
 
 @dataclass
@@ -176,49 +177,18 @@ def calibrate(
     ep: ExportedProgram,
     data: Iterable[Any],
     *,
-    progress: bool = True,
+    progress: bool | None = None,  # None: a bar on an interactive terminal outside CI
     source: str = "calibration data",
 ) -> Calibration:
     """Per-node range statistics of the fp32 program over ``data`` (batches: input tuples or kwargs dicts)."""
     cal = Calibration(source=source)
     interp = _StatsInterpreter(program.gm, cal.stats)
     total = len(data) if hasattr(data, "__len__") else None
-    with _progress(progress, total, f"calibrating on {source}") as advance, torch.no_grad():
+    with ProgressBar(f"calibrating on {source}", total, progress) as bar, torch.no_grad():
         for i, batch in enumerate(batches_of(data)):
             interp.run(*flat_inputs(program, ep, batch, i))
             cal.batches += 1
-            advance()
+            bar.advance()
     if cal.batches == 0:
         raise PrecastError("calibration data is empty: give at least one batch of inputs")
     return cal
-
-
-class _progress:
-    """A rich progress bar on stderr (transient), or nothing."""
-
-    def __init__(self, enabled: bool, total: int | None, text: str):
-        self.enabled, self.total, self.text = enabled, total, text
-        self.bar = None
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda: None
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self.bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        self.bar.__enter__()
-        task = self.bar.add_task(self.text, total=self.total)
-        return lambda: self.bar.advance(task)
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-        return False
