@@ -41,6 +41,24 @@ def user_source_line(node: torch.fx.Node) -> str | None:
     return f"{chosen[0]}:{chosen[1]}" if chosen else None
 
 
+def short_path(location: str | None) -> str | None:
+    """``file.py:LINE`` relative to the working directory when under it (else the last two path parts)."""
+    if not location:
+        return location
+    import os
+
+    path, sep, line = location.rpartition(":")
+    if not sep:
+        path, line = location, ""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        rel = path
+    if rel.startswith(".."):
+        rel = "/".join(path.split("/")[-2:])
+    return f"{rel}:{line}" if line else rel
+
+
 def user_source_code(node: torch.fx.Node) -> str | None:
     """The code text of the user's source line, when the stack trace recorded it."""
     trace = node.meta.get("stack_trace") or ""

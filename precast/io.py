@@ -28,11 +28,18 @@ def check_writable(path: str | Path) -> Path:
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yields a temporary path beside ``path``; renamed onto ``path`` only if the block succeeds."""
     p = check_writable(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
+    # keep the real suffix last: torch.export.save warns about a file not ending in .pt2
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{p.stem}.tmp-", suffix=p.suffix, dir=p.parent if str(p.parent) else "."
+    )
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        # mkstemp makes the file 0600; an output file gets the permissions the user's umask gives new files
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_path, 0o666 & ~umask)
         os.replace(tmp_path, p)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from precast.errors import PrecastError, user_source_line, where
+from precast.errors import PrecastError, short_path, user_source_line, where
 
 WRAP_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
 WRAP_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
@@ -36,7 +36,7 @@ class Region:
 
     def describe(self) -> str:
         state = f"{_short(self.dtype)}" if self.enabled else "enabled=False"
-        loc = f" at {self.source}" if self.source else ""
+        loc = f" at {short_path(self.source)}" if self.source else ""
         return f"autocast({self.device_type}, {state}){loc}"
 
 

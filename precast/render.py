@@ -7,6 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from precast.errors import short_path
 from precast.report import Report, _human_bytes
 
 DTYPE_STYLE = {"bf16": "cyan", "fp16": "magenta", "fp32": "default", "fp64": "yellow"}
@@ -19,7 +20,9 @@ MODEL_EXPLORER_GRAPH = "graph"
 
 
 def reason_text(rec) -> str:
-    text = f"{rec.source}/{rec.rule}: {rec.reason}"
+    # reasons often end with the rule name already ("autocast(cpu, bf16): lower_precision_fp")
+    reason = rec.reason.removesuffix(f": {rec.rule}")
+    text = f"{rec.source}/{rec.rule}: {reason}"
     if rec.measured is not None:
         text += f" (measured {rec.measured:.4g}" + (
             f", limit {rec.limit:.4g})" if rec.limit is not None else ")"
@@ -31,10 +34,10 @@ def table(rep: Report) -> Table:
     """One row per op, grouped by module path (in graph order), with its dtype and why."""
     t = Table(title="precast report", show_lines=False, expand=False)
     t.add_column("node", no_wrap=True)
-    t.add_column("op")
+    t.add_column("op", no_wrap=True)
     t.add_column("dtype", no_wrap=True)
-    t.add_column("reason")
-    t.add_column("source")
+    t.add_column("reason", ratio=1)
+    t.add_column("source", no_wrap=True)
     groups: dict[str, list] = {}
     for rec in rep.nodes:
         groups.setdefault(rec.module or "(top level)", []).append(rec)
@@ -47,10 +50,10 @@ def table(rep: Report) -> Table:
             style = DTYPE_STYLE.get(dtype, "default")
             t.add_row(
                 f"  {rec.name}",
-                rec.op.removeprefix("aten."),
+                rec.op.removeprefix("aten.").removesuffix(".default"),
                 f"[{style}]{dtype}[/{style}]",
                 reason_text(rec),
-                (rec.location or "").rsplit("/", 1)[-1],
+                short_path(rec.location) or "",
             )
     return t
 
@@ -76,7 +79,8 @@ def summary_lines(rep: Report) -> list[str]:
 
 
 def render_table(rep: Report, console: Console | None = None) -> Console:
-    console = console or Console()
+    # off a terminal rich assumes 80 columns, which folds every reason: use a width a file or pager can hold
+    console = console or Console(width=None if Console().is_terminal else 160)
     console.print(table(rep))
     for line in summary_lines(rep):
         console.print(line, markup=False, highlight=False)

@@ -16,6 +16,8 @@ from precast.policy.base import dtype_name
 from precast.program import META_KEY
 
 SCHEMA_VERSION = 1
+# export's run-time checks: no precision of their own, not worth a row in the report
+BOOKKEEPING = (torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default)
 
 
 @dataclass
@@ -150,7 +152,7 @@ def record_decisions(graph: torch.fx.Graph) -> list[NodeRecord]:
     records = []
     for node in graph.nodes:
         decision = node.meta.get("precast")
-        if node.op != "call_function" or decision is None:
+        if node.op != "call_function" or decision is None or node.target in BOOKKEEPING:
             continue
         rec = NodeRecord(
             name=node.name,
