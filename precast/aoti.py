@@ -51,6 +51,7 @@ class _Stored:
     source: ConstantSource
     shape: tuple[int, ...]
     device: str
+    read: bool = True  # False: the graph never reads it (AOTInductor drops it; nothing to swap)
 
 
 class CompiledModel:
@@ -109,7 +110,9 @@ class CompiledModel:
                 problems.append(f"{name} has shape {tuple(value.shape)}, expected {want.shape}")
             if value.dtype != want.source.original_dtype:
                 problems.append(f"{name} has dtype {value.dtype}, expected {want.source.original_dtype}")
-        folded = sorted(st.source.stored for st in self._stored.values() if st.source.stored not in swappable)
+        folded = sorted(
+            st.source.stored for st in self._stored.values() if st.read and st.source.stored not in swappable
+        )
         if missing:
             problems.insert(0, f"missing {missing}")
         if unexpected:
@@ -128,6 +131,8 @@ class CompiledModel:
         for name, entries in by_original.items():
             value = state_dict[name].detach()
             for st in entries:
+                if not st.read:
+                    continue  # never read by the graph (e.g. num_batches_tracked): checked above, nothing to swap
                 # a fresh contiguous copy in the stored dtype: the same rounding fold_constant_casts applied
                 update[st.source.stored] = value.to(
                     device=st.device, dtype=st.source.dtype, copy=True, memory_format=torch.contiguous_format
@@ -233,7 +238,8 @@ def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic:
         if isinstance(value, torch.Tensor):
             t = value.detach().cpu().contiguous()
             put("tensor", f"{name}:{t.dtype}:{tuple(t.shape)}")
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            # reshape(-1): a 0-d tensor (BatchNorm's num_batches_tracked) cannot be viewed as bytes directly
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
         else:
             put("object", f"{name}:{type(value).__qualname__}")
     put("configs", json.dumps(dict(inductor_configs), sort_keys=True, default=str))
@@ -257,13 +263,16 @@ def _program_device(ep: ExportedProgram) -> str:
 
 def _stored_constants(ep: ExportedProgram) -> dict[str, _Stored]:
     sources = constant_sources(ep)
+    read = {n.name for n in ep.graph.nodes if n.op == "placeholder" and n.users}
     out = {}
     for spec in ep.graph_signature.input_specs:
         if spec.kind not in CONSTANT_KINDS or spec.target not in sources:
             continue
         value = ep.state_dict.get(spec.target, ep.constants.get(spec.target))
         if isinstance(value, torch.Tensor):
-            out[spec.target] = _Stored(sources[spec.target], tuple(value.shape), str(value.device))
+            out[spec.target] = _Stored(
+                sources[spec.target], tuple(value.shape), str(value.device), read=spec.arg.name in read
+            )
     return out
 
 

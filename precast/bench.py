@@ -176,12 +176,20 @@ def aoti_cast_kernels(package: str | os.PathLike) -> int:
 
 
 def eager_cast_ops(fn: Callable[[], Any]) -> int:
-    """``aten::_to_copy`` calls in one eager forward, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
+    """``aten::_to_copy`` calls in one eager forward (autocast's casts included: they dispatch below it)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
         fn()
-    return sum(1 for e in prof.events() if e.name == "aten::_to_copy")
+    return Count.n
 
 
 # ---- memory in a fresh process ----------------------------------------------------------------------------

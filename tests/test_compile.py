@@ -240,3 +240,22 @@ def test_cli_compile_copies_package(converted_a, compiled_a, aoti_cache, tmp_pat
     assert torch.equal(loaded(*inputs), compiled_a(*inputs))
     assert main(["compile", str(tmp_path / "nope.pt2")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+@pytest.mark.aoti
+def test_cnn_state_dict_with_unread_buffers_reloads(aoti_cache):
+    """BatchNorm's 0-d num_batches_tracked: hashed into the cache key, never read, accepted by load_weights."""
+    from precast import zoo
+
+    model, inputs = zoo.cnn()
+    res = precast.convert(model, inputs)
+    compiled = precast.compile(res.program, cache_dir=aoti_cache, progress=False)
+    assert "bn1.num_batches_tracked" in res.program.state_dict
+    new, _ = zoo.cnn()
+    with torch.no_grad():
+        for p in new.parameters():
+            p.mul_(1.5)
+    compiled.load_weights(new.state_dict())
+    fresh = precast.compile(precast.convert(new, inputs).program, cache_dir=aoti_cache, progress=False)
+    with torch.no_grad():
+        assert torch.equal(compiled(*inputs), fresh(*inputs))
