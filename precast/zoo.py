@@ -332,6 +332,22 @@ def plain_encoder(batch: int = 2, seq: int = 8):
     return PlainEncoder().eval(), (torch.randn(batch, seq, 64),)
 
 
+class AutocastRegion(nn.Module):
+    """A model written without autocast, run inside one ``torch.autocast`` region (outputs back to fp32): the
+    seed's situation for any model."""
+
+    def __init__(self, model: nn.Module, device_type: str = "cpu", dtype: torch.dtype = BF16):
+        super().__init__()
+        self.model, self.device_type, self.dtype = model, device_type, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            out = self.model(*args, **kwargs)
+        return torch.utils._pytree.tree_map(
+            lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out
+        )
+
+
 # models with the program's own autocast regions (policy None)
 REGION_MODELS: dict[str, Callable] = {
     "seed": seed_model,

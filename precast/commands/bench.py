@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         measure_rss=not args.no_rss,
     )
-    Console().print(bench.to_rich_table(results))
+    # off a terminal rich assumes 80 columns and folds every cell: give files and pipes a wide table
+    console = Console()
+    Console(width=None if console.is_terminal else 170).print(bench.to_rich_table(results))
     if args.out:
         for path in bench.write_outputs(results, args.out, bench.machine_info(args.device)):
             print(f"wrote {path}", file=sys.stderr)
