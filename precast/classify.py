@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 
 from precast.errors import PrecastError, where
+from precast.policy import op_families
 from precast.policy.autocast import autocast_decision, op_device_type, tensor_args
 from precast.policy.base import Decision, Policy, dtype_name
 from precast.policy.torch_tables import category
@@ -35,44 +36,7 @@ ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 # Ops whose eager kernels require every floating tensor argument to have one dtype (no type promotion).
 # FakeTensor does not check this, so a low-precision activation meeting an fp32 weight would only fail at run
 # time; precast checks it at conversion.
-SAME_DTYPE_OPS = frozenset(
-    name
-    for base in (
-        "linear",
-        "matmul",
-        "mm",
-        "bmm",
-        "addmm",
-        "baddbmm",
-        "addbmm",
-        "addmv",
-        "mv",
-        "dot",
-        "vdot",
-        "einsum",
-        "bilinear",
-        "tensordot",
-        "linalg_vecdot",
-        "conv1d",
-        "conv2d",
-        "conv3d",
-        "convolution",
-        "_convolution",
-        "conv_transpose1d",
-        "conv_transpose2d",
-        "conv_transpose3d",
-        "conv_tbc",
-        "scaled_dot_product_attention",
-        "_addmm_activation",
-        "prelu",
-        "mkldnn_rnn_layer",
-        "lstm",
-        "gru",
-        "rnn_tanh",
-        "rnn_relu",
-    )
-    for name in (f"aten::{base}",)
-)
+SAME_DTYPE_OPS = frozenset(f"aten::{name}" for name in op_families.SAME_DTYPE_OPS)
 # a user rule: (node, args, kwargs) -> Decision | None; rules.py builds these from exclude/include options
 UserRule = Callable[[torch.fx.Node, tuple, dict], "Decision | None"]
 

@@ -164,7 +164,8 @@ class FallbackResult:
 def meet_tolerance(
     program: Program, ep: ExportedProgram, policy: Any, tol: Tolerance, batches
 ) -> FallbackResult:
-    from precast.policy.rules import GEMM_OPS, op_name
+    from precast.policy.op_families import GEMM_OPS
+    from precast.policy.rules import op_name
 
     inputs = [flat_inputs(program, ep, b, i) for i, b in enumerate(batches)]
     gm = program.gm

@@ -32,39 +32,11 @@ from precast.errors import PrecastError, module_path
 from precast.policy.autocast import tensor_args
 from precast.policy.base import Decision, dtype_name
 from precast.policy.calibrate import Calibration, calibrate
+from precast.policy.op_families import CONV_OPS
 from precast.program import Program
 from precast.report import Diagnostic, Report
 
-# the matmul / convolution family: what low precision is for; the accuracy fallback never moves these
-GEMM_OPS = frozenset(
-    {
-        "linear",
-        "mm",
-        "addmm",
-        "bmm",
-        "matmul",
-        "baddbmm",
-        "addbmm",
-        "addmv",
-        "mv",
-        "dot",
-        "einsum",
-        "conv1d",
-        "conv2d",
-        "conv3d",
-        "convolution",
-        "_convolution",
-        "conv_transpose1d",
-        "conv_transpose2d",
-        "conv_transpose3d",
-        "scaled_dot_product_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention",
-        "bilinear",
-        "tensordot",
-    }
-)
+# GEMM_OPS (precast.policy.op_families): what low precision is for; the fallback never moves these
 # ops that follow their inputs' dtype: shape/index/data movement, comparisons, exact selections, casts
 FOLLOW_OPS = frozenset(
     {
@@ -214,18 +186,6 @@ REDUCE_DIM_OPS = frozenset(
     }
 )
 NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"})
-CONV_OPS = frozenset(
-    {
-        "conv1d",
-        "conv2d",
-        "conv3d",
-        "convolution",
-        "_convolution",
-        "conv_transpose1d",
-        "conv_transpose2d",
-        "conv_transpose3d",
-    }
-)
 MATMUL_INNER = {
     "linear": ("w", 1),
     "mm": ("a", 0),
