@@ -112,6 +112,19 @@ def load_program(path: str | Path) -> ExportedProgram:
         ) from exc
 
 
+def load_saved(path: str | Path, what: str, hint: str) -> Any:
+    """A user's file of tensors (``torch.save``), read with ``weights_only=True``; one-line errors saying
+    ``what`` it was for and ``hint`` on how to make one."""
+    p = Path(path)
+    if not p.is_file():
+        raise PrecastError(f"{what} {p}: no such file; {hint}")
+    try:
+        return torch.load(p, weights_only=True)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise PrecastError(f"{what} {p}: cannot be read with torch.load ({first}); {hint}") from exc
+
+
 def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
     """``pkg.module:factory`` -> (model, example_inputs) from calling the factory with no arguments."""
     mod_name, sep, attr = spec.partition(":")

@@ -104,7 +104,7 @@ def metrics(got, want) -> list[dict]:
 
 
 def load_inputs(path: str | None, ep) -> tuple[tuple, dict]:
-    from precast.capture import normalize_inputs
+    from precast.capture import load_saved, normalize_inputs
 
     if path is None:
         if ep.example_inputs is None:
@@ -112,14 +112,7 @@ def load_inputs(path: str | None, ep) -> tuple[tuple, dict]:
                 "the program carries no example inputs; pass --inputs FILE.pt (saved with torch.save)"
             )
         return normalize_inputs(ep.example_inputs)
-    p = Path(path)
-    if not p.is_file():
-        raise PrecastError(f"{p}: no such file; save the inputs with torch.save((x,), '{p.name}')")
-    try:
-        value = torch.load(p, weights_only=True)
-    except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise PrecastError(f"{p}: cannot be loaded with torch.load ({first})") from exc
+    value = load_saved(path, "--inputs", f"save the inputs with torch.save((x,), '{Path(path).name}')")
     return normalize_inputs(value)
 
 

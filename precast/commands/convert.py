@@ -66,15 +66,10 @@ def load_source(source: str):
 
 
 def _load_calibration(path: str) -> list:
+    from precast.capture import load_saved
+
     p = Path(path)
-    if not p.is_file():
-        raise PrecastError(f"--calibration {p}: no such file; save a list of input tuples with torch.save")
-    try:
-        batches = torch.load(p, weights_only=True)
-    except Exception as exc:
-        raise PrecastError(
-            f"--calibration {p}: cannot be read with torch.load ({str(exc).splitlines()[0]})"
-        ) from exc
+    batches = load_saved(p, "--calibration", "save a list of input tuples with torch.save")
     if not isinstance(batches, (list, tuple)) or not batches:
         raise PrecastError(
             f"--calibration {p}: expected a non-empty list of input tuples, got {type(batches).__name__}"
