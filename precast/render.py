@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from precast.errors import short_path
-from precast.report import Report, _human_bytes
+from precast.report import Report
 
 DTYPE_STYLE = {"bf16": "cyan", "fp16": "magenta", "fp32": "default", "fp64": "yellow"}
 # Model Explorer colours, one per dtype (the node's value is its bit width)
@@ -58,31 +58,11 @@ def table(rep: Report) -> Table:
     return t
 
 
-def summary_lines(rep: Report) -> list[str]:
-    mib = 1024 * 1024
-    by_dtype = ", ".join(f"{k} {v}" for k, v in sorted(rep.nodes_by_dtype().items()))
-    lines = [
-        f"policy: {rep.policy or 'regions only'}"
-        + (f" ({rep.device_type}, {rep.dtype})" if rep.policy else ""),
-        f"ops by dtype: {by_dtype or '-'}",
-        f"casts: {rep.casts_runtime} at run time ({_human_bytes(rep.cast_bytes)} moved per forward), "
-        f"{rep.casts_folded} folded into constants",
-        "weights: "
-        + ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in sorted(rep.weight_bytes_before.items()))
-        + " -> "
-        + ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in sorted(rep.weight_bytes_after.items())),
-    ]
-    for d in rep.diagnostics:
-        where = f" [{d.node}]" if d.node else ""
-        lines.append(f"{d.severity}{where}: {d.message}" + (f" — fix: {d.fix}" if d.fix else ""))
-    return lines
-
-
 def render_table(rep: Report, console: Console | None = None) -> Console:
     # off a terminal rich assumes 80 columns, which folds every reason: use a width a file or pager can hold
     console = console or Console(width=None if Console().is_terminal else 160)
     console.print(table(rep))
-    for line in summary_lines(rep):
+    for line in rep.summary().splitlines():
         console.print(line, markup=False, highlight=False)
     return console
 

@@ -128,8 +128,8 @@ class Report:
             f"ops: {len(self.nodes)}  by dtype: "
             + ", ".join(f"{k} {v}" for k, v in sorted(self.nodes_by_dtype().items())),
             f"casts folded into constants: {self.casts_folded}; casts left at run time: {self.casts_runtime}"
-            f" (activations only); removed as redundant: {self.casts_simplified}",
-            f"bytes moved by run-time casts per forward: {_human_bytes(self.cast_bytes)}",
+            f" (activations only, {_human_bytes(self.cast_bytes)} moved per forward); removed as redundant: "
+            f"{self.casts_simplified}",
             f"weights: {before:.2f} MiB -> {after:.2f} MiB ("
             + ", ".join(f"{k} {v / mb:.2f} MiB" for k, v in sorted(self.weight_bytes_after.items()))
             + ")",

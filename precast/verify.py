@@ -18,19 +18,24 @@ def refresh_vals(program: Program) -> None:
     """Recompute every node's fake value (dtype metadata) after rewriting; a failure names the node."""
     mode = fake_mode_of(program)
     vals = [n.meta["val"] for n in program.graph.nodes if n.op == "placeholder"]
-    prop = FakeTensorProp(program.gm, mode)
+    prop = _TrackingProp(program.gm, mode)
     try:
         prop.propagate_dont_convert_inputs(*vals)
     except Exception as exc:
-        node = getattr(prop, "_current_node", None) or _failing_node(exc)
-        loc = where(node) if node is not None else "the converted graph"
+        loc = where(prop.current) if prop.current is not None else "the converted graph"
         raise PrecastError(
             f"{loc}: the converted program fails shape/dtype checks: {str(exc).splitlines()[0]}"
         ) from exc
 
 
-def _failing_node(exc: Exception):
-    return None
+class _TrackingProp(FakeTensorProp):
+    """FakeTensorProp that remembers the node it is running, so a failure can name it."""
+
+    current: torch.fx.Node | None = None
+
+    def run_node(self, n: torch.fx.Node):
+        self.current = n
+        return super().run_node(n)
 
 
 def error_metrics(actual: Any, expected: Any) -> list[dict]:

@@ -639,32 +639,16 @@ def convert_with_rules(
     device: str,
     keep_io_types: bool | None,
     verify: bool,
-    exclude_nodes=(),
-    exclude_ops=(),
-    include_nodes=(),
-    include_ops=(),
-    data_max=None,
-    init_max=None,
-    max_reduction_depth=None,
     calibration=None,
     tolerance=None,
-    custom_rules=(),
+    **rule_options: Any,
 ):
+    """policy="rules": ``rule_options`` are RuleOptions.build's keywords (exclude/include, limits, custom rules)."""
     from precast.convert import ConvertResult, _verify, finish, run_pipeline
     from precast.policy.fallback import meet_tolerance, parse_tolerance
 
     keep_io = True if keep_io_types is None else bool(keep_io_types)
-    opts = RuleOptions.build(
-        low,
-        exclude_nodes,
-        exclude_ops,
-        include_nodes,
-        include_ops,
-        data_max,
-        init_max,
-        max_reduction_depth,
-        custom_rules,
-    )
+    opts = RuleOptions.build(low, **rule_options)
     tol = parse_tolerance(tolerance)
     batches, source = _batches(calibration, ep, need=opts.data_max is not None or tol is not None)
     if batches is None and opts.data_max is not None:
