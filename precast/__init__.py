@@ -6,6 +6,7 @@ res.report    # every decision explained
 """
 
 from precast.convert import ConvertResult, convert
+from precast.diagnostics import guard_module
 from precast.errors import PrecastError
 from precast.program import constant_sources
 from precast.report import Report, report
@@ -15,6 +16,7 @@ __all__ = [
     "PrecastError",
     "Report",
     "constant_sources",
+    "guard_module",
     "convert",
     "report",
     "compile",

@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 
-from precast.errors import PrecastError
+from precast.errors import PrecastError, first_line
 from precast.program import CONSTANT_KINDS, ConstantSource, constant_sources
 
 MODES = ("default", "max-autotune")
@@ -52,6 +54,7 @@ class _Stored:
     shape: tuple[int, ...]
     device: str
     read: bool = True  # False: the graph never reads it (AOTInductor drops it; nothing to swap)
+    persistent: bool = True  # in the model's state_dict(); False: a non-persistent buffer or lifted constant
 
 
 class CompiledModel:
@@ -87,17 +90,25 @@ class CompiledModel:
         """Names of the constants the compiled code reads (stored names, possibly low precision)."""
         return sorted(self._runner.get_constant_fqns())
 
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
         """Replace the weights by the model's ORIGINAL state_dict (fp32, original names), without recompiling.
 
         Each tensor is cast to the dtype(s) the converted program stores it in. Names, shapes and dtypes are
         checked first; on any mismatch a PrecastError lists them all and the model keeps its old weights.
+        Non-persistent buffers and lifted constants (``position_ids``, ``inv_freq``: not in ``state_dict()``)
+        are swapped when given by name and otherwise keep the value the program baked. Returns
+        ``{"loaded": [...], "kept": [...]}``: the original names swapped, and those left as they were.
         """
         by_original: dict[str, list[_Stored]] = {}
         for st in self._stored.values():
             by_original.setdefault(st.source.original, []).append(st)
         swappable = set(self._runner.get_constant_fqns())
-        missing = sorted(n for n in by_original if n not in state_dict)
+        kept = sorted(
+            n
+            for n, sts in by_original.items()
+            if n not in state_dict and not any(st.persistent for st in sts)
+        )
+        missing = sorted(n for n in by_original if n not in state_dict and n not in kept)
         unexpected = sorted(n for n in state_dict if n not in by_original)
         problems: list[str] = []
         for name in sorted(set(by_original) & set(state_dict)):
@@ -129,6 +140,8 @@ class CompiledModel:
             )
         update: dict[str, torch.Tensor] = {}
         for name, entries in by_original.items():
+            if name in kept:
+                continue
             value = state_dict[name].detach()
             for st in entries:
                 if not st.read:
@@ -138,6 +151,7 @@ class CompiledModel:
                     device=st.device, dtype=st.source.dtype, copy=True, memory_format=torch.contiguous_format
                 )
         self._runner.load_constants(update, check_full_update=set(update) >= swappable)
+        return {"loaded": sorted(n for n in by_original if n not in kept), "kept": kept}
 
 
 # ---- public entry point -------------------------------------------------------------------------------------
@@ -270,8 +284,15 @@ def _stored_constants(ep: ExportedProgram) -> dict[str, _Stored]:
             continue
         value = ep.state_dict.get(spec.target, ep.constants.get(spec.target))
         if isinstance(value, torch.Tensor):
+            persistent = spec.kind == InputKind.PARAMETER or (
+                spec.kind == InputKind.BUFFER and spec.persistent is not False
+            )
             out[spec.target] = _Stored(
-                sources[spec.target], tuple(value.shape), str(value.device), read=spec.arg.name in read
+                sources[spec.target],
+                tuple(value.shape),
+                str(value.device),
+                read=spec.arg.name in read,
+                persistent=persistent,
             )
     return out
 
@@ -426,11 +447,17 @@ def dynamic_batch(ep: ExportedProgram) -> ExportedProgram:
         batch = Dim("batch", min=1)
         attempts.append(tuple({0: batch} if b else None for b in batched))
     attempts.append(tuple({0: Dim.AUTO} if b else None for b in batched))
+    reasons = []
     for shapes in attempts:
         try:
             return torch.export.export(module, trace_args, dynamic_shapes=shapes, strict=False)
-        except Exception:  # noqa: BLE001 - a model with a fixed batch: try the next, then keep it static
-            continue
+        except Exception as exc:  # noqa: BLE001 - a model with a fixed batch: try the next, then keep it static
+            reasons.append(first_line(exc))
+    warnings.warn(
+        f"precast.compile: the batch dimension stays static ({'; '.join(reasons)}); the package runs only at "
+        "the example batch size (pass dynamic=False to silence this)",
+        stacklevel=3,
+    )
     return ep
 
 

@@ -8,18 +8,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from precast import diagnostics
 from precast.capture import capture, normalize_inputs
 from precast.classify import classify
-from precast.errors import PrecastError
+from precast.errors import PrecastError, first_line
 from precast.passes.fold_constants import constant_bytes, fold_constant_casts
 from precast.passes.insert_casts import insert_casts
+from precast.passes.restore_io import output_dtypes, restore_output_dtypes
 from precast.passes.simplify_casts import simplify_casts
 from precast.policy.base import dtype_name
 from precast.policy.torch_policy import TorchPolicy
-from precast.program import META_KEY, Program
+from precast.program import META_KEY, Program, private_state, written_targets
 from precast.regions import inline_regions
 from precast.report import Diagnostic, Report, record_decisions, runtime_casts, write_program_info
 from precast.verify import compare, refresh_vals
@@ -40,7 +42,9 @@ class ConvertResult:
     report: Report
 
     def module(self) -> torch.nn.Module:
-        return self.program.module()
+        """``program.module()`` that warns once when called under an ambient ``torch.autocast``
+        (``precast.guard_module`` does the same for any module built from a converted program)."""
+        return diagnostics.guard_module(self.program.module())
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -113,6 +117,7 @@ def convert(
     if low is None and policy is not None:
         low = torch.get_autocast_dtype(device)
 
+    inputs = _example_inputs(ep, example_inputs) if program_or_module is ep else None
     program = Program(ep)
     regions = inline_regions(program.gm)
     rep = Report(policy=policy, dtype=dtype_name(low) if policy else None, device_type=device)
@@ -139,6 +144,10 @@ def convert(
             raise PrecastError(
                 f"{', '.join(given)}: these options belong to policy='rules'; pass policy='rules' to use them"
             )
+    if keep_io_types is not None and not isinstance(keep_io_types, bool):
+        raise PrecastError(
+            f"keep_io_types={keep_io_types!r}: give True, False or None (the policy's default)"
+        )
 
     if policy is None and not regions:
         rep.weight_bytes_after = dict(rep.weight_bytes_before)
@@ -150,7 +159,8 @@ def convert(
                 "(use policy='torch' or 'rules' to add mixed precision)",
             )
         )
-        return ConvertResult(ep, rep)
+        # a program of its own (same graph, its own copies of the buffers it writes), not the caller's object
+        return ConvertResult(private_state(ep), rep)
 
     if policy == "rules":
         from precast.policy.rules import convert_with_rules
@@ -160,28 +170,109 @@ def convert(
         )
 
     pol = TorchPolicy(device, low) if policy == "torch" else None
+    original_out = output_dtypes(program)
     run_pipeline(program, pol, rep)
+    if keep_io_types:
+        run_pass(program, "restore_output_dtypes", restore_output_dtypes, original_out, True)
     out = finish(program, rep)
     if verify:
         original = program_or_module if isinstance(program_or_module, torch.nn.Module) else None
-        _verify(out, ep, rep, policy, device, low, original)
+        _verify(out, ep, rep, policy, device, low, original, inputs)
     write_program_info(out, rep)
     return ConvertResult(out, rep)
+
+
+def _example_inputs(ep: ExportedProgram, example_inputs: Any) -> tuple[tuple, dict] | None:
+    """Inputs given beside a program: checked against its signature now (one clear error), used to verify."""
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, str) or not isinstance(example_inputs, (torch.Tensor, tuple, list, dict)):
+        raise PrecastError(
+            f"example_inputs: got {type(example_inputs).__name__}; give the program's inputs as a tuple (x,), "
+            "a dict of keyword inputs or (args, kwargs)"
+        )
+    args, kwargs = normalize_inputs(example_inputs)
+    try:
+        flat = ep._graph_module_flat_inputs(args, kwargs)  # export's own structure and shape checks
+    except Exception as exc:
+        raise PrecastError(
+            f"example_inputs do not match the program's signature ({first_line(exc)}); give inputs like the "
+            "ones it was exported with"
+        ) from exc
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, flat, strict=True):
+        want = node.meta.get("val")
+        if isinstance(want, torch.Tensor) and isinstance(value, torch.Tensor) and value.dtype != want.dtype:
+            raise PrecastError(
+                f"example_inputs: input '{node.name}' is {value.dtype}, the program takes {want.dtype}; give "
+                "inputs like the ones it was exported with"
+            )
+    return args, kwargs
+
+
+def run_pass(program: Program, name: str, fn: Any, *args: Any) -> Any:
+    """Run one pass, then check the graph it leaves: it lints and fake-propagates, or the conversion stops with
+    a PrecastError naming the pass (an internal failure, never a raw exception)."""
+    try:
+        result = fn(program, *args)
+    except PrecastError:
+        raise
+    except Exception as exc:
+        raise PrecastError(
+            f"internal error in pass {name}: {type(exc).__name__}: {first_line(exc)} "
+            "(please report it with the program that triggers it)",
+            code="internal-error",
+        ) from exc
+    check_pass(program, name)
+    return result
+
+
+def check_pass(program: Program, name: str) -> None:
+    try:
+        program.graph.lint()
+    except Exception as exc:
+        raise PrecastError(
+            f"internal error in pass {name}: the graph does not lint: {first_line(exc)}"
+        ) from exc
+    try:
+        refresh_vals(program)
+    except PrecastError as exc:
+        raise PrecastError(f"internal error in pass {name}: {exc}", code="internal-error") from exc
 
 
 def run_pipeline(program: Program, policy: Any, rep: Report, user_rules: tuple = ()) -> None:
     """classify -> insert casts -> fold -> simplify, recording what each stage did in the report."""
     result = classify(program, policy, user_rules, on_error=diagnostics.classify_error_handler(rep))
-    rep.decomposed = result.decomposed or []
-    insert_casts(program)
-    refresh_vals(program)
-    fold = fold_constant_casts(program)
+    rep.decomposed = result.decomposed or []  # classify fake-propagates as it goes; it rewrites nothing yet
+    run_pass(program, "insert_casts", insert_casts)
+    fold = run_pass(program, "fold_constant_casts", fold_constant_casts)
     rep.casts_folded = fold.folded
     rep.constants_created = fold.created
     rep.constants_dropped = fold.dropped
-    simple = simplify_casts(program.graph)
+    if fold.written:
+        rep.diagnostics.append(
+            Diagnostic(
+                "info",
+                "written-constant-not-folded",
+                f"{len(fold.written)} constant(s) the program writes keep their casts at run time (their value "
+                f"changes from call to call, so a cast copy made once would go stale): {', '.join(fold.written)}",
+            )
+        )
+    for name, count in fold.clamped.items():
+        rep.diagnostics.append(
+            Diagnostic(
+                "warning",
+                "fp16-clamped",
+                f"constant {name}: {count} value(s) beyond float16's range stored clamped to ±65504 (not inf)",
+                fix="keep the ops reading it in float32 (init_max, exclude_nodes) if the clamp matters",
+            )
+        )
+    simple = run_pass(
+        program,
+        "simplify_casts",
+        lambda p: simplify_casts(p.graph, p.input_spec, p.output_specs),
+    )
     rep.casts_simplified = simple.removed
-    refresh_vals(program)
 
 
 def finish(program: Program, rep: Report) -> ExportedProgram:
@@ -190,7 +281,7 @@ def finish(program: Program, rep: Report) -> ExportedProgram:
     rep.casts_runtime = len(rep.casts)
     rep.weight_bytes_after = constant_bytes(program)
     _record_program_info(program, rep)
-    return diagnostics.install_autocast_guard(program.to_exported_program())
+    return program.to_exported_program()
 
 
 def _record_program_info(program: Program, rep: Report) -> None:
@@ -230,17 +321,39 @@ def reference_module(ep: ExportedProgram) -> torch.nn.Module:
 
 
 def _verify(
-    out: ExportedProgram, ep: ExportedProgram, rep: Report, policy, device, low, original=None
+    out: ExportedProgram, ep: ExportedProgram, rep: Report, policy, device, low, original=None, inputs=None
 ) -> None:
-    if ep.example_inputs is None:
+    """Run the converted program against the reference semantics, each on private copies of the state it
+    writes: neither the caller's module or program nor the returned program changes."""
+    if inputs is None and ep.example_inputs is None:
+        rep.diagnostics.append(
+            Diagnostic(
+                "info",
+                "verification-skipped",
+                "not verified: the program has no example inputs; pass example_inputs=(x,) to convert",
+            )
+        )
         return
-    args, kwargs = normalize_inputs(ep.example_inputs)
+    args, kwargs = inputs if inputs is not None else normalize_inputs(ep.example_inputs)
     if (
-        any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+        any(
+            isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in pytree.tree_leaves((args, kwargs))
+        )
         and not torch.cuda.is_available()
     ):
+        rep.diagnostics.append(
+            Diagnostic(
+                "warning",
+                "verification-skipped",
+                "not verified: the example inputs are on a device this machine does not have; run precast check "
+                "on a machine with it",
+            )
+        )
         return
-    reference = original if original is not None else reference_module(ep)
+    if original is not None:
+        reference = _with_private_buffers(original, written_targets(ep))
+    else:
+        reference = reference_module(private_state(ep))
     if policy == "torch":
 
         def ref(*a, **k):
@@ -256,12 +369,40 @@ def _verify(
 
         name = f"eager torch.autocast({device}, {dtype_name(low)})"
     else:
-        ref, name = ep.module(), "the unconverted program"
-    if not diagnostics.check_runs(out, args, kwargs, rep):
+        ref, name = private_state(ep).module(), "the unconverted program"
+    if not diagnostics.check_runs(private_state(out), args, kwargs, rep):
         diagnostics.raise_errors(rep)
         return  # allowed: the program fails on this device, so there is nothing to compare
-    rep.verification = compare(out.module(), ref, args, kwargs, reference_name=name)
-    if not rep.verification["bitwise"]:
+    rep.verification = compare(private_state(out).module(), ref, args, kwargs, reference_name=name)
+    if rep.verification["bitwise"]:
+        return
+    if policy == "rules":
+        # nobody promised rules are bitwise: the measured difference from fp32 is information
+        rep.diagnostics.append(
+            Diagnostic("info", "measured-error", f"outputs vs {name}: {rep.verification['verdict']}")
+        )
+    else:
         rep.diagnostics.append(
             Diagnostic("warning", "not-bitwise", f"outputs differ from {name}: {rep.verification['verdict']}")
         )
+
+
+def _with_private_buffers(module: torch.nn.Module, written: set[str]) -> Any:
+    """Call ``module`` with private copies of the tensors its forward writes (the caller's stay as they are)."""
+    if not written:
+        return module
+    own = dict(module.named_parameters(remove_duplicate=False)) | dict(
+        module.named_buffers(remove_duplicate=False)
+    )
+    missing = written - own.keys()
+    if missing:
+        raise PrecastError(
+            f"cannot verify against {type(module).__name__}: the program writes {', '.join(sorted(missing))}, "
+            "which the module does not have under those names; pass the exported program instead, or verify=False"
+        )
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        copies = {k: own[k].detach().clone() for k in written}
+        return torch.func.functional_call(module, copies, args, kwargs, strict=False)
+
+    return call

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ from torch.export.graph_signature import (
     OutputSpec,
     TensorArgument,
 )
+
+from precast.mutation import written_constant_targets
 
 CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 # key under node.meta["custom"] (serialized by torch.export.save) where precast keeps its records
@@ -45,6 +48,12 @@ class Program:
         self.source = ep
         self.gm: torch.fx.GraphModule = copy.deepcopy(ep.graph_module)
         self.graph = self.gm.graph
+        # fx copies node.meta shallowly: the dicts precast writes into (custom meta) must be its own
+        for module in self.gm.modules():
+            if isinstance(module, torch.fx.GraphModule):
+                for node in module.graph.nodes:
+                    if "custom" in node.meta:
+                        node.meta["custom"] = copy.deepcopy(node.meta["custom"])
         self.state_dict: dict[str, torch.Tensor] = dict(ep.state_dict)
         self.constants: dict[str, object] = dict(ep.constants)
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
@@ -54,6 +63,12 @@ class Program:
         self.output_specs: list[OutputSpec] = list(ep.graph_signature.output_specs)
         # stored FQN -> ConstantSource, for constants precast created by casting
         self.sources: dict[str, ConstantSource] = {}
+        # constants the program writes: the conversion (and the program it returns) owns copies of them, so
+        # no forward precast runs, and no call of the converted program, changes the caller's state
+        self.written: set[str] = written_constant_targets(self.graph, self.input_spec, self.output_specs)
+        for store in (self.state_dict, self.constants):
+            for name in self.written & set(store):
+                store[name] = _private_copy(store[name])
 
     # ---- constants -------------------------------------------------------------------------------------
     def constant_target(self, node: torch.fx.Node) -> str | None:
@@ -164,13 +179,18 @@ class Program:
         constants = {k: v for k, v in self.constants.items() if k in used or not isinstance(v, torch.Tensor)}
         self._record_sources()
         src = self.source
+        with warnings.catch_warnings():
+            # torch 2.13's own LeafSpec deprecation fires when its TreeSpecs are deep-copied: not the user's
+            # concern, and it would print once per conversion
+            warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+            module_call_graph = copy.deepcopy(src.module_call_graph)
         return ExportedProgram(
             root=self.gm,
             graph=self.graph,
             graph_signature=sig,
             state_dict=state_dict,
             range_constraints=copy.copy(src.range_constraints),
-            module_call_graph=copy.deepcopy(src.module_call_graph),
+            module_call_graph=module_call_graph,
             example_inputs=src.example_inputs,
             constants=constants,
             verifiers=list(src.verifiers),
@@ -193,6 +213,31 @@ class Program:
                 custom = user.meta.setdefault("custom", {})
                 entry = custom.setdefault(META_KEY, {})
                 entry.setdefault("constants", {})[stored] = record
+
+
+def _private_copy(value: object) -> object:
+    if isinstance(value, torch.nn.Parameter):
+        return torch.nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad)
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def written_targets(ep: ExportedProgram) -> set[str]:
+    """FQNs of the constants ``ep`` writes (in place, inside regions too, or through mutation outputs)."""
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    specs = dict(zip(placeholders, ep.graph_signature.input_specs, strict=True))
+    return written_constant_targets(ep.graph, specs, list(ep.graph_signature.output_specs))
+
+
+def private_state(ep: ExportedProgram) -> ExportedProgram:
+    """The same program with its own copies of the constants it writes (read-only weights stay shared):
+    running it leaves ``ep``'s state alone. For the forwards precast runs itself (verification, calibration)."""
+    written = written_targets(ep)
+    if not written:
+        return ep
+    out = copy.copy(ep)
+    out._state_dict = {k: _private_copy(v) if k in written else v for k, v in ep.state_dict.items()}
+    out._constants = {k: _private_copy(v) if k in written else v for k, v in ep.constants.items()}
+    return out
 
 
 def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:

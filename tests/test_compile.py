@@ -259,3 +259,45 @@ def test_cnn_state_dict_with_unread_buffers_reloads(aoti_cache):
     fresh = precast.compile(precast.convert(new, inputs).program, cache_dir=aoti_cache, progress=False)
     with torch.no_grad():
         assert torch.equal(compiled(*inputs), fresh(*inputs))
+
+
+def test_compile_of_a_modified_copy_uses_the_copys_weights(converted_a, compiled_a, aoti_cache):
+    """A converted program is a plain value: a deepcopy with other weights compiles under its own key and runs
+    its own weights (the package must not hold the original's)."""
+    _, inputs, res = converted_a
+    clone = copy.deepcopy(res.program)
+    with torch.no_grad():
+        for value in clone.state_dict.values():
+            if value.is_floating_point():
+                value.mul_(-2)
+    compiled = precast.compile(clone, cache_dir=aoti_cache, progress=False)
+    assert compiled.key != compiled_a.key
+    assert torch.equal(compiled(*inputs), clone.module()(*inputs))
+    assert not torch.allclose(compiled(*inputs), res.program.module()(*inputs))
+
+
+@pytest.mark.aoti
+def test_load_weights_accepts_state_dict_without_non_persistent_buffers(aoti_cache):
+    """HF models keep position_ids / inv_freq as non-persistent buffers: model.state_dict() lacks them, and
+    load_weights keeps the program's own value for them (and says so) instead of calling them missing."""
+
+    class WithPositions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()  # 64 wide: AOTInductor inlines tiny constants into its code
+            self.lin = torch.nn.Linear(64, 64)
+            self.register_buffer("inv_freq", torch.linspace(0.1, 1.0, 64), persistent=False)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = self.lin(x * self.inv_freq)
+            return y.float()
+
+    torch.manual_seed(0)
+    model, x = WithPositions(), torch.randn(2, 64)
+    compiled = precast.compile(precast.convert(model, (x,)).program, cache_dir=aoti_cache, progress=False)
+    new = WithPositions()
+    assert "inv_freq" not in new.state_dict()
+    done = compiled.load_weights(new.state_dict())
+    assert done["kept"] == ["inv_freq"] and "lin.weight" in done["loaded"]
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), precast.convert(new, (x,)).program.module()(x))

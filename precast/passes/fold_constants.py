@@ -5,6 +5,11 @@ The cast moves up to the constant (casting commutes exactly with views, which on
 the view chain is kept on the low-precision constant, and each (constant, dtype) is cast once however many
 times it is used. The fp32 constant is dropped when nothing reads it any more, and keeps its name for the new
 one in that case, so a user still finds ``encoder.0.weight`` in the converted program (now bf16).
+
+A constant the program writes (an in-place op on it or on a view of it, or a BUFFER_MUTATION output after
+``run_decompositions()``) is never folded: its value changes from call to call, so its casts stay at run time
+(``FoldResult.written`` names them). A value beyond float16's range is stored clamped to ±65504, never as inf
+(``FoldResult.clamped``: name -> number of values clamped), as ModelOpt does.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from precast.mutation import analyze
 from precast.passes.insert_casts import cast_dtype, is_cast
 from precast.policy.base import dtype_name
 from precast.program import ConstantSource, Program
@@ -58,6 +64,24 @@ class FoldResult:
     dropped: list[str] = field(default_factory=list)  # fp32 constants no longer needed
     bytes_before: dict[str, int] = field(default_factory=dict)
     bytes_after: dict[str, int] = field(default_factory=dict)
+    written: list[str] = field(default_factory=list)  # constants the program writes: casts kept at run time
+    clamped: dict[str, int] = field(default_factory=dict)  # new constant -> values clamped to the low range
+
+
+def cast_constant(value: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """``value`` cast to ``dtype``, finite values beyond the dtype's range clamped to its largest finite value
+    (never inf); returns the tensor and how many values were clamped."""
+    if (
+        value.is_floating_point()
+        and dtype.is_floating_point
+        and torch.finfo(dtype).max < torch.finfo(value.dtype).max
+    ):
+        limit = torch.finfo(dtype).max
+        over = torch.isfinite(value) & (value.abs() > limit)
+        count = int(over.sum().item())
+        if count:
+            return value.clamp(-limit, limit).to(dtype), count
+    return value.to(dtype), 0
 
 
 def constant_bytes(program: Program) -> dict[str, int]:
@@ -99,6 +123,8 @@ def fold_constant_casts(program: Program) -> FoldResult:
     original_name = {n: program.constant_target(n) for n in graph.nodes if n.op == "placeholder"}
     # export keeps a placeholder per name of a tied parameter even when only one is read: not ours to drop
     unused_from_start = {n for n in graph.nodes if n.op == "placeholder" and not n.users}
+    alias = analyze(graph, program.input_spec, program.output_specs)
+    written = set()
 
     for node in list(graph.nodes):
         if not is_cast(node):
@@ -107,6 +133,9 @@ def fold_constant_casts(program: Program) -> FoldResult:
         if chain is None:
             continue
         const, views = chain[0], chain[1:]
+        if alias.written(const):
+            written.add(original_name[const])
+            continue
         dtype = cast_dtype(node)
         value = program.constant_value(const)
         if value.dtype == dtype:
@@ -114,7 +143,10 @@ def fold_constant_casts(program: Program) -> FoldResult:
         else:
             key = (const, dtype)
             if key not in cast_constants:
-                new = program.add_constant_like(const, value.to(dtype), f"_{dtype_name(dtype)}")
+                cast_value, clamped = cast_constant(value, dtype)
+                new = program.add_constant_like(const, cast_value, f"_{dtype_name(dtype)}")
+                if clamped:
+                    result.clamped[program.constant_target(new)] = clamped
                 source_of = program.original_of(program.constant_target(const))
                 program.sources[program.constant_target(new)] = ConstantSource(
                     stored=program.constant_target(new),
@@ -150,6 +182,8 @@ def fold_constant_casts(program: Program) -> FoldResult:
             src = program.sources.pop(program.constant_target(new))
             siblings = [n for (c, _), n in cast_constants.items() if c is const and n.users]
             if len(siblings) == 1:
+                if src.stored in result.clamped:
+                    result.clamped[original_name[const]] = result.clamped.pop(src.stored)
                 program.rename_constant(new, original_name[const])
                 program.sources[original_name[const]] = ConstantSource(
                     original_name[const], src.original, src.original_dtype, src.dtype
@@ -157,6 +191,7 @@ def fold_constant_casts(program: Program) -> FoldResult:
             else:
                 program.sources[src.stored] = src
     result.created = [program.constant_target(n) for n in cast_constants.values() if n.users]
+    result.written = sorted(written)
     result.bytes_after = constant_bytes(program)
     graph.lint()
     return result

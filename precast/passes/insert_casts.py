@@ -1,4 +1,9 @@
-"""Rewrite: make every decision explicit in the graph, one cast node per (producer, dtype)."""
+"""Rewrite: make every decision explicit in the graph, one cast node per (producer, dtype, version).
+
+A cast is shared by the readers of a producer only while they see the same version of its storage: an
+in-place write to the producer or to any view of it between two readers gives the second reader a cast of its
+own, made after the write (``precast/mutation.py``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import torch
 import torch.fx
 
 from precast.classify import apply_decision
+from precast.mutation import analyze
 from precast.program import Program
 
 TO_COPY = torch.ops.aten._to_copy.default
@@ -31,7 +37,8 @@ def cast_dtype(node: torch.fx.Node) -> torch.dtype:
 def insert_casts(program: Program) -> int:
     """Apply each node's Decision (casts, dtype kwargs, redispatch). Returns the number of cast nodes added."""
     graph = program.graph
-    made: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+    alias = analyze(graph, program.input_spec, program.output_specs)
+    made: dict[tuple[torch.fx.Node, torch.dtype, int], torch.fx.Node] = {}
     added = 0
     for node in list(graph.nodes):
         decision = node.meta.get("precast")
@@ -44,7 +51,7 @@ def insert_casts(program: Program) -> int:
             producer: torch.fx.Node, dtype: torch.dtype, consumer: torch.fx.Node = node
         ) -> torch.fx.Node:
             nonlocal added
-            key = (producer, dtype)
+            key = (producer, dtype, alias.version(producer, at=consumer))
             if key not in made:
                 with graph.inserting_before(consumer):
                     c = graph.call_function(TO_COPY, (producer,), {"dtype": dtype})
