@@ -472,7 +472,7 @@ def _aoti_compile(ep: ExportedProgram, package: Path, configs: dict[str, Any], d
             )
         except Exception as exc:
             raise PrecastError(
-                f"precast.compile: AOTInductor failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}; "
+                f"precast.compile: AOTInductor failed: {type(exc).__name__}: {first_line(exc)[:300]}; "
                 "run with TORCH_LOGS=output_code for details, or try dynamic=False"
             ) from exc
 
@@ -484,5 +484,5 @@ def _load(package: Path) -> Any:
         return torch._inductor.aoti_load_package(str(package))
     except Exception as exc:
         raise PrecastError(
-            f"precast.compile: cannot load {package}: {str(exc).splitlines()[0][:300]}; delete the cache entry"
+            f"precast.compile: cannot load {package}: {first_line(exc)[:300]}; delete the cache entry"
         ) from exc

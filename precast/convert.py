@@ -23,7 +23,7 @@ from precast.policy.base import dtype_name
 from precast.policy.torch_policy import TorchPolicy
 from precast.program import META_KEY, Program, private_state, written_targets
 from precast.regions import inline_regions
-from precast.report import Diagnostic, Report, record_decisions, runtime_casts, write_program_info
+from precast.report import Report, record_decisions, runtime_casts, write_program_info
 from precast.verify import compare, refresh_vals
 
 POLICIES = (None, "torch", "rules")
@@ -151,13 +151,11 @@ def convert(
 
     if policy is None and not regions:
         rep.weight_bytes_after = dict(rep.weight_bytes_before)
-        rep.diagnostics.append(
-            Diagnostic(
-                "info",
-                "no-regions",
-                "the program has no autocast regions: returned unchanged "
-                "(use policy='torch' or 'rules' to add mixed precision)",
-            )
+        diagnostics.record(
+            rep,
+            "no-regions",
+            "the program has no autocast regions: returned unchanged "
+            "(use policy='torch' or 'rules' to add mixed precision)",
         )
         # a program of its own (same graph, its own copies of the buffers it writes), not the caller's object
         return ConvertResult(private_state(ep), rep)
@@ -250,22 +248,18 @@ def run_pipeline(program: Program, policy: Any, rep: Report, user_rules: tuple =
     rep.constants_created = fold.created
     rep.constants_dropped = fold.dropped
     if fold.written:
-        rep.diagnostics.append(
-            Diagnostic(
-                "info",
-                "written-constant-not-folded",
-                f"{len(fold.written)} constant(s) the program writes keep their casts at run time (their value "
-                f"changes from call to call, so a cast copy made once would go stale): {', '.join(fold.written)}",
-            )
+        diagnostics.record(
+            rep,
+            "written-constant-not-folded",
+            f"{len(fold.written)} constant(s) the program writes keep their casts at run time (their value "
+            f"changes from call to call, so a cast copy made once would go stale): {', '.join(fold.written)}",
         )
     for name, count in fold.clamped.items():
-        rep.diagnostics.append(
-            Diagnostic(
-                "warning",
-                "fp16-clamped",
-                f"constant {name}: {count} value(s) beyond float16's range stored clamped to ±65504 (not inf)",
-                fix="keep the ops reading it in float32 (init_max, exclude_nodes) if the clamp matters",
-            )
+        diagnostics.record(
+            rep,
+            "fp16-clamped",
+            f"constant {name}: {count} value(s) beyond float16's range stored clamped to ±65504 (not inf)",
+            fix="keep the ops reading it in float32 (init_max, exclude_nodes) if the clamp matters",
         )
     simple = run_pass(
         program,
@@ -326,12 +320,10 @@ def _verify(
     """Run the converted program against the reference semantics, each on private copies of the state it
     writes: neither the caller's module or program nor the returned program changes."""
     if inputs is None and ep.example_inputs is None:
-        rep.diagnostics.append(
-            Diagnostic(
-                "info",
-                "verification-skipped",
-                "not verified: the program has no example inputs; pass example_inputs=(x,) to convert",
-            )
+        diagnostics.record(
+            rep,
+            "verification-skipped",
+            "not verified: the program has no example inputs; pass example_inputs=(x,) to convert",
         )
         return
     args, kwargs = inputs if inputs is not None else normalize_inputs(ep.example_inputs)
@@ -341,13 +333,11 @@ def _verify(
         )
         and not torch.cuda.is_available()
     ):
-        rep.diagnostics.append(
-            Diagnostic(
-                "warning",
-                "verification-skipped",
-                "not verified: the example inputs are on a device this machine does not have; run precast check "
-                "on a machine with it",
-            )
+        diagnostics.record(
+            rep,
+            "verification-skipped",
+            "not verified: the example inputs are on a device this machine does not have; run precast check "
+            "on a machine with it",
         )
         return
     if original is not None:
@@ -378,13 +368,9 @@ def _verify(
         return
     if policy == "rules":
         # nobody promised rules are bitwise: the measured difference from fp32 is information
-        rep.diagnostics.append(
-            Diagnostic("info", "measured-error", f"outputs vs {name}: {rep.verification['verdict']}")
-        )
+        diagnostics.record(rep, "measured-error", f"outputs vs {name}: {rep.verification['verdict']}")
     else:
-        rep.diagnostics.append(
-            Diagnostic("warning", "not-bitwise", f"outputs differ from {name}: {rep.verification['verdict']}")
-        )
+        diagnostics.record(rep, "not-bitwise", f"outputs differ from {name}: {rep.verification['verdict']}")
 
 
 def _with_private_buffers(module: torch.nn.Module, written: set[str]) -> Any:

@@ -4,14 +4,8 @@ Every check adds :class:`precast.report.Diagnostic` records to the report. Error
 ``PrecastError`` naming the node, the user's line and the fix) unless their code is listed in
 ``convert(..., allow=(code, ...))``; an allowed error is kept in the report as a warning.
 
-Codes:
-
-- ``dtype-mismatch`` (error): an op would fail at run time because its inputs have different dtypes.
-- ``unused-enabled-input`` (warning): an autocast ``enabled=`` came from an input that export specialized.
-- ``noop-region`` (warning): a region for a device type none of the program's tensors live on.
-- ``control-flow`` (error): ``torch.cond`` / ``while_loop`` / ``map`` subgraphs, which precast does not convert.
-- ``device-unsupported`` (error): the converted program fails on the device when run on the example inputs.
-- ``ambient-autocast`` (warning, at call time): the converted module runs under ``torch.autocast``.
+The codes, their default severities, meanings and fixes are registered in :mod:`precast.codes`; build a
+diagnostic by code with :func:`make_diagnostic` (or :func:`record`), which takes the severity from there.
 """
 
 from __future__ import annotations
@@ -25,29 +19,62 @@ import torch
 import torch.fx
 from torch.export import ExportedProgram
 
-from precast.errors import PrecastError, module_path, user_source_line, where
+from precast import codes
+from precast.errors import PrecastError, first_line, module_path, user_source_line, where
 from precast.report import Diagnostic, Report
 
-CODES = (
-    "dtype-mismatch",
-    "unused-enabled-input",
-    "noop-region",
-    "control-flow",
-    "device-unsupported",
-    "ambient-autocast",
-)
+# every registered code (kept under this name for callers that list them)
+CODES = tuple(codes.CODES)
 # higher-order ops that carry autocast meaning and are inlined by precast.regions; every other HOP with
 # subgraph arguments is control flow that precast does not look inside
 REGION_HOPS = {"wrap_with_autocast", "wrap_with_set_grad_enabled"}
 
 
 def parse_allow(allow) -> list[str]:
-    """Validate ``convert(allow=...)``: a code or an iterable of codes from CODES."""
-    codes = [allow] if isinstance(allow, str) else list(allow or ())
-    unknown = [c for c in codes if c not in CODES]
+    """Validate ``convert(allow=...)``: a registered code or an iterable of them."""
+    names = [allow] if isinstance(allow, str) else list(allow or ())
+    choices = codes.allowable()
+    unknown = [c for c in names if c not in choices]
     if unknown:
-        raise PrecastError(f"allow={unknown!r}: unknown diagnostic code; choose from {', '.join(CODES)}")
-    return sorted(set(codes))
+        raise PrecastError(f"allow={unknown!r}: unknown diagnostic code; choose from {', '.join(choices)}")
+    return sorted(set(names))
+
+
+def make_diagnostic(
+    code: str,
+    message: str,
+    node: torch.fx.Node | str | None = None,
+    *,
+    severity: str | None = None,
+    fix: str | None = None,
+    location: str | None = None,
+    module: str | None = None,
+    region: int | None = None,
+) -> Diagnostic:
+    """A Diagnostic for a registered ``code``, its severity the registry's unless given; a node fills in its
+    name, the user's source line and the module path (explicit ``location``/``module`` win)."""
+    registered = codes.get(code)
+    if isinstance(node, torch.fx.Node):
+        location = location or user_source_line(node)
+        module = module if module is not None else module_path(node)
+        node = node.name
+    return Diagnostic(
+        severity=severity or registered.severity,
+        code=registered.name,
+        message=message,
+        node=node,
+        location=location,
+        fix=fix,
+        module=module,
+        region=region,
+    )
+
+
+def record(
+    rep: Report, code: str, message: str, node: torch.fx.Node | str | None = None, **fields
+) -> Diagnostic:
+    """``add(rep, make_diagnostic(code, message, node, **fields))``: build and record in one call."""
+    return add(rep, make_diagnostic(code, message, node, **fields))
 
 
 def diagnostic(
@@ -58,16 +85,8 @@ def diagnostic(
     fix: str | None = None,
     region: int | None = None,
 ) -> Diagnostic:
-    return Diagnostic(
-        severity=severity,
-        code=code,
-        message=message,
-        node=node.name if node is not None else None,
-        location=user_source_line(node) if node is not None else None,
-        fix=fix,
-        module=module_path(node) if node is not None else None,
-        region=region,
-    )
+    """The older spelling of :func:`make_diagnostic`, with the severity given first."""
+    return make_diagnostic(code, message, node, severity=severity, fix=fix, region=region)
 
 
 def add(rep: Report, diag: Diagnostic) -> Diagnostic:
@@ -122,21 +141,18 @@ def check_unused_enabled_inputs(ep: ExportedProgram, regions: list, rep: Report)
             continue
         suspects = [r for r in regions if r.enabled == value] or list(regions)
         names = "; ".join(r.describe() for r in suspects)
-        add(
+        plural = len(suspects) > 1
+        record(
             rep,
-            Diagnostic(
-                "warning",
-                "unused-enabled-input",
-                f"input '{spec.arg.name}' is not used by the program: export fixed it to {value}, so the autocast "
-                f"region{'s' if len(suspects) > 1 else ''} {names} "
-                f"{'are' if len(suspects) > 1 else 'is'} always {'on' if value else 'off'}",
-                node=spec.arg.name,
-                location=suspects[0].source,
-                fix=f"export one program per value of '{spec.arg.name}' (or make enabled= a constant); "
-                "passing another value at run time changes nothing",
-                module=suspects[0].module,
-                region=suspects[0].id,
-            ),
+            "unused-enabled-input",
+            f"input '{spec.arg.name}' is not used by the program: export fixed it to {value}, so the autocast "
+            f"region{'s' if plural else ''} {names} {'are' if plural else 'is'} always {'on' if value else 'off'}",
+            spec.arg.name,
+            location=suspects[0].source,
+            fix=f"export one program per value of '{spec.arg.name}' (or make enabled= a constant); "
+            "passing another value at run time changes nothing",
+            module=suspects[0].module,
+            region=suspects[0].id,
         )
 
 
@@ -157,19 +173,16 @@ def check_noop_regions(ep: ExportedProgram, regions: list, rep: Report) -> None:
     for r in regions:
         if r.device_type in devices:
             continue
-        add(
+        record(
             rep,
-            Diagnostic(
-                "warning",
-                "noop-region",
-                f"autocast region {r.describe()} does nothing: the program's tensors are on "
-                f"{', '.join(sorted(devices))}, not {r.device_type}",
-                location=r.source,
-                fix=f"use torch.autocast('{sorted(devices)[0]}', ...) for this program, or move the model to "
-                f"{r.device_type} before exporting",
-                module=r.module,
-                region=r.id,
-            ),
+            "noop-region",
+            f"autocast region {r.describe()} does nothing: the program's tensors are on "
+            f"{', '.join(sorted(devices))}, not {r.device_type}",
+            location=r.source,
+            fix=f"use torch.autocast('{sorted(devices)[0]}', ...) for this program, or move the model to "
+            f"{r.device_type} before exporting",
+            module=r.module,
+            region=r.id,
         )
 
 
@@ -202,17 +215,14 @@ def check_control_flow(gm: torch.fx.GraphModule, rep: Report) -> None:
     """precast does not convert inside control-flow subgraphs: say so, naming each one."""
     for node in control_flow_nodes(gm):
         kind = node.target.name()
-        add(
+        record(
             rep,
-            diagnostic(
-                "error",
-                "control-flow",
-                f"{where(node)}: torch.{kind} subgraphs are not converted by precast (their ops and any autocast "
-                "region inside would run as written, casting weights on every call)",
-                node,
-                fix=f"move the autocast region out of the {kind} branches, or allow 'control-flow' to convert the "
-                "rest of the program and leave the subgraphs as written",
-            ),
+            "control-flow",
+            f"{where(node)}: torch.{kind} subgraphs are not converted by precast (their ops and any autocast "
+            "region inside would run as written, casting weights on every call)",
+            node,
+            fix=f"move the autocast region out of the {kind} branches, or allow 'control-flow' to convert the "
+            "rest of the program and leave the subgraphs as written",
         )
 
 
@@ -254,10 +264,19 @@ def from_error(err: PrecastError, node: torch.fx.Node | None = None) -> Diagnost
 
 def check_runs(ep: ExportedProgram, args: tuple, kwargs: dict, rep: Report) -> bool:
     """Run the converted program once, node by node; a failing op becomes a ``device-unsupported`` diagnostic
-    naming it. Returns whether the program ran."""
+    naming it, and the result is False. When the run cannot be made or fails before any op (inputs that do not
+    fit the signature), a ``device-check-skipped`` warning says why: never a silent success."""
     module = ep.module()
-    flat = _flat_inputs(module, args, kwargs)
-    if flat is None:
+    try:
+        flat = _flat_inputs(module, args, kwargs)
+    except Exception as exc:
+        record(
+            rep,
+            "device-check-skipped",
+            f"the device check did not run: the example inputs do not fit the program's signature "
+            f"({first_line(exc)})",
+            fix="pass example inputs shaped as the program's forward takes them",
+        )
         return True
     interp = _NodeInterpreter(module)
     try:
@@ -267,29 +286,39 @@ def check_runs(ep: ExportedProgram, args: tuple, kwargs: dict, rep: Report) -> b
     except Exception as exc:
         node = interp.current
         if node is None or node.op != "call_function":
-            return True  # not an op failure (input checks): leave it to the comparison that follows
-        device = rep.device_type or "cpu"
-        dtypes = sorted(
-            {
-                str(v.dtype).removeprefix("torch.")
-                for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
-                if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)
-                for v in [v.meta["val"]]
-            }
-        )
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        add(
-            rep,
-            diagnostic(
-                "error",
-                "device-unsupported",
-                f"{where(node)}: {_op(node)} fails on {device} with inputs {', '.join(dtypes) or '-'}: {first}",
-                node,
-                fix="keep this op in float32 (policy='rules' with exclude_nodes/exclude_ops, or take it out of the "
-                "autocast region)",
-            ),
-        )
+            _record_skipped_run(rep, node, exc)
+            return True
+        _record_unsupported(rep, node, exc)
         return False
+
+
+def _record_skipped_run(rep: Report, node: torch.fx.Node | None, exc: Exception) -> None:
+    at = where(node) if node is not None else "the converted program"
+    record(
+        rep,
+        "device-check-skipped",
+        f"the device check did not finish: {at} failed before any op could be checked: {first_line(exc)}",
+        node,
+    )
+
+
+def _record_unsupported(rep: Report, node: torch.fx.Node, exc: Exception) -> None:
+    device = rep.device_type or "cpu"
+    dtypes = sorted(
+        {
+            str(v.meta["val"].dtype).removeprefix("torch.")
+            for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+            if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)
+        }
+    )
+    record(
+        rep,
+        "device-unsupported",
+        f"{where(node)}: {_op(node)} fails on {device} with inputs {', '.join(dtypes) or '-'}: {first_line(exc)}",
+        node,
+        fix="keep this op in float32 (policy='rules' with exclude_nodes/exclude_ops, or take it out of the "
+        "autocast region)",
+    )
 
 
 def _op(node: torch.fx.Node) -> str:
@@ -297,14 +326,10 @@ def _op(node: torch.fx.Node) -> str:
     return str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
 
 
-def _flat_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> list | None:
-    """Flatten (args, kwargs) as the unlifted module's graph placeholders expect them."""
-    try:
-        spec = module._in_spec
-        flat = torch.fx._pytree.tree_flatten_spec((args, kwargs), spec)
-    except Exception:
-        return None
-    return list(flat)
+def _flat_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> list:
+    """Flatten (args, kwargs) as the unlifted module's graph placeholders expect them (raises when they do not
+    fit its input spec)."""
+    return list(torch.fx._pytree.tree_flatten_spec((args, kwargs), module._in_spec))
 
 
 class _NodeInterpreter(torch.fx.Interpreter):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
 import torch.fx
 
 
@@ -20,40 +23,61 @@ class PrecastError(Exception):
         super().__init__(message)
 
 
-def user_source_line(node: torch.fx.Node) -> str | None:
-    """The innermost frame of the node's stack trace that is the user's code, as ``file.py:LINE``.
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message, for one-line errors; the exception's type name
+    when the message is empty (``str(AssertionError())`` is '')."""
+    for line in str(exc).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(exc).__name__
 
-    Frames inside torch itself (``torch/nn/modules/linear.py``) are skipped: the user wants the line of
-    their model that called the layer, which export records as the outermost frames of the trace.
-    """
-    trace = node.meta.get("stack_trace")
-    if not trace:
-        return None
+
+# torch's own package: frames under it are the library's, never the model's (torch.nn layers, functional)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# the same for a stack trace recorded on another machine (a program saved there and loaded here)
+_TORCH_PARTS = (f"{os.sep}site-packages{os.sep}torch{os.sep}", f"{os.sep}dist-packages{os.sep}torch{os.sep}")
+
+
+def _is_torch_frame(path: str) -> bool:
+    return path.startswith(_TORCH_DIR) or any(part in path for part in _TORCH_PARTS)
+
+
+def _frames(trace: str) -> list[tuple[str, str]]:
+    """(path, line number) per ``File "...", line N`` entry of a Python stack trace, outermost first."""
     frames = []
     for line in trace.splitlines():
         line = line.strip()
         if line.startswith('File "'):
             path, _, rest = line[6:].partition('", line ')
-            lineno = rest.split(",")[0]
-            frames.append((path, lineno))
-    user = [(p, n) for p, n in frames if "/torch/" not in p and "/site-packages/" not in p]
-    chosen = (user or frames)[-1] if (user or frames) else None
-    return f"{chosen[0]}:{chosen[1]}" if chosen else None
+            frames.append((path, rest.split(",")[0]))
+    return frames
+
+
+def user_source_line(node: torch.fx.Node) -> str | None:
+    """The innermost frame of the node's stack trace outside torch's own package, as ``file.py:LINE``.
+
+    Frames inside torch (``torch/nn/modules/linear.py``) are skipped: the user wants the line of the model
+    that called the layer. Only torch's own directory is skipped, not all of site-packages: for a library model
+    (``site-packages/transformers/models/bert/modeling_bert.py``) the library's line is the model's line.
+    """
+    frames = _frames(node.meta.get("stack_trace") or "")
+    if not frames:
+        return None
+    model = [f for f in frames if not _is_torch_frame(f[0])]
+    path, lineno = (model or frames)[-1]
+    return f"{path}:{lineno}"
 
 
 def short_path(location: str | None) -> str | None:
     """``file.py:LINE`` relative to the working directory when under it (else the last two path parts)."""
     if not location:
         return location
-    import os
-
     path, sep, line = location.rpartition(":")
     if not sep:
         path, line = location, ""
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        rel = path
+    # relpath raises across Windows drives: only ask it for paths on the working directory's drive
+    same_drive = os.path.splitdrive(os.path.abspath(path))[0] == os.path.splitdrive(os.getcwd())[0]
+    rel = os.path.relpath(path) if path and same_drive else path
     if rel.startswith(".."):
         rel = "/".join(path.split("/")[-2:])
     return f"{rel}:{line}" if line else rel

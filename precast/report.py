@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -192,18 +193,17 @@ def _human_bytes(n: int) -> str:
 
 
 def _concrete(dim) -> tuple[int, bool]:
-    """(value, was_symbolic) for a shape entry: a symbolic dim takes its example value (the hint)."""
+    """(value, was_symbolic) for a shape entry: a symbolic dim takes its example value (the hint), or 1 when
+    it has none (an unbacked, data-dependent size); the record is marked symbolic either way."""
     if isinstance(dim, int):
         return dim, False
     node = getattr(dim, "node", None)
     hint = getattr(node, "hint", None)
     if hint is not None:
         return int(hint), True
-    try:
-        env = node.shape_env
-        return int(node.expr.xreplace(env.var_to_val)), True
-    except Exception:
-        return 1, True
+    env, expr = getattr(node, "shape_env", None), getattr(node, "expr", None)
+    value = expr.xreplace(env.var_to_val) if env is not None and expr is not None else None
+    return (int(value), True) if getattr(value, "is_number", False) else (1, True)
 
 
 def runtime_casts(graph: torch.fx.Graph) -> list[CastRecord]:
@@ -252,6 +252,13 @@ def _op_name(node: torch.fx.Node) -> str:
     return str(t) if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
 
 
+def _owns_decision(node: torch.fx.Node, decision: dict) -> bool:
+    """Whether a stored decision is this node's own record. torch.export.save gives the ``getitem`` nodes of
+    an op with several outputs (unbind, split, var_mean, max.dim) a copy of the op's custom meta; the op's own
+    node is the one whose name the record carries, so each op is listed once."""
+    return node.target is not operator.getitem and decision.get("name", node.name) == node.name
+
+
 def report(ep: ExportedProgram) -> Report:
     """Rebuild a Report from a converted program (in memory or loaded with torch.export.load)."""
     from precast.passes.fold_constants import constant_bytes
@@ -260,7 +267,7 @@ def report(ep: ExportedProgram) -> Report:
     rep = Report()
     for node in ep.graph.nodes:
         entry = (node.meta.get("custom") or {}).get(META_KEY) or {}
-        if "decision" in entry:
+        if "decision" in entry and _owns_decision(node, entry["decision"]):
             rep.nodes.append(NodeRecord(**entry["decision"]))
         if "program" in entry:
             for k, v in entry["program"].items():

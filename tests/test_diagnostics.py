@@ -162,7 +162,7 @@ def test_device_unsupported_not_raised_for_mlp():
 def test_ambient_autocast_warns_once_at_call_time():
     model, inputs = zoo.seed_model()
     res = precast.convert(model, inputs)
-    for module in (res.program.module(), res.module()):
+    for module in (res.module(), precast.guard_module(res.program.module())):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with torch.autocast("cpu", dtype=BF16):
@@ -175,8 +175,82 @@ def test_ambient_autocast_warns_once_at_call_time():
 
 def test_ambient_autocast_silent_without_autocast():
     model, inputs = zoo.seed_model()
-    module = precast.convert(model, inputs).program.module()
+    module = precast.convert(model, inputs).module()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module(*inputs)
     assert not [w for w in caught if w.category is AmbientAutocastWarning]
+
+
+# ---- device-check-skipped: a check that could not run is never a silent success ---------------------------
+def test_device_check_skipped_when_inputs_do_not_fit_the_signature():
+    from precast.diagnostics import check_runs
+    from precast.report import Report
+
+    out = precast.convert(*zoo.seed_model()).program
+    rep = Report()
+    assert check_runs(out, (), {}, rep)  # nothing failed on the device: the comparison that follows decides
+    (d,) = rep.diagnostics
+    assert (d.code, d.severity) == ("device-check-skipped", "warning")
+    assert "did not run" in d.message and "signature" in d.message
+
+
+def test_device_check_skipped_when_the_run_fails_outside_an_op(monkeypatch):
+    from precast.diagnostics import check_runs
+    from precast.report import Report
+
+    out = precast.convert(*zoo.seed_model()).program
+
+    def broken_placeholder(self, target, args, kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(torch.fx.Interpreter, "placeholder", broken_placeholder)
+    rep = Report()
+    assert check_runs(out, zoo.seed_model()[1], {}, rep)
+    (d,) = rep.diagnostics
+    assert d.code == "device-check-skipped" and d.node is not None
+    assert f"node '{d.node}'" in d.message and d.message.endswith("boom")
+
+
+def test_device_check_records_nothing_when_the_program_runs():
+    from precast.diagnostics import check_runs
+    from precast.report import Report
+
+    model, inputs = zoo.seed_model()
+    rep = Report()
+    assert check_runs(precast.convert(model, inputs).program, inputs, {}, rep)
+    assert rep.diagnostics == []
+
+
+# ---- errors.first_line ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "exc, line",
+    [
+        (RuntimeError("first\nsecond"), "first"),
+        (ValueError("\n\n  shape mismatch  \nmore"), "shape mismatch"),
+        (AssertionError(), "AssertionError"),
+        (RuntimeError("   \n"), "RuntimeError"),
+        (KeyError("k"), "'k'"),
+    ],
+)
+def test_first_line_never_raises_and_names_the_type_when_empty(exc, line):
+    from precast.errors import first_line
+
+    assert first_line(exc) == line
+
+
+# ---- expected differences are information -----------------------------------------------------------------
+def test_rules_difference_from_fp32_is_information_with_the_measured_error():
+    res = precast.convert(*zoo.plain_mlp(), policy="rules")
+    assert "not-bitwise" not in codes(res)
+    (d,) = [d for d in res.report.diagnostics if d.code == "measured-error"]
+    assert d.severity == "info" and "max abs error" in d.message
+    assert not res.report.warnings()
+
+
+def test_not_bitwise_stays_a_warning_where_bitwise_was_promised():
+    from precast.codes import CODES
+
+    assert CODES["not-bitwise"].severity == "warning"
+    res = precast.convert(*zoo.plain_mlp(), policy="torch")
+    assert res.report.verification["bitwise"] and "not-bitwise" not in codes(res)

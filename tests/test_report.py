@@ -150,3 +150,133 @@ def test_table_has_every_node_with_dtype_and_reason(seed):
         order.index("sub.linear1") < order.index("linear") < order.index("output") < order.index("linear_2")
     )
     assert "6.0 KiB moved per forward" in text
+
+
+# ---- source lines: the model's own frame -----------------------------------------------------------------
+class Layers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.conv(x)  # line: conv
+        y = torch.nn.functional.gelu(y)  # line: gelu
+        return self.lin(y.mean((2, 3)))  # line: linear
+
+
+def _line_of(marker: str) -> int:
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, ln in enumerate(lines, 1) if ln.rstrip().endswith(f"# line: {marker}"))
+
+
+def test_source_lines_of_nn_layers_name_the_forward_line():
+    res = precast.convert(Layers().eval(), (torch.randn(1, 3, 8, 8),), policy="torch", verify=False)
+    for op, marker in (("conv2d", "conv"), ("gelu", "gelu"), ("linear", "linear")):
+        (rec,) = [r for r in res.report.nodes if r.op == f"aten.{op}.default"]
+        assert rec.location == f"{__file__}:{_line_of(marker)}", rec
+
+
+LAYERS_SOURCE = """
+import torch
+
+class Layers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+"""
+
+
+def test_source_lines_of_a_model_in_a_folder_named_torch(tmp_path):
+    """Only torch's own package is skipped: a project folder that happens to be called torch is the model's."""
+    import importlib.util
+
+    path = tmp_path / "torch" / "usermodel.py"
+    path.parent.mkdir()
+    path.write_text(LAYERS_SOURCE)
+    spec = importlib.util.spec_from_file_location("precast_test_usermodel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    res = precast.convert(module.Layers().eval(), (torch.randn(2, 4),), policy="torch", verify=False)
+    assert res.report.node("linear").location == f"{path}:10"
+
+
+def _node_with_trace(frames: list[tuple[str, int]]) -> torch.fx.Node:
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    node.meta["stack_trace"] = "".join(f'  File "{p}", line {n}, in forward\n    code()\n' for p, n in frames)
+    return node
+
+
+def test_source_line_of_a_library_model_is_the_librarys_line():
+    import os
+
+    from precast.errors import user_source_line
+
+    torch_linear = os.path.join(os.path.dirname(torch.__file__), "nn", "modules", "linear.py")
+    library = "/env/lib/python3.11/site-packages/transformers/models/bert/modeling_bert.py"
+    node = _node_with_trace([("/home/u/run.py", 3), (library, 250), (torch_linear, 134)])
+    assert user_source_line(node) == f"{library}:250"
+    # a trace recorded where torch lives elsewhere (a program saved on another machine)
+    other = "/opt/conda/lib/python3.10/site-packages/torch/nn/modules/linear.py"
+    assert user_source_line(_node_with_trace([(library, 250), (other, 125)])) == f"{library}:250"
+    # nothing outside torch: torch's innermost line is better than nothing
+    assert user_source_line(_node_with_trace([(torch_linear, 134)])) == f"{torch_linear}:134"
+
+
+def test_source_lines_of_a_transformers_model():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg).eval()
+    ep = torch.export.export(model, (torch.randint(0, 64, (1, 8)),))
+    rep = precast.convert(ep, policy="torch", verify=False).report
+    layers = [r for r in rep.nodes if r.op in ("aten.linear.default", "aten.layer_norm.default")]
+    assert len(layers) >= 8
+    for rec in layers:
+        assert "transformers/models/bert/modeling_bert.py:" in rec.location, rec
+
+
+# ---- one row per node after save/load ---------------------------------------------------------------------
+class MultiOutput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.lin(x)
+            a, b = y.unbind(0)
+            c, d = y.split(4, dim=1)
+            e, f = y.chunk(2, dim=1)
+            v, m = torch.var_mean(y, dim=1)
+            top, _ = y.max(dim=1)
+            z = a + b + (c * d).sum() + (e - f).sum() + v.sum() + m.sum() + top.sum()
+        return z.float()
+
+
+def test_report_lists_multi_output_ops_once_after_save_and_load(tmp_path):
+    res = precast.convert(MultiOutput().eval(), (torch.randn(2, 8),))
+    path = tmp_path / "multi.pt2"
+    torch.export.save(res.program, str(path))
+    loaded = precast.report(torch.export.load(str(path)))
+    names = [n.name for n in res.report.nodes]
+    assert len(names) == len(set(names))
+    ops = {n.op for n in res.report.nodes}
+    assert {"aten.unbind.int", "aten.split.Tensor", "aten.chunk.default", "aten.var_mean.dim"} <= ops
+    assert "aten.max.dim" in ops
+    assert [n.name for n in loaded.nodes] == names
+    assert loaded.nodes_by_dtype() == res.report.nodes_by_dtype()
+    assert loaded.to_dict()["nodes"] == res.report.to_dict()["nodes"]
+    # the in-memory program rebuilds the same rows
+    assert [n.name for n in precast.report(res.program).nodes] == names

@@ -142,13 +142,22 @@ def test_counter_buffer_not_advanced_by_conversion():
 
 def test_two_conversions_are_independent():
     model, inputs = zoo.small_mlp(4)
-    ep = torch.export.export(model, inputs)
+    ep = torch.export.export(model, inputs, dynamic_shapes=({0: torch.export.Dim("b", min=2, max=64)},))
+    # as in some dynamic exports, the nodes share one `custom` meta dict: fx copies meta shallowly, so a
+    # conversion that writes its records there would write into the caller's program and into every result
+    shared = {"user": "annotation"}
+    for module in ep.graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for n in module.graph.nodes:
+                n.meta["custom"] = shared
+    custom = [copy.deepcopy(n.meta.get("custom")) for n in ep.graph.nodes]
     a = precast.convert(ep, policy="rules", dtype=FP16)
     saved = a.report.to_json()
     precast.convert(ep, policy="torch", dtype=BF16)
     assert a.report.to_json() == saved
     assert precast.report(a.program).policy == "rules"
     assert precast.report(a.program).dtype == "fp16"
+    assert [n.meta.get("custom") for n in ep.graph.nodes] == custom
 
 
 def test_deepcopy_uses_its_own_weights():
