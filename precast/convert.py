@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
@@ -340,30 +341,28 @@ def _verify(
             "on a machine with it",
         )
         return
-    if original is not None:
-        reference = _with_private_buffers(original, written_targets(ep))
-    else:
-        reference = reference_module(private_state(ep))
-    if policy == "torch":
-
-        def ref(*a, **k):
-            # the MHA fast path is a fused kernel torch.export never records: compare against the regular path
-            fast = torch.backends.mha.get_fastpath_enabled()
-            torch.backends.mha.set_fastpath_enabled(False)
-            try:
-                # cache off: eager's cast cache is keyed by tensor, not dtype (stale copies in nested regions)
-                with torch.autocast(device, dtype=low, cache_enabled=False):
-                    return reference(*a, **k)
-            finally:
-                torch.backends.mha.set_fastpath_enabled(fast)
-
-        name = f"eager torch.autocast({device}, {dtype_name(low)})"
-    else:
-        ref, name = private_state(ep).module(), "the unconverted program"
-    if not diagnostics.check_runs(private_state(out), args, kwargs, rep):
-        diagnostics.raise_errors(rep)
-        return  # allowed: the program fails on this device, so there is nothing to compare
-    rep.verification = compare(private_state(out).module(), ref, args, kwargs, reference_name=name)
+    batches = [(args, kwargs)]
+    second = _second_batch(ep, args, kwargs)
+    if second is not None:
+        batches.append(second)  # a dynamic batch dim: a program narrowed to the example size fails here
+    results = []
+    for a, k in batches:
+        # fresh private copies of the written state for each run, on both sides
+        module = private_state(out).module()  # unlifted once per run
+        ok, got = diagnostics.run_checked(module, a, k, rep)
+        if not ok:
+            diagnostics.raise_errors(rep)
+            return  # allowed: the program fails on this device, so there is nothing to compare
+        ref, name = _reference(ep, policy, device, low, original)
+        converted = module if got is None else (lambda *_a, _got=got, **_k: _got)
+        results.append(compare(converted, ref, a, k, reference_name=name))
+    rep.verification = results[0]
+    if len(results) > 1:
+        size = _batch_size(batches[1])
+        rep.verification["second_batch"] = {"batch": size, **results[1]}
+        if not results[1]["bitwise"] and results[0]["bitwise"]:
+            rep.verification["bitwise"] = False
+            rep.verification["verdict"] = f"at batch {size}: {results[1]['verdict']}"
     if rep.verification["bitwise"]:
         return
     if policy == "rules":
@@ -371,6 +370,70 @@ def _verify(
         diagnostics.record(rep, "measured-error", f"outputs vs {name}: {rep.verification['verdict']}")
     else:
         diagnostics.record(rep, "not-bitwise", f"outputs differ from {name}: {rep.verification['verdict']}")
+
+
+def _reference(ep: ExportedProgram, policy, device, low, original) -> tuple[Any, str]:
+    """The reference semantics as a callable on private copies of the state it writes, and its name."""
+    if policy != "torch":
+        return private_state(ep).module(), "the unconverted program"
+    if original is not None:
+        reference = _with_private_buffers(original, written_targets(ep))
+    else:
+        reference = reference_module(private_state(ep))
+
+    def ref(*a, **k):
+        # the MHA fast path is a fused kernel torch.export never records: compare against the regular path
+        fast = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            # cache off: eager's cast cache is keyed by tensor, not dtype (stale copies in nested regions)
+            with torch.autocast(device, dtype=low, cache_enabled=False):
+                return reference(*a, **k)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fast)
+
+    return ref, f"eager torch.autocast({device}, {dtype_name(low)})"
+
+
+def _batch_size(batch: tuple[tuple, dict]) -> int | None:
+    leaves = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim()]
+    return leaves[0].shape[0] if leaves else None
+
+
+def _second_batch(ep: ExportedProgram, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The example inputs at another batch size, when every input's dim 0 is one dynamic symbol of the
+    program (within its range); None otherwise."""
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    user = [
+        n
+        for n, spec in zip(placeholders, ep.graph_signature.input_specs, strict=True)
+        if spec.kind.name == "USER_INPUT"
+    ]
+    dims = [
+        n.meta["val"].shape[0]
+        for n in user
+        if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
+    ]
+    exprs = {d.node.expr if isinstance(d, torch.SymInt) else d for d in dims}
+    if len(exprs) != 1:
+        return None
+    expr = exprs.pop()
+    if not isinstance(expr, sympy.Symbol):
+        return None  # static, or a derived size: leave it to the example batch
+    size = _batch_size((args, kwargs))
+    bounds = ep.range_constraints.get(expr)
+    lower = int(bounds.lower) if bounds is not None else 2
+    upper = bounds.upper if bounds is not None else size + 1
+    new = size + 1 if size + 1 <= upper else size - 1
+    if size is None or new < max(lower, 1) or new == size:
+        return None
+
+    def resize(t):
+        if not (isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size):
+            return t
+        return torch.cat([t, t[:1]]) if new > size else t[:new]
+
+    return pytree.tree_map(resize, (args, kwargs))
 
 
 def _with_private_buffers(module: torch.nn.Module, written: set[str]) -> Any:

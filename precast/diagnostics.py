@@ -262,11 +262,20 @@ def from_error(err: PrecastError, node: torch.fx.Node | None = None) -> Diagnost
 # ---- checks on the converted program ------------------------------------------------------------------
 
 
-def check_runs(ep: ExportedProgram, args: tuple, kwargs: dict, rep: Report) -> bool:
+def check_runs(ep: ExportedProgram | torch.nn.Module, args: tuple, kwargs: dict, rep: Report) -> bool:
     """Run the converted program once, node by node; a failing op becomes a ``device-unsupported`` diagnostic
     naming it, and the result is False. When the run cannot be made or fails before any op (inputs that do not
     fit the signature), a ``device-check-skipped`` warning says why: never a silent success."""
-    module = ep.module()
+    return run_checked(ep, args, kwargs, rep)[0]
+
+
+def run_checked(
+    program: ExportedProgram | torch.nn.Module, args: tuple, kwargs: dict, rep: Report
+) -> tuple[bool, Any]:
+    """``check_runs`` that also returns the outputs of its run (None when it could not run), so verification
+    compares them instead of running the converted program a second time. ``program``: a program, or the
+    module ``program.module()`` built (unlifting is costly: build it once)."""
+    module = program.module() if isinstance(program, ExportedProgram) else program
     try:
         flat = _flat_inputs(module, args, kwargs)
     except Exception as exc:
@@ -277,19 +286,22 @@ def check_runs(ep: ExportedProgram, args: tuple, kwargs: dict, rep: Report) -> b
             f"({first_line(exc)})",
             fix="pass example inputs shaped as the program's forward takes them",
         )
-        return True
+        return True, None
     interp = _NodeInterpreter(module)
     try:
         with torch.no_grad():
-            interp.run(*flat)
-        return True
+            out = interp.run(*flat)
     except Exception as exc:
         node = interp.current
         if node is None or node.op != "call_function":
             _record_skipped_run(rep, node, exc)
-            return True
+            return True, None
         _record_unsupported(rep, node, exc)
-        return False
+        return False, None
+    spec = getattr(module, "_out_spec", None)
+    if spec is None:
+        return True, out
+    return True, torch.utils._pytree.tree_unflatten(torch.utils._pytree.tree_leaves(out), spec)
 
 
 def _record_skipped_run(rep: Report, node: torch.fx.Node | None, exc: Exception) -> None:

@@ -330,3 +330,12 @@ def test_no_third_party_warning_per_conversion():
         precast.convert(ep)
         precast.convert(ep, policy="torch")
     assert not [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_verification_runs_a_second_batch_when_dynamic():
+    model, inputs = zoo.small_mlp(4)
+    ep = torch.export.export(model, inputs, dynamic_shapes=({0: torch.export.Dim("b", min=2, max=64)},))
+    v = precast.convert(ep).report.verification
+    assert v["bitwise"] and v["second_batch"]["batch"] == 5 and v["second_batch"]["bitwise"]
+    static = precast.convert(torch.export.export(model, inputs)).report.verification
+    assert "second_batch" not in static

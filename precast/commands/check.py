@@ -34,7 +34,10 @@ def add_parser(sub) -> None:
     )
     p.add_argument("program", help="a program saved with torch.export.save")
     p.add_argument(
-        "--inputs", default=None, help="inputs saved with torch.save: a tensor, a tuple, or (args, kwargs)"
+        "--inputs",
+        default=None,
+        help="inputs saved with torch.save: a tensor, a tuple, (args, kwargs), or a dict keyed by the forward's "
+        "argument names",
     )
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.set_defaults(run=run)
@@ -88,7 +91,7 @@ def metrics(got, want) -> list[dict]:
         diff = (af - ef).abs()
         max_abs = diff.max().item() if diff.numel() else 0.0
         max_rel = (diff / ef.abs().clamp_min(1e-12)).max().item() if diff.numel() else 0.0
-        cosine = torch.nn.functional.cosine_similarity(af, ef, dim=0).item() if af.numel() else 1.0
+        cosine = _cosine(af, ef)
         bitwise = a.dtype == e.dtype and a.shape == e.shape and bool(torch.equal(a, e))
         out.append(
             {
@@ -103,31 +106,53 @@ def metrics(got, want) -> list[dict]:
     return out
 
 
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine similarity of two flat float64 vectors; 1.0 when both are zero. No epsilon floor: outputs around
+    1e-9 (F.cosine_similarity clamps norms to 1e-8) must still measure their direction."""
+    na, nb = a.norm().item(), b.norm().item()
+    if na == 0 or nb == 0:
+        return 1.0 if na == nb else 0.0
+    return (a @ b).item() / (na * nb)
+
+
 def load_inputs(path: str | None, ep) -> tuple[tuple, dict]:
-    from precast.capture import load_saved, normalize_inputs
+    """(args, kwargs) for the program: the example inputs it carries, or a file saved with torch.save holding a
+    tensor, a tuple, (args, kwargs), or a dict keyed by the forward's own argument names (``{"X": t}``) or by
+    export's lowercased ones."""
+    from precast.capture import load_saved
+    from precast.policy.calibrate import bind_inputs
 
     if path is None:
         if ep.example_inputs is None:
             raise PrecastError(
                 "the program carries no example inputs; pass --inputs FILE.pt (saved with torch.save)"
             )
-        return normalize_inputs(ep.example_inputs)
+        return bind_inputs(ep, ep.example_inputs, "the program's example inputs")
     value = load_saved(path, "--inputs", f"save the inputs with torch.save((x,), '{Path(path).name}')")
-    return normalize_inputs(value)
+    return bind_inputs(ep, value, f"--inputs {path}")
+
+
+def _run(path: str, what: str, module: torch.nn.Module, args: tuple, kwargs: dict):
+    """``module(*args, **kwargs)``; a failure is one line naming the program, which run failed and the error."""
+    try:
+        return module(*args, **kwargs)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise PrecastError(
+            f"{path}: running {what} on these inputs failed with {type(exc).__name__}: {first}"
+        ) from exc
 
 
 def run(args: argparse.Namespace) -> int:
     from precast.capture import load_program
+    from precast.policy.calibrate import flat_user_inputs
 
     ep = load_program(args.program)
     inputs, kwargs = load_inputs(args.inputs, ep)
-    try:
-        with torch.no_grad():
-            got = ep.module()(*inputs, **kwargs)
-            want = fp32_reference(ep)(*inputs, **kwargs)
-    except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise PrecastError(f"{args.program}: running the program on these inputs failed: {first}") from exc
+    flat_user_inputs(ep, inputs, kwargs, f"--inputs {args.inputs}" if args.inputs else "the example inputs")
+    with torch.no_grad():
+        got = _run(args.program, "the program", ep.module(), inputs, kwargs)
+        want = _run(args.program, "its float32 reference", fp32_reference(ep), inputs, kwargs)
     rows = metrics(got, want)
     if args.json:
         clean = [

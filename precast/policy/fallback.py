@@ -1,7 +1,8 @@
 """Accuracy-driven fallback: move the fewest ops back to fp32 until the outputs meet a tolerance.
 
-``tolerance`` is a dict of one or more bounds, all of which must hold on every calibration batch and every
-user output (compared with the unconverted program, in float64):
+``tolerance`` is a dict of one or more bounds, all of which must hold on every batch the search uses (the first
+``TOLERANCE_BATCHES`` calibration batches, kept from the single streaming pass) and every user output (compared
+with the unconverted program, in float64):
 
 - ``{"max_abs": 1e-2}``: largest absolute elementwise error;
 - ``{"rel": 1e-3}``: largest relative L2 error ``||y - y_ref|| / ||y_ref||`` of an output;
@@ -19,7 +20,7 @@ explicitly with ``exclude_nodes`` if that is what it takes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +31,13 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
-from precast.capture import normalize_inputs
 from precast.classify import ASSERT_METADATA, _decide, apply_decision
 from precast.errors import PrecastError
-from precast.policy.calibrate import flat_inputs
+from precast.policy.calibrate import placeholder_values, user_values
 from precast.program import Program
 
 KEYS = ("max_abs", "rel", "cosine")
-SENSITIVITY_BATCHES = 1  # the per-op ranking uses the first batches only; the search checks all
+SENSITIVITY_BATCHES = 1  # the per-op ranking uses the first batches only; the search checks all it was given
 
 
 @dataclass
@@ -162,18 +162,24 @@ class FallbackResult:
 
 
 def meet_tolerance(
-    program: Program, ep: ExportedProgram, policy: Any, tol: Tolerance, batches
+    program: Program, ep: ExportedProgram, policy: Any, tol: Tolerance, batches: Sequence[Any]
 ) -> FallbackResult:
+    """Find the fewest ops to keep in fp32 for ``tol`` on ``batches`` (the calibration's kept sample, each
+    forwarded several times); sets ``policy.fallback`` to them."""
     from precast.policy.op_families import GEMM_OPS
     from precast.policy.rules import op_name
 
-    inputs = [flat_inputs(program, ep, b, i) for i, b in enumerate(batches)]
+    users = [user_values(program, ep, b, i) for i, b in enumerate(batches)]
     gm = program.gm
 
     def run(pol, which=None) -> list[list]:
         interp = MixedInterpreter(gm, pol)
         with torch.no_grad():
-            return [user_outputs(program, interp.run(*inputs[i])) for i in (which or range(len(inputs)))]
+            # constants are fetched again for every forward: a buffer the program writes starts fresh each time
+            return [
+                user_outputs(program, interp.run(*placeholder_values(program, users[i])))
+                for i in (which or range(len(users)))
+            ]
 
     refs = run(None)
 
@@ -205,7 +211,7 @@ def meet_tolerance(
             code="tolerance-unmet",
         )
     # cost of each candidate: error when it alone is in low precision
-    sample = list(range(min(SENSITIVITY_BATCHES, len(inputs))))
+    sample = list(range(min(SENSITIVITY_BATCHES, len(users))))
     policy.fallback = {}
     score = {}
     for c in candidates:
@@ -242,22 +248,12 @@ def meet_tolerance(
     return result
 
 
-def check_program(
-    out: ExportedProgram,
-    ep: ExportedProgram,
-    program: Program,
-    tol: Tolerance,
-    batches,
-    refs: list | None = None,
-) -> dict:
-    """Errors of the converted program itself over the batches (against ``refs`` or the unconverted program)."""
-    module = out.module()
-    reference = ep.module() if refs is None else None
+def check_program(module: Callable[..., Any], batches: Sequence[Any], refs: list) -> dict:
+    """Errors of the converted program (``module``: a module of it whose written buffers are private) over
+    ``batches`` ((args, kwargs) pairs) against ``refs``, the unconverted program's outputs measured by
+    ``meet_tolerance``: the caller's program is not run again."""
     errs = Errors()
     with torch.no_grad():
-        for i, b in enumerate(batches):
-            args, kwargs = normalize_inputs(b)
-            got = pytree.tree_leaves(module(*args, **kwargs))
-            want = refs[i] if refs is not None else pytree.tree_leaves(reference(*args, **kwargs))
-            errs.update(got, want)
+        for (args, kwargs), want in zip(batches, refs, strict=True):
+            errs.update(pytree.tree_leaves(module(*args, **kwargs)), want)
     return errs.m

@@ -5,7 +5,8 @@ limit go on the Decision, so the report reads ``layer_norm_3: fp32 (data_max: ab
 
 Order of authority (first answer wins): the program's autocast regions (classify), ``include_nodes`` /
 ``include_ops`` (force low), ``exclude_nodes``, ``exclude_ops``, ``custom_rules``, ``init_max``, ``data_max``,
-``max_reduction_depth``, the accuracy fallback (``tolerance``), then the default: low precision.
+``flush_to_zero`` (``data_min``), ``max_reduction_depth``, the accuracy fallback (``tolerance``), then the
+default: low precision.
 
 Ops are of three kinds. *Compute* ops (matmuls, convolutions, elementwise math, reductions, norms...) get
 the dtype the rules give and their floating inputs are cast to it. *Follow* ops (views, shape and index ops,
@@ -31,7 +32,7 @@ from torch.export.graph_signature import OutputKind
 from precast.errors import PrecastError, module_path
 from precast.policy.autocast import tensor_args
 from precast.policy.base import Decision, dtype_name
-from precast.policy.calibrate import Calibration, calibrate
+from precast.policy.calibrate import TOLERANCE_BATCHES, Calibration, calibrate
 from precast.policy.op_families import CONV_OPS
 from precast.program import Program
 from precast.report import Diagnostic, Report
@@ -333,6 +334,7 @@ class RuleOptions:
     include_ops: list = field(default_factory=list)
     data_max: float | None = None
     init_max: float | None = None
+    data_min: float | None = None  # flush_to_zero: values whose absmax stays below this underflow in `low`
     max_reduction_depth: int | None = None
     custom_rules: tuple = ()
 
@@ -348,14 +350,20 @@ class RuleOptions:
         init_max=None,
         max_reduction_depth=None,
         custom_rules=(),
+        data_min=None,
     ) -> RuleOptions:
         if data_max is None and low == torch.float16:
             data_max = FP16_DATA_MAX
         if init_max is None:
             init_max = torch.finfo(low).max
+        if data_min is None and low == torch.float16:
+            # bf16 shares fp32's exponent range: what it flushes is already subnormal in fp32
+            data_min = torch.finfo(low).tiny
         for name, value in (("data_max", data_max), ("init_max", init_max)):
             if value is not None and (not isinstance(value, (int, float)) or value <= 0):
                 raise PrecastError(f"{name}={value!r}: give a positive number (math.inf turns the rule off)")
+        if data_min is not None and (not isinstance(data_min, (int, float)) or not 0 <= data_min < math.inf):
+            raise PrecastError(f"data_min={data_min!r}: give a finite number >= 0 (0 turns the rule off)")
         if max_reduction_depth is not None and (
             not isinstance(max_reduction_depth, int)
             or isinstance(max_reduction_depth, bool)
@@ -376,6 +384,7 @@ class RuleOptions:
             include_ops=ops(include_ops, "include_ops"),
             data_max=None if data_max is None or math.isinf(data_max) else float(data_max),
             init_max=None if math.isinf(init_max) else float(init_max),
+            data_min=float(data_min) if data_min else None,
             max_reduction_depth=max_reduction_depth,
             custom_rules=tuple(custom_rules),
         )
@@ -576,6 +585,19 @@ class RulesPolicy:
                     m,
                     o.data_max,
                 )
+        if o.data_min is not None and self.calibration is not None:
+            found = self._data_floor(node)
+            if found is not None:
+                m, what = found
+                return make(
+                    fp32,
+                    "rules",
+                    "flush_to_zero",
+                    f"flush_to_zero: absmax {m:.3g} of {what} < {o.data_min:.3g}, the smallest normal "
+                    f"{dtype_name(low)}: in {dtype_name(low)} its values would be subnormal or flush to zero",
+                    m,
+                    o.data_min,
+                )
         if o.max_reduction_depth is not None:
             depth = reduction_depth(node, args, kwargs)
             if depth is not None and depth[0] > o.max_reduction_depth:
@@ -612,6 +634,23 @@ class RulesPolicy:
             if s is not None and (best is None or s.absmax > best[0]):
                 best = (s.absmax, f"its input {a.name}")
         return best
+
+    def _data_floor(self, node: torch.fx.Node) -> tuple[float, str] | None:
+        """The smallest nonzero absmax below ``data_min`` among the node's output and floating activation
+        inputs (a cast of such an input to the low dtype would flush it), with what it is; None if none."""
+        stats, limit = self.calibration.stats, self.opts.data_min
+        found = []
+        own = stats.get(node.name)
+        if own is not None:
+            found.append((own.absmax, "its output"))
+        for a in node.all_input_nodes:
+            if self.program.constant_target(a) is not None or a.op == "get_attr":
+                continue  # constants are cast once at conversion; init_max's business
+            s = stats.get(a.name)
+            if s is not None:
+                found.append((s.absmax, f"its input {a.name}"))
+        tiny = [f for f in found if 0 < f[0] < limit]
+        return min(tiny, key=lambda f: f[0]) if tiny else None
 
     def _context(self, node, args, kwargs, consts) -> RuleContext:
         stats = self.calibration.stats if self.calibration else {}
@@ -650,46 +689,21 @@ def convert_with_rules(
     keep_io = True if keep_io_types is None else bool(keep_io_types)
     opts = RuleOptions.build(low, **rule_options)
     tol = parse_tolerance(tolerance)
-    batches, source = _batches(calibration, ep, need=opts.data_max is not None or tol is not None)
-    if batches is None and opts.data_max is not None:
-        rep.diagnostics.append(
-            Diagnostic(
-                "warning",
-                "data-max-inactive",
-                f"data_max={opts.data_max:g} is not applied: no calibration data and the program has no example "
-                "inputs; pass calibration=[inputs, ...]",
-            )
-        )
-    if tol is not None and batches is None:
+    ranges = opts.data_max is not None or opts.data_min is not None
+    cal = _calibrate(program, ep, rep, calibration, low, ranges=ranges, tol=tol is not None)
+    if tol is not None and cal is None:
         raise PrecastError("tolerance= needs data to measure the error on: pass calibration=[inputs, ...]")
-    if batches is not None and source != "calibration data":
-        rep.diagnostics.append(
-            Diagnostic(
-                "info",
-                "ranges-from-example-inputs",
-                "no calibration data: value ranges (data_max) and errors were measured on the example inputs only; "
-                "pass calibration=[inputs, ...] for representative ranges",
-            )
-        )
-    cal = (
-        calibrate(program, ep, batches, source=source)
-        if batches is not None and opts.data_max is not None
-        else None
-    )
-    if cal is not None and source == "calibration data":
-        rep.diagnostics.append(
-            Diagnostic("info", "calibrated", f"value ranges measured on {cal.batches} batches")
-        )
 
     original_out = _output_dtypes(program)
     policy = RulesPolicy(program, opts, cal)
     result = None
     if tol is not None:
-        result = meet_tolerance(program, ep, policy, tol, batches)
+        result = meet_tolerance(program, ep, policy, tol, cal.sample)
         rep.diagnostics.append(Diagnostic("info", "tolerance", result.summary()))
     run_pipeline(program, policy, rep)
     _restore_output_dtypes(program, original_out, keep_io)
     out = finish(program, rep)
+    _warn_flushed(rep, cal, opts)
     kept = [r for r in rep.nodes if r.source in ("rules", "user") and r.dtype == "fp32"]
     if kept:
         rep.diagnostics.append(
@@ -705,8 +719,10 @@ def convert_with_rules(
         )
     if result is not None:
         from precast.policy.fallback import check_program
+        from precast.program import private_state
 
-        final = check_program(out, ep, program, tol, batches, result.refs)
+        # on private copies of the buffers `out` writes: the program handed back has seen no forward
+        final = check_program(private_state(out).module(), cal.sample, result.refs)
         result.final = final
         rep.verification["tolerance"] = {
             "target": tol.spec,
@@ -718,7 +734,8 @@ def convert_with_rules(
                 Diagnostic(
                     "warning",
                     "tolerance-not-met",
-                    f"the converted program measures {tol.describe(final)} on the calibration data, outside {tol.spec}",
+                    f"the converted program measures {tol.describe(final)} on the {len(cal.sample)} calibration "
+                    f"batch(es) the search used, outside {tol.spec}",
                 )
             )
     if verify:
@@ -732,19 +749,68 @@ def convert_with_rules(
     return ConvertResult(out, rep)
 
 
-def _batches(calibration, ep: ExportedProgram, need: bool) -> tuple[list | None, str]:
-    if calibration is not None:
-        from precast.policy.calibrate import batches_of
+def _calibrate(
+    program: Program, ep: ExportedProgram, rep: Report, data, low: torch.dtype, *, ranges: bool, tol: bool
+) -> Calibration | None:
+    """One streaming pass over the calibration data (else the example inputs, when a range rule or the
+    tolerance needs data): statistics from every batch, the first TOLERANCE_BATCHES kept for the tolerance
+    search. The report says which data each used."""
+    keep = TOLERANCE_BATCHES if tol else 0
+    if data is not None:
+        cal = calibrate(program, ep, data, low=low, keep=keep)
+        searched = f"; the tolerance search used the first {len(cal.sample)}" if tol else ""
+        rep.diagnostics.append(
+            Diagnostic("info", "calibrated", f"value ranges measured on {cal.batches} batches{searched}")
+        )
+        return cal
+    if not (ranges or tol):
+        return None
+    if ep.example_inputs is None:
+        if ranges:
+            rep.diagnostics.append(
+                Diagnostic(
+                    "warning",
+                    "data-max-inactive",
+                    "data_max and flush_to_zero are not applied: no calibration data and the program has no "
+                    "example inputs; pass calibration=[inputs, ...]",
+                )
+            )
+        return None
+    rep.diagnostics.append(
+        Diagnostic(
+            "info",
+            "ranges-from-example-inputs",
+            "no calibration data: value ranges (data_max, flush_to_zero) and errors were measured on the example "
+            "inputs only; pass calibration=[inputs, ...] for representative ranges",
+        )
+    )
+    return calibrate(program, ep, [ep.example_inputs], low=low, keep=keep, source="the example inputs")
 
-        it = batches_of(calibration)
-        # re-iterable containers are walked again by the fallback; one-shot iterators are kept
-        data = calibration if it is not calibration and hasattr(calibration, "__len__") else list(it)
-        if hasattr(data, "__len__") and len(data) == 0:
-            raise PrecastError("calibration data is empty: give at least one batch of inputs")
-        return data, "calibration data"
-    if need and ep.example_inputs is not None:
-        return [ep.example_inputs], "the example inputs"
-    return None, ""
+
+def _warn_flushed(rep: Report, cal: Calibration | None, opts: RuleOptions) -> None:
+    """Ops left in the low dtype (by include_nodes/include_ops or an autocast region) whose outputs flush to
+    zero or go subnormal there: the conversion may return zeros, so say so."""
+    if cal is None or opts.data_min is None:
+        return
+    low = dtype_name(opts.low)
+    hit = [
+        (r, cal.stats[r.name])
+        for r in rep.nodes
+        if r.dtype == low and r.name in cal.stats and 0 < cal.stats[r.name].absmax < opts.data_min
+    ]
+    if hit:
+        rep.diagnostics.append(
+            Diagnostic(
+                "warning",
+                "flush-to-zero",
+                f"{len(hit)} op(s) run in {low} although their outputs (absmax below {opts.data_min:.3g}) are "
+                f"subnormal or flush to zero there: "
+                + "; ".join(f"{r.name} (absmax {st.absmax:.3g}, {r.rule})" for r, st in hit[:10])
+                + ("; ..." if len(hit) > 10 else ""),
+                node=hit[0][0].name,
+                location=hit[0][0].location,
+            )
+        )
 
 
 def _output_dtypes(program: Program) -> list[torch.dtype | None]:

@@ -99,3 +99,35 @@ def test_unmeetable_tolerance_is_an_error():
             calibration=cal(),
             tolerance={"max_abs": 1e-9},
         )
+
+
+class Counter(Sensitive):
+    """Sensitive, plus a step counter the forward writes in place (a buffer the program writes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return super().forward(x)
+
+
+def test_calibration_and_tolerance_search_leave_callers_state_alone():
+    """policy rules + 4 calibration batches + a tolerance: neither the caller's module nor its exported program
+    sees a single forward, and the converted program starts from the same state."""
+    torch.manual_seed(0)
+    model, inputs = Counter().eval(), (torch.randn(4, 8),)
+    ep = torch.export.export(model, inputs)
+    assert model.count.item() == 0 and ep.state_dict["count"].item() == 0
+    kw = dict(
+        policy="rules", dtype=torch.bfloat16, calibration=cal() + cal()[:1], tolerance={"max_abs": 0.05}
+    )
+    res = precast.convert(ep, **kw)
+    assert ep.state_dict["count"].item() == 0, "the input program's buffer was written"
+    assert model.count.item() == 0, "the caller's module was run"
+    res_m = precast.convert(model, inputs, **kw)
+    assert model.count.item() == 0, "the caller's module was run"
+    for r in (res, res_m):
+        (stored,) = [v for k, v in r.program.state_dict.items() if k.startswith("count")]
+        assert stored.item() == 0, "the converted program was handed back after forwards on its own state"

@@ -319,3 +319,81 @@ def test_one_cast_per_producer_and_dtype():
     assert max(counts.values()) == 1, counts
     ln = next(n for n in res.program.graph.nodes if n.name == "layer_norm")
     assert sum(1 for n in ln.users if is_cast(n)) == 1  # one fp16 copy shared by the four linears
+
+
+class Faint(nn.Module):
+    """A normal front end, then two Linears with weights scaled to 1e-5: outputs ~1e-9, below fp16's smallest
+    subnormal (5.96e-8), as in torchvision's mobilenet_v3_small with random weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.front = nn.Linear(16, 16)
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 8)
+        with torch.no_grad():
+            for lin in (self.a, self.b):
+                lin.weight.mul_(1e-5 / lin.weight.abs().max())
+                lin.bias.zero_()
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(torch.tanh(self.front(x)))))
+
+
+def faint():
+    torch.manual_seed(0)
+    return Faint().eval(), (torch.randn(4, 16),)
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_flush_to_zero_keeps_faint_ops_in_fp32(calibrated):
+    model, inputs = faint()
+    want = model(*inputs)
+    assert 0 < want.abs().max().item() < 2**-24  # every output flushes to zero in fp16
+    assert not torch.nn.functional.linear(inputs[0], model.a.weight).half().eq(0).all()
+    torch.manual_seed(1)
+    cal = [(torch.randn(4, 16),) for _ in range(3)] if calibrated else None
+    res = precast.convert(model, inputs, policy="rules", dtype=FP16, calibration=cal)
+    got = res.module()(*inputs)
+    assert got.abs().max().item() > 0
+    got, want = got.detach().flatten().double(), want.detach().flatten().double()
+    assert (got @ want / (got.norm() * want.norm())).item() > 0.99  # (F.cosine_similarity's eps is 1e-8)
+    b = res.report.node("linear_2")
+    assert b.dtype == "fp32" and b.rule == "flush_to_zero" and b.measured < 2**-24 and b.limit == 2**-14
+    assert "flush_to_zero: absmax" in b.reason and "smallest normal fp16" in b.reason
+    assert res.report.node("linear").dtype == "fp16"  # the normal front end stays low
+    assert "linear_2 (flush_to_zero" in res.report.summary()
+    if not calibrated:  # ranges from the example inputs, and the report says so
+        assert any(d.code == "ranges-from-example-inputs" for d in res.report.diagnostics)
+
+
+def test_flush_to_zero_off_for_bf16_and_warned_when_forced_low():
+    model, inputs = faint()
+    bf = precast.convert(model, inputs, policy="rules", dtype=BF16)  # bf16 has fp32's range
+    assert not any(n.rule == "flush_to_zero" for n in bf.report.nodes)
+    forced = precast.convert(model, inputs, policy="rules", dtype=FP16, include_nodes=["^linear_2$"])
+    assert forced.report.node("linear_2").dtype == "fp16"
+    warn = [d for d in forced.report.diagnostics if d.code == "flush-to-zero"]
+    assert len(warn) == 1 and warn[0].severity == "warning" and "linear_2" in warn[0].message
+
+
+def test_init_max_stays_on_for_fp16_and_include_nodes_still_converts():
+    """A reader of a constant beyond fp16's range stays fp32 by default; forced to fp16 with include_nodes, the
+    conversion still succeeds (the stored constant is clamped to ±65504, with a warning)."""
+
+    class Big(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+            self.register_buffer("scale", torch.tensor([1e5, 2.0]))
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    torch.manual_seed(0)
+    model, inputs = Big().eval(), (torch.randn(3, 2),)
+    res = precast.convert(model, inputs, policy="rules", dtype=FP16)
+    rec = res.report.node("mul")
+    assert (rec.dtype, rec.rule, rec.measured, rec.limit) == ("fp32", "init_max", 1e5, 65504.0)
+    forced = precast.convert(model, inputs, policy="rules", dtype=FP16, include_nodes=["^mul$"])
+    assert forced.report.node("mul").dtype == "fp16"
+    assert torch.isfinite(forced.module()(*inputs)).all()
+    assert any(d.code == "fp16-clamped" for d in forced.report.diagnostics)
