@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from precast.errors import PrecastError
+from precast.errors import PrecastError, first_line
 
 
 def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
@@ -68,15 +68,20 @@ def capture(
     except PrecastError:
         raise
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise PrecastError(
             f"torch.export.export failed on {type(program_or_module).__name__}: {first} "
             "(fix the export first: see https://pytorch.org/docs/stable/export.html)"
         ) from exc
 
 
-def load_program(path: str | Path) -> ExportedProgram:
-    """Load a program saved with ``torch.export.save``, with one-line errors for the usual mistakes."""
+# records torch.export.save writes (archive_format since torch 2.8, version before)
+PROGRAM_MARKERS = ("archive_format", "version")
+
+
+def check_program_file(path: str | Path) -> Path:
+    """Before loading: ``path`` is a file torch.export.save wrote (a zip with its archive marker). torch's own
+    failure on other zips points at warnings the CLI hides; this says what the file is instead."""
     p = Path(path)
     if not p.exists():
         raise PrecastError(f"{p}: no such file; pass a program saved with torch.export.save(ep, '{p.name}')")
@@ -86,6 +91,19 @@ def load_program(path: str | Path) -> ExportedProgram:
         raise PrecastError(
             f"{p}: not a saved torch.export program (not a zip archive); save it with torch.export.save"
         )
+    with zipfile.ZipFile(p) as z:
+        names = z.namelist()
+    if not any(n == m or n.endswith("/" + m) for n in names for m in PROGRAM_MARKERS):
+        raise PrecastError(
+            f"{p}: a zip archive, but not one torch.export.save wrote (no archive_format or version record); "
+            "save the program with torch.export.save"
+        )
+    return p
+
+
+def load_program(path: str | Path) -> ExportedProgram:
+    """Load a program saved with ``torch.export.save``, with one-line errors for the usual mistakes."""
+    p = check_program_file(path)
     try:
         with zipfile.ZipFile(p) as z:
             bad = z.testzip()
@@ -105,9 +123,8 @@ def load_program(path: str | Path) -> ExportedProgram:
     except PrecastError:
         raise
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PrecastError(
-            f"{p}: cannot be loaded as a torch.export program ({first}); save it with torch.export.save from "
+            f"{p}: cannot be loaded as a torch.export program ({first_line(exc)}); save it with torch.export.save from "
             f"torch {torch.__version__.split('+')[0]}"
         ) from exc
 
@@ -121,7 +138,7 @@ def load_saved(path: str | Path, what: str, hint: str) -> Any:
     try:
         return torch.load(p, weights_only=True)
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc)
         raise PrecastError(f"{what} {p}: cannot be read with torch.load ({first}); {hint}") from exc
 
 

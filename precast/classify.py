@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import operator
-from collections.abc import Callable
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from precast.errors import PrecastError, where
 from precast.policy import op_families
@@ -47,14 +53,215 @@ class ClassifyResult:
     decomposed: list[str] | None = None
 
 
-def fake_mode_of(program: Program):
+# ---- fake values on the conversion's own shape environment -------------------------------------------------
+# The program's fake values (node.meta["val"]) share one ShapeEnv with the input program. Running ops on them
+# can add guards or replace a dynamic symbol by its example value (a C++ composite reading ``sizes()``), and
+# that would narrow the caller's program as well as ours. So the conversion works on a private copy of the
+# ShapeEnv: every fake value of the program is re-created on it, and every fake run checks that no symbol of
+# the program's inputs was specialized or narrowed.
+# Keyed by the Program (nothing in the state refers back to it, so the entry dies with the conversion).
+_FAKE_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# ShapeEnv fields that hold tensors or FX nodes (not deep-copyable, and caches anyway): start them empty
+_SHAPE_ENV_FRESH = {"tracked_fakes": None, "fake_tensor_cache": {}, "fx_node_cache": {}}
+_SHAPE_ENV_SHARED = ("log",)
+
+
+@dataclass
+class FakeState:
+    """The conversion's private fake mode and what it must preserve."""
+
+    mode: FakeTensorMode
+    # input symbol -> (where it comes from, e.g. "x.size()[0]", its value range at the start)
+    symbols: dict[sympy.Symbol, tuple[str, object]] = field(default_factory=dict)
+    replacements: int = 0
+    # node -> signature (target, args, kwargs) when its fake value was last computed (precast.verify)
+    signatures: dict[torch.fx.Node, tuple] = field(default_factory=dict)
+
+
+def fake_state(program: Program) -> FakeState:
+    """The program's private fake mode, created on first use: a copy of the input program's ShapeEnv, with
+    every node's fake value re-created on it (no op runs: only metadata is rebuilt)."""
+    state = _FAKE_STATE.get(program)
+    if state is None:
+        state = _privatize(program)
+        _FAKE_STATE[program] = state
+    return state
+
+
+def fake_mode_of(program: Program) -> FakeTensorMode:
+    return fake_state(program).mode
+
+
+def _privatize(program: Program) -> FakeState:
     vals = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"]
-    mode = detect_fake_mode(vals)
-    if mode is None:
+    source = detect_fake_mode(vals)
+    if source is None:
         raise PrecastError(
             "the program's placeholders carry no fake values; re-export it with torch.export.export"
         )
-    return mode
+    env = _copy_shape_env(source.shape_env) if source.shape_env is not None else None
+    mode = FakeTensorMode(
+        allow_fallback_kernels=source.allow_fallback_kernels,
+        allow_non_fake_inputs=source.allow_non_fake_inputs,
+        shape_env=env,
+        static_shapes=source.static_shapes,
+        export=getattr(source, "export", False),
+    )
+    state = FakeState(mode)
+    adopt_vals(state, program.graph.nodes)
+    state.signatures = {n: node_signature(n) for n in program.graph.nodes}
+    if env is not None:
+        state.symbols = _input_symbols(program, env)
+        state.replacements = len(env.replacements)
+    return state
+
+
+def adopt_vals(state: FakeState, nodes: Iterable[torch.fx.Node]) -> None:
+    """Re-create on the private mode any fake value that still lives on another one (nodes copied in from
+    elsewhere, e.g. a region inlined after the state was made). Only metadata is rebuilt."""
+    memo: dict[int, tuple[object, object]] = {}
+    for node in nodes:
+        val = node.meta.get("val")
+        if val is not None and _foreign(val, state.mode):
+            node.meta["val"] = _rebind(val, state.mode, memo)
+
+
+def _foreign(value: object, mode: FakeTensorMode) -> bool:
+    if isinstance(value, FakeTensor):
+        return value.fake_mode is not mode
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return mode.shape_env is not None and value.node.shape_env is not mode.shape_env
+    if isinstance(value, (list, tuple, dict)):
+        return any(_foreign(v, mode) for v in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
+def _copy_shape_env(env: ShapeEnv) -> ShapeEnv:
+    """A deep copy of ``env``'s symbolic state (ranges, replacements, guards), sharing nothing mutable."""
+    new = ShapeEnv.__new__(ShapeEnv)
+    for key, value in env.__dict__.items():
+        if key in _SHAPE_ENV_FRESH:
+            value = copy.copy(_SHAPE_ENV_FRESH[key])
+        elif key not in _SHAPE_ENV_SHARED:
+            value = copy.deepcopy(value)
+        new.__dict__[key] = value
+    return new
+
+
+def _rebind(value: object, mode: FakeTensorMode, memo: dict[int, tuple[object, object]]) -> object:
+    """``value`` (a fake tensor, SymInt, or a container of them) re-created on ``mode`` and its ShapeEnv.
+
+    ``memo`` keeps one copy per object (values shared between nodes, such as a tuple and its getitems, stay
+    shared); it holds the original too, so an id is never reused while the memo lives."""
+    hit = memo.get(id(value))
+    if hit is not None and hit[0] is value:
+        return hit[1]
+    if isinstance(value, FakeTensor):
+        if value.fake_mode is mode:
+            return value
+        sizes = [_rebind(s, mode, memo) for s in value.shape]
+        strides = [_rebind(s, mode, memo) for s in value.stride()]
+        out = _empty_like_meta(mode, sizes, strides, value)
+    elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        if mode.shape_env is None or value.node.shape_env is mode.shape_env:
+            return value
+        out = type(value)(value.node.with_shape_env(mode.shape_env))
+    elif isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        out = type(value)(_rebind(v, mode, memo) for v in value)
+    elif isinstance(value, dict):
+        out = {k: _rebind(v, mode, memo) for k, v in value.items()}
+    else:
+        return value
+    memo[id(value)] = (value, out)
+    return out
+
+
+def _empty_like_meta(mode: FakeTensorMode, sizes: list, strides: list, like: FakeTensor) -> FakeTensor:
+    """A fake tensor of ``like``'s dtype and device with the given sizes and strides, built on a meta tensor
+    directly (the fake dispatch cache would rebuild every output from its cache entry, twice the cost)."""
+    meta = torch.empty_strided(sizes, strides, dtype=like.dtype, device="meta")
+    out = FakeTensor(mode, meta, like.device)
+    if like.requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def _input_symbols(program: Program, env: ShapeEnv) -> dict:
+    """Each free symbol of the program's input shapes -> (``name.size()[i]``, its value range now)."""
+    found: dict = {}
+    for node in program.graph.nodes:
+        if node.op != "placeholder" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        for i, size in enumerate(node.meta["val"].shape):
+            if not isinstance(size, torch.SymInt):
+                continue
+            for sym in size.node.expr.free_symbols:
+                if sym not in found:
+                    found[sym] = (f"{node.name}.size()[{i}]", env.var_to_range.get(sym))
+    return found
+
+
+def node_signature(node: torch.fx.Node) -> tuple:
+    """What a node's fake value is computed from: op, target and arguments."""
+    return (node.op, node.target, _freeze(node.args), _freeze(node.kwargs))
+
+
+def _freeze(value: object) -> object:
+    """A comparable snapshot of FX arguments: nodes by identity, containers as tuples, others by value when
+    hashable (dtypes, numbers, strings), else by identity."""
+    if isinstance(value, torch.fx.Node):
+        return value
+    if isinstance(value, torch.Tensor):  # `==` on tensors is elementwise
+        return ("id", id(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _freeze(v)) for k, v in value.items())
+    if isinstance(value, slice):
+        return ("slice", _freeze(value.start), _freeze(value.stop), _freeze(value.step))
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+def check_dynamic(state: FakeState, node: torch.fx.Node) -> None:
+    """Raise if running ``node`` on fake values specialized or narrowed a dynamic dimension of the program's
+    inputs (eager would then reject other sizes: "Guard failed: x.size()[0] == 2")."""
+    env = state.mode.shape_env
+    if env is None or not state.symbols:
+        return
+    if len(env.replacements) == state.replacements and all(
+        env.var_to_range.get(sym) == rng for sym, (_, rng) in state.symbols.items()
+    ):
+        return
+    for sym, (name, rng) in state.symbols.items():
+        now = env.replacements.get(sym, sym)
+        if now != sym or env.var_to_range.get(sym) != rng:
+            fixed = now if now != sym else env.var_to_range.get(sym)
+            op = str(node.target)
+            raise PrecastError(
+                f"{where(node)}: computing {op} on the program's fake values fixed the dynamic dimension "
+                f"{name} ({sym}, range {rng}) to {fixed}; precast must not narrow a dynamic shape: please "
+                "report it with this program (convert with static shapes meanwhile)",
+                code="dynamic-dim-specialized",
+                node=node.name,
+            )
+    state.replacements = len(env.replacements)  # only new, unrelated (unbacked) symbols were replaced
+
+
+def run_fake(state: FakeState, node: torch.fx.Node, target, args: tuple, kwargs: dict) -> object:
+    """Run ``target`` on fake values as export does (Python dispatcher on: symbolic-aware decompositions, no
+    C++ composite reading concrete sizes), then check that no dynamic dimension was specialized."""
+    if target is operator.getitem:
+        return target(*args)
+    # no_grad: a program converted for inference; a model exported with grad enabled can leave a buffer's fake
+    # value marked requires_grad after an in-place update, and an in-place op on such a leaf runs only so
+    with state.mode, enable_python_dispatcher(), torch.no_grad():
+        out = target(*args, **kwargs)
+    check_dynamic(state, node)
+    return out
 
 
 def classify(
@@ -63,10 +270,11 @@ def classify(
     user_rules: tuple[UserRule, ...] = (),
     on_error: Callable | None = None,
 ) -> ClassifyResult:
-    """``on_error(err, node)``, when given, receives the dtype-mismatch errors instead of raising them here
-    (precast.diagnostics records them, and re-raises unless the user allowed the code)."""
+    """``on_error(err, node)``, when given, receives the ``dtype-mismatch`` and ``composite-not-traced`` errors
+    instead of raising them here (precast.diagnostics records them, and re-raises unless the user allowed the
+    code; an allowed ``composite-not-traced`` keeps the composite op as written)."""
     graph = program.graph
-    mode = fake_mode_of(program)
+    state = fake_state(program)
     env: dict[torch.fx.Node, object] = {}
     result = ClassifyResult(decomposed=[])
 
@@ -82,8 +290,8 @@ def classify(
         elif node.op == "call_function":
             args = torch.fx.node.map_aggregate(node.args, load)
             kwargs = torch.fx.node.map_aggregate(node.kwargs, load)
-            if _should_decompose(node, args, kwargs, policy, mode):
-                first = _splice_decomposition(program, node, args, kwargs, mode, policy)
+            if _should_decompose(node, args, kwargs, policy):
+                first = _splice_decomposition(program, node, args, kwargs, state, policy, on_error)
                 if first is not None:
                     result.decomposed.append(f"{node.name} ({node.target})")
                     node = first
@@ -101,7 +309,7 @@ def classify(
             ):
                 decision = Decision(None, "none", "assert", "export's dtype check, updated to the new dtype")
                 decision.kwarg_updates = {"dtype": args[0].dtype}
-            env[node] = _run(node, args, kwargs, decision, mode, on_error)
+            env[node] = _run(node, args, kwargs, decision, state, on_error)
             if decision is None and isinstance(node.target, torch._ops.OpOverload):
                 decision = _unchanged(node, env[node])
             if decision is not None:
@@ -203,7 +411,7 @@ def redispatch_args(old, new, args: list, kwargs: dict) -> tuple[list, dict]:
     return new_args, new_kwargs
 
 
-def _run(node, args, kwargs, decision, mode, on_error=None):
+def _run(node, args, kwargs, decision, state: FakeState, on_error=None):
     target, args, kwargs = apply_decision(node.target, args, kwargs, decision, lambda v, d: v.to(d))
     if isinstance(target, torch._ops.OpOverload) and target._schema.name in SAME_DTYPE_OPS:
         try:
@@ -213,23 +421,32 @@ def _run(node, args, kwargs, decision, mode, on_error=None):
                 raise
             on_error(err, node)
     try:
-        if isinstance(target, torch._ops.OpOverload):
-            with mode:
-                return target(*args, **kwargs)
-        if target is operator.getitem:
-            return target(*args)
-        with mode:
-            return target(*args, **kwargs)
+        return run_fake(state, node, target, args, kwargs)
     except PrecastError:
         raise
-    except Exception as exc:  # a dtype mismatch the program would hit at run time, usually
-        raise PrecastError(
+    except Exception as exc:
+        raise fake_run_error(node, target, args, kwargs, exc) from exc
+
+
+def fake_run_error(node: torch.fx.Node, target, args: tuple, kwargs: dict, exc: Exception) -> PrecastError:
+    """The error for an op that fails on fake values: ``dtype-mismatch`` only when its floating inputs have
+    different dtypes (what the program would hit at run time); anything else is ``fake-run-failed``."""
+    floats = {t.dtype for _, t in tensor_args(args, kwargs) if t.is_floating_point()}
+    if len(floats) > 1:
+        return PrecastError(
             f"{where(node)}: {_first_line(exc)}; inputs {_dtypes(args, kwargs)}. "
             "This op would fail at run time with these dtypes: cast its inputs to one dtype (e.g. `.float()`) "
             "or move it inside the autocast region",
             code="dtype-mismatch",
             node=node.name,
-        ) from exc
+        )
+    op = str(target)
+    return PrecastError(
+        f"{where(node)}: {op} fails on the program's fake values with inputs {_dtypes(args, kwargs)}: "
+        f"{_first_line(exc)}; check that the program runs as exported (ep.module()), else report it",
+        code="fake-run-failed",
+        node=node.name,
+    )
 
 
 def check_same_dtype(node: torch.fx.Node, args: tuple, kwargs: dict) -> None:
@@ -334,13 +551,26 @@ def _real_autocast(device: str, dtype: torch.dtype):
         torch.set_autocast_dtype(device, prev[1])
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """FakeTensor logs a traceback at ERROR before raising when a meta kernel fails; the plain trace of a
+    composite is expected to fail that way on inputs only autocast can reconcile."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _is_composite(op: object) -> bool:
     return isinstance(op, torch._ops.OpOverload) and torch._C._dispatch_has_kernel_for_dispatch_key(
         op.name(), "CompositeImplicitAutograd"
     )
 
 
-def _should_decompose(node, args, kwargs, policy, mode) -> bool:
+def _should_decompose(node, args, kwargs, policy) -> bool:
     op = node.target
     if node.meta.get(TRACED_META) or not _is_composite(op) or op._schema.name in NEVER_CASTS:
         return False
@@ -383,19 +613,65 @@ def _casts(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default)
 
 
-def _splice_decomposition(program: Program, node, args, kwargs, mode, policy) -> torch.fx.Node | None:
-    """Replace ``node`` by its decomposition traced under autocast, when autocast casts anything inside it.
+# Views whose validity depends on strides. The trace runs on fake values, whose strides can differ from the real
+# ones (fake batch_norm keeps a transposed input's strides, the CPU kernel returns a contiguous tensor), so a
+# ``view`` the trace recorded can be invalid at run time. Eager's decomposition calls ``reshape`` on the real
+# tensor: a view where the real strides allow it, else a copy, the same values either way. So does the splice.
+_STRIDE_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
-    Returns the first new node, or None when the op stays as it is."""
+
+def _stride_independent(gm: torch.fx.GraphModule) -> None:
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _STRIDE_VIEWS:
+            n.target = torch.ops.aten.reshape.default
+
+
+def _not_traced(node: torch.fx.Node, why: str, on_error, exc: Exception | None = None) -> None:
+    """A composite eager autocast decomposes that precast cannot splice: an error (``composite-not-traced``);
+    when the user allows it, the op stays as written and no longer matches eager autocast exactly."""
+    err = PrecastError(
+        f"{where(node)}: {node.target} runs decomposed under autocast in eager, but {why}; kept as written it "
+        "would not compute what eager autocast computes: cast its inputs explicitly, or allow "
+        "'composite-not-traced' to keep the op as written",
+        code="composite-not-traced",
+        node=node.name,
+    )
+    if on_error is None:
+        raise err from exc
+    on_error(err, node)
+
+
+def _splice_decomposition(
+    program: Program, node, args, kwargs, state: FakeState, policy, on_error=None
+) -> torch.fx.Node | None:
+    """Replace ``node`` by its decomposition traced under the autocast state eager runs it in, when autocast
+    casts anything inside it.
+
+    Returns the first new node, or None when the op stays as it is. The decomposition is compared with the
+    one traced without autocast; when only the autocast trace succeeds (inputs of mixed dtypes that autocast
+    unifies, ``einsum(fp16, fp32)`` in a region), autocast clearly changes it and it is spliced."""
     device = op_device_type(args, kwargs)
     enabled, dtype, source, context, region = _autocast_state(node, device, policy)
     try:
-        traced = _trace(node.target, args, kwargs, mode, (device, dtype))
-        plain = _trace(node.target, args, kwargs, mode, None)
-    except Exception:
-        return None  # not traceable here: keep the op (its own kernel runs, as eager would below autocast)
-    if _casts(traced) <= _casts(plain) or any(n.op == "get_attr" for n in traced.graph.nodes):
+        traced = _trace(node.target, args, kwargs, state.mode, (device, dtype))
+    except Exception as exc:
+        _not_traced(node, f"tracing it under {context} failed: {_first_line(exc)}", on_error, exc)
         return None
+    check_dynamic(state, node)
+    if any(n.op == "get_attr" for n in traced.graph.nodes):
+        _not_traced(
+            node, "its decomposition creates tensor constants, which precast does not splice", on_error
+        )
+        return None
+    try:
+        with _quiet_fake_tensor_log():
+            plain = _casts(_trace(node.target, args, kwargs, state.mode, None))
+    except Exception:  # noqa: BLE001 - eager would fail without autocast: autocast is what makes it run
+        plain = -1
+    check_dynamic(state, node)
+    if _casts(traced) <= plain:
+        return None
+    _stride_independent(traced)
     flat_nodes, _ = pytree.tree_flatten((node.args, node.kwargs))
     flat_vals, _ = pytree.tree_flatten((args, kwargs))
     tensor_nodes = [n for n, v in zip(flat_nodes, flat_vals, strict=True) if isinstance(v, torch.Tensor)]
@@ -421,6 +697,7 @@ def _splice_decomposition(program: Program, node, args, kwargs, mode, policy) ->
             first = first or new
     if first is None:
         return None
+    check_dynamic(state, node)
     if isinstance(out, (list, tuple)):
         for user in list(node.users):
             if user.target is operator.getitem:

@@ -1,7 +1,8 @@
 """The ``precast`` command line: convert, report, check, compile, bench, demo.
 
 Each subcommand lives in ``precast/commands/<name>.py`` with ``add_parser(subparsers)`` and ``run(args) -> int``.
-User errors (PrecastError) print one line and exit with status 2, no traceback.
+User errors (PrecastError, bad options) print one line and exit with status 2, no traceback. Commands check
+every option they can before loading a program or importing a factory (a load can take many seconds).
 """
 
 from __future__ import annotations
@@ -17,10 +18,16 @@ from precast.errors import PrecastError
 COMMANDS = ("convert", "report", "check", "compile", "bench", "demo")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with precast's error contract: a bad option is one line on stderr and exit status 2 (argparse
+    prints the usage block first; ``precast CMD --help`` still shows it). Subcommand parsers inherit it."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="precast", description="Ahead-of-time mixed precision for torch.export programs."
-    )
+    parser = Parser(prog="precast", description="Ahead-of-time mixed precision for torch.export programs.")
     parser.add_argument("--version", action="version", version=f"precast {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:

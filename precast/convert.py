@@ -25,7 +25,7 @@ from precast.policy.torch_policy import TorchPolicy
 from precast.program import META_KEY, Program, private_state, written_targets
 from precast.regions import inline_regions
 from precast.report import Report, record_decisions, runtime_casts, write_program_info
-from precast.verify import compare, refresh_vals
+from precast.verify import check_pass, compare
 
 POLICIES = (None, "torch", "rules")
 DTYPES = {
@@ -98,6 +98,7 @@ def convert(
     keep_io_types: bool | None = None,
     dynamic_shapes: Any = None,
     custom_rules: Iterable[Any] = (),
+    patterns: Iterable[str] | str | None = None,
     verify: bool = True,
     allow: Iterable[str] = (),
 ) -> ConvertResult:
@@ -138,6 +139,7 @@ def convert(
         calibration=calibration,
         tolerance=tolerance,
         custom_rules=tuple(custom_rules),
+        patterns=patterns if patterns is None or isinstance(patterns, str) else tuple(patterns),
     )
     if policy != "rules":
         given = [k for k, v in rule_opts.items() if v not in (None, ())]
@@ -224,19 +226,6 @@ def run_pass(program: Program, name: str, fn: Any, *args: Any) -> Any:
         ) from exc
     check_pass(program, name)
     return result
-
-
-def check_pass(program: Program, name: str) -> None:
-    try:
-        program.graph.lint()
-    except Exception as exc:
-        raise PrecastError(
-            f"internal error in pass {name}: the graph does not lint: {first_line(exc)}"
-        ) from exc
-    try:
-        refresh_vals(program)
-    except PrecastError as exc:
-        raise PrecastError(f"internal error in pass {name}: {exc}", code="internal-error") from exc
 
 
 def run_pipeline(program: Program, policy: Any, rep: Report, user_rules: tuple = ()) -> None:

@@ -5,6 +5,8 @@ Bad-input commands run as real subprocesses (``sys.executable -m precast``), sta
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -216,3 +218,130 @@ def test_convert_rules_flags_with_calibration_file(tmp_path, capsys):
     code = main(["convert", str(src), "-o", str(out2), "--policy", "rules", "--calibration", str(bad)])
     assert code == 2 and not out2.exists()
     assert "expected a non-empty list of input tuples" in capsys.readouterr().err
+
+
+# ---- options checked before anything is loaded -----------------------------------------------------------------
+
+EARLY = {
+    "dtype": (["convert", "{d}/raw.pt2", "-o", "{d}/e1.pt2", "--dtype", "int8"], "--dtype int8"),
+    "policy": (["convert", "{d}/raw.pt2", "-o", "{d}/e2.pt2", "--policy", "auto"], "invalid choice: 'auto'"),
+    "data-max-negative": (
+        ["convert", "{d}/raw.pt2", "-o", "{d}/e3.pt2", "--policy", "rules", "--data-max", "-1"],
+        "--data-max=-1.0",
+    ),
+    "data-max-nan": (
+        ["convert", "{d}/raw.pt2", "-o", "{d}/e4.pt2", "--policy", "rules", "--data-max", "nan"],
+        "--data-max=nan",
+    ),
+    "data-max-not-number": (
+        ["convert", "{d}/raw.pt2", "-o", "{d}/e5.pt2", "--policy", "rules", "--data-max", "big"],
+        "invalid float value",
+    ),
+    "depth": (
+        ["convert", "{d}/raw.pt2", "-o", "{d}/e6.pt2", "--policy", "rules", "--max-reduction-depth", "0"],
+        "--max-reduction-depth=0",
+    ),
+    "regex": (
+        ["convert", "{d}/raw.pt2", "-o", "{d}/e7.pt2", "--policy", "rules", "--exclude-nodes", "("],
+        "--exclude-nodes: '(' is not a valid regular expression",
+    ),
+    "op": (
+        ["convert", "{d}/raw.pt2", "-o", "{d}/e8.pt2", "--policy", "rules", "--include-ops", "no_such_op"],
+        "--include-ops: no op named 'no_such_op'",
+    ),
+    "pattern": (
+        ["convert", "{d}/raw.pt2", "-o", "{d}/e9.pt2", "--policy", "rules", "--patterns", "angles"],
+        "--patterns: unknown 'angles'",
+    ),
+    "rules-only": (["convert", "{d}/raw.pt2", "-o", "{d}/e10.pt2", "--data-max", "5"], "need --policy rules"),
+    "calibration-missing": (
+        ["convert", "{d}/raw.pt2", "-o", "{d}/e11.pt2", "--policy", "rules", "--calibration", "{d}/no.pt"],
+        "--calibration",
+    ),
+    "allow": (["convert", "{d}/raw.pt2", "-o", "{d}/e12.pt2", "--allow", "nope"], "--allow nope: unknown"),
+    "factory-spec": (["convert", "bad-spec:x.y", "-o", "{d}/e13.pt2"], "package.module:factory"),
+    "zip-not-program": (["convert", "{d}/other.pt2", "-o", "{d}/e14.pt2"], "not one torch.export.save wrote"),
+    "check-zip-not-program": (["check", "{d}/other.pt2"], "not one torch.export.save wrote"),
+    "check-inputs-missing": (["check", "{d}/good.pt2", "--inputs", "{d}/no.pt"], "--inputs"),
+}
+
+
+@pytest.mark.parametrize("name", list(EARLY))
+def test_options_rejected_before_loading(name, files, capfd, monkeypatch):
+    """A bad option is one line and status 2 before any program is loaded or factory imported (loading a
+    real model takes seconds); no message points at warnings the CLI hides."""
+    import precast.capture
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded before the options were checked")
+
+    for fn in ("load_program", "load_factory", "load_saved"):
+        monkeypatch.setattr(precast.capture, fn, no_load)
+    argv, needle = EARLY[name]
+    with (
+        pytest.raises(SystemExit)
+        if name in ("policy", "data-max-not-number")
+        else contextlib.nullcontext() as ex
+    ):
+        rc = main([a.format(d=files) for a in argv])
+    rc = ex.value.code if ex is not None else rc
+    out, err = capfd.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"precast {argv[0]}: error: ") and needle in lines[0], lines[0]
+    assert "warnings above" not in err and "Traceback" not in err
+    assert not list(files.glob("e*.pt2"))
+
+
+# ---- check: the fp32 reference of a program with regions ------------------------------------------------------
+
+
+class MadeLowInRegion(torch.nn.Module):
+    """Inside its region the forward creates bf16 tensors itself (a constant matrix, an integer mask cast to
+    bf16): the fp32 reference must create them in fp32, or its fp32 matmul meets a bf16 operand."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.fc(x) * mask.to(torch.bfloat16)
+            h = h @ torch.eye(8, dtype=torch.bfloat16)
+        return h.float()
+
+
+def test_check_reference_of_tensors_made_low_in_a_region(tmp_path, capsys):
+    from precast.commands.check import fp32_reference
+
+    torch.manual_seed(0)
+    model = MadeLowInRegion().eval()
+    inputs = (torch.randn(2, 8), torch.randint(0, 2, (2, 8)))
+    path = tmp_path / "made_low.pt2"
+    torch.export.save(precast.convert(model, inputs).program, str(path))
+    assert main(["check", str(path), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["outputs"]
+    assert row["cosine"] > 0.999 and not row["bitwise"]
+    with torch.no_grad():  # the model with precision taken out: fp32 throughout, on the stored weights
+        ref = fp32_reference(torch.export.load(str(path)))(*inputs)
+        w, b = (t.to(torch.bfloat16).float() for t in (model.fc.weight, model.fc.bias))  # as stored
+        want = (torch.nn.functional.linear(inputs[0], w, b) * inputs[1]) @ torch.eye(8)
+    assert torch.allclose(ref, want, atol=1e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_check_t5_with_region(tmp_path, capsys):
+    """transformers' T5 run in a bf16 region (policy None): its position bias and mask are made in bf16 inside
+    the region; `precast check` used to fail running its fp32 reference."""
+    import transformers
+
+    from tests.realmodels.builders import t5
+
+    transformers.logging.set_verbosity_error()
+    built = t5()
+    model, inputs = built.make(True), built.inputs[2]
+    path = tmp_path / "t5.pt2"
+    torch.export.save(precast.convert(torch.export.export(model, inputs)).program, str(path))
+    assert main(["check", str(path), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["outputs"]
+    assert row["cosine"] > 0.999

@@ -12,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import precast
-from tests import models as zoo
 from precast.errors import PrecastError
+from tests import models as zoo
 from tests.helpers import assert_bitwise, constant_casts
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -266,6 +266,7 @@ def test_internal_pass_failure_names_the_pass():
 
     model, inputs = zoo.small_mlp(4)
     program = Program(torch.export.export(model, inputs))
+    precast.verify.check_pass(program, "start")  # the fake values every later check compares against
 
     def corrupt(p):
         node = next(n for n in p.graph.nodes if n.op == "call_function")
@@ -339,3 +340,30 @@ def test_verification_runs_a_second_batch_when_dynamic():
     assert v["bitwise"] and v["second_batch"]["batch"] == 5 and v["second_batch"]["bitwise"]
     static = precast.convert(torch.export.export(model, inputs)).report.verification
     assert "second_batch" not in static
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_in_place_buffer_update_exported_with_grad_enabled(policy):
+    """The README's recipe exports with grad enabled: an in-place update of a float buffer from an activation
+    leaves export's fake buffer marked requires_grad. The program runs; so must its conversion."""
+
+    class Ema(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("ema", torch.zeros(8))
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=BF16):
+                y = self.lin(x)
+            self.ema.mul_(0.9).add_(0.1 * y.float().mean(0))
+            return y.float() + self.ema
+
+    torch.manual_seed(0)
+    model, x = Ema(), torch.randn(4, 8)
+    ep = torch.export.export(model, (x,))
+    res = precast.convert(ep, policy=policy)
+    if policy is None:
+        got, want = res.program.module(), precast.program.private_state(ep).module()
+        for _ in range(3):
+            assert_bitwise(got(x), want(x))

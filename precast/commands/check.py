@@ -2,10 +2,13 @@
 
 The float32 reference of a converted program is the same graph with precision taken out of it:
 
-- every constant precast cast at conversion gets its original dtype back (``precast.constant_sources``): the
-  original float32 value when the program still holds it, else the stored low-precision value widened (the
-  original float32 weights are not in the file, so weight rounding is *not* part of the measured error);
-- every cast to bfloat16/float16 is removed (its input flows on in float32), and export's dtype asserts go.
+- every low-precision constant gets its original dtype back (``precast.constant_sources``): the original
+  float32 value when the program still holds it, else the stored low-precision value widened (the original
+  float32 weights are not in the file, so weight rounding is *not* part of the measured error);
+- every dtype argument naming bfloat16/float16 names float32 instead: casts to a low dtype become casts to
+  float32 (an integer mask cast to bf16 inside a region still becomes floating), and tensors a region creates
+  in a low dtype (``torch.zeros(..., dtype=torch.bfloat16)``, T5's position bias) are created in float32;
+  export's dtype asserts go.
 
 So the metrics measure what running activations in low precision costs, on the same graph and weights.
 """
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
-from precast.errors import PrecastError
+from precast.errors import PrecastError, first_line
 
 LOW = (torch.bfloat16, torch.float16)
 
@@ -45,28 +48,55 @@ def add_parser(sub) -> None:
 
 def fp32_reference(ep: torch.export.ExportedProgram) -> torch.nn.Module:
     """The converted program's float32 reference (see the module docstring)."""
-    from precast.passes.insert_casts import cast_dtype, is_cast
-    from precast.program import constant_sources
-
     module = ep.module()
-    values = {**ep.state_dict, **ep.constants}
-    for stored, src in constant_sources(ep).items():
-        if src.original_dtype == src.dtype or stored not in values:
-            continue
-        original = values.get(src.original)
-        value = original if isinstance(original, torch.Tensor) else values[stored].to(src.original_dtype)
-        _set_attr(module, stored, value.detach().to(src.original_dtype))
+    for fqn, value in _fp32_constants(ep).items():
+        _set_attr(module, fqn, value)
     graph = module.graph
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target is torch.ops.aten._assert_tensor_metadata.default:
             graph.erase_node(node)
-        elif is_cast(node) and cast_dtype(node) in LOW:
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
+        elif node.target not in REINTERPRET:
+            node.args = _widen(node.args)
+            node.kwargs = _widen(node.kwargs)
     module.recompile()
     return module
+
+
+# ops whose dtype argument reinterprets bits rather than converting values: never widened
+REINTERPRET = (torch.ops.aten.view.dtype,)
+
+
+def _widen(value):
+    """``value`` (node arguments) with every low floating dtype replaced by float32."""
+    if isinstance(value, torch.dtype):
+        return torch.float32 if value in LOW else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_widen(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _widen(v) for k, v in value.items()}
+    return value
+
+
+def _fp32_constants(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """FQN -> float32 value for every low-precision constant: its original when the program still holds it (a
+    weight read both in fp32 and in a region), else the stored value widened."""
+    from precast.program import constant_sources
+
+    values = {**ep.state_dict, **ep.constants}
+    sources = constant_sources(ep)
+    out = {}
+    for fqn, value in values.items():
+        if not isinstance(value, torch.Tensor) or value.dtype not in LOW:
+            continue
+        src = sources.get(fqn)
+        want = src.original_dtype if src is not None and src.original_dtype not in LOW else torch.float32
+        original = values.get(src.original) if src is not None else None
+        if isinstance(original, torch.Tensor) and original.dtype == want:
+            value = original
+        out[fqn] = value.detach().to(want)
+    return out
 
 
 def _set_attr(module: torch.nn.Module, fqn: str, value: torch.Tensor) -> None:
@@ -137,16 +167,20 @@ def _run(path: str, what: str, module: torch.nn.Module, args: tuple, kwargs: dic
     try:
         return module(*args, **kwargs)
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [""])[0]
         raise PrecastError(
-            f"{path}: running {what} on these inputs failed with {type(exc).__name__}: {first}"
+            f"{path}: running {what} on these inputs failed with {type(exc).__name__}: {first_line(exc)}"
         ) from exc
 
 
 def run(args: argparse.Namespace) -> int:
-    from precast.capture import load_program
+    from precast.capture import check_program_file, load_program
     from precast.policy.calibrate import flat_user_inputs
 
+    check_program_file(args.program)  # both files checked before the (slow) load
+    if args.inputs is not None and not Path(args.inputs).is_file():
+        raise PrecastError(
+            f"--inputs {args.inputs}: no such file; save the inputs with torch.save((x,), PATH)"
+        )
     ep = load_program(args.program)
     inputs, kwargs = load_inputs(args.inputs, ep)
     flat_user_inputs(ep, inputs, kwargs, f"--inputs {args.inputs}" if args.inputs else "the example inputs")

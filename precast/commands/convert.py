@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from precast.capture import check_program_file
 from precast.errors import PrecastError
 from precast.io import atomic_path, check_writable
 
@@ -44,6 +46,14 @@ def add_parser(sub) -> None:
         metavar="FILE.pt",
         help="rules: a list of input tuples saved with torch.save, for data_max and tolerance",
     )
+    p.add_argument(
+        "--patterns",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="rules: precision-sensitive patterns kept in fp32 (default: all of manual_norm, small_divisor, "
+        "exp_reduce, sincos_angles; --patterns alone: none)",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the run comparing against the reference")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a summary")
     p.add_argument(
@@ -60,9 +70,70 @@ def load_source(source: str):
     """(program_or_module, example_inputs) from a .pt2 path or a module:factory spec."""
     from precast.capture import load_factory, load_program
 
-    if ":" in source and not Path(source).exists() and not source.endswith(".pt2"):
+    if _is_factory(source):
         return load_factory(source)
     return load_program(source), None
+
+
+def _is_factory(source: str) -> bool:
+    return ":" in source and not Path(source).exists() and not source.endswith(".pt2")
+
+
+# RuleOptions.build's keyword -> the flag a user typed, for error messages
+FLAGS = {
+    "exclude_nodes": "--exclude-nodes",
+    "exclude_ops": "--exclude-ops",
+    "include_nodes": "--include-nodes",
+    "include_ops": "--include-ops",
+    "data_max": "--data-max",
+    "init_max": "--init-max",
+    "max_reduction_depth": "--max-reduction-depth",
+    "patterns": "--patterns",
+}
+
+
+def check_options(args: argparse.Namespace) -> dict:
+    """Every option checked before anything is loaded (one-line PrecastError); returns convert's keywords."""
+    from precast import codes
+    from precast.convert import parse_dtype
+    from precast.policy.rules import RuleOptions
+
+    try:
+        low = parse_dtype(args.dtype)
+    except PrecastError:
+        raise PrecastError(f"--dtype {args.dtype}: choose bf16 or fp16") from None
+    opts = {name: getattr(args, name) for name in FLAGS if getattr(args, name) not in (None, (), [])}
+    if args.patterns is not None:  # `--patterns` alone: none
+        opts["patterns"] = tuple(args.patterns)
+    rules_only = [FLAGS[name] for name in opts] + (["--calibration"] if args.calibration else [])
+    if args.policy != "rules" and rules_only:
+        raise PrecastError(f"{', '.join(rules_only)}: these options need --policy rules")
+    try:
+        RuleOptions.build(low or torch.bfloat16, **opts)
+    except PrecastError as exc:
+        raise PrecastError(_as_flag(str(exc))) from None
+    unknown = [c for c in args.allow if c not in codes.allowable()]
+    if unknown:
+        raise PrecastError(
+            f"--allow {' '.join(unknown)}: unknown diagnostic code; choose from {', '.join(codes.allowable())}"
+        )
+    if not _is_factory(args.source):
+        check_program_file(args.source)
+    elif not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", args.source):
+        raise PrecastError(f"'{args.source}': expected a saved program path or 'package.module:factory'")
+    if args.calibration and not Path(args.calibration).is_file():
+        raise PrecastError(
+            f"--calibration {args.calibration}: no such file; save a list of input tuples with torch.save"
+        )
+    return opts
+
+
+def _as_flag(message: str) -> str:
+    """``data_max=-1.0: ...`` -> ``--data-max=-1.0: ...``: name the flag the user typed."""
+    for name, flag in FLAGS.items():
+        if message.startswith(name):
+            return flag + message[len(name) :]
+    return message
 
 
 def _load_calibration(path: str) -> list:
@@ -78,22 +149,14 @@ def _load_calibration(path: str) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
+    opts = check_options(args)
+    check_writable(args.output)
+    if args.calibration:
+        opts["calibration"] = _load_calibration(args.calibration)  # small and quick: before the program
     import precast
 
-    check_writable(args.output)
     started = time.perf_counter()
     obj, inputs = load_source(args.source)
-    opts = {}
-    if args.exclude_nodes:
-        opts["exclude_nodes"] = args.exclude_nodes
-    if args.exclude_ops:
-        opts["exclude_ops"] = args.exclude_ops
-    for name in ("include_nodes", "include_ops", "data_max", "init_max", "max_reduction_depth"):
-        value = getattr(args, name)
-        if value not in (None, (), []):
-            opts[name] = value
-    if args.calibration:
-        opts["calibration"] = _load_calibration(args.calibration)
     res = precast.convert(
         obj,
         inputs,
@@ -101,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device_type=args.device_type,
         verify=not args.no_verify,
-        allow=tuple(getattr(args, "allow", ()) or ()),
+        allow=tuple(args.allow),
         **opts,
     )
     with atomic_path(args.output) as tmp:

@@ -4,9 +4,9 @@ limit go on the Decision, so the report reads ``layer_norm_3: fp32 (data_max: ab
 512) at model.py:57``.
 
 Order of authority (first answer wins): the program's autocast regions (classify), ``include_nodes`` /
-``include_ops`` (force low), ``exclude_nodes``, ``exclude_ops``, ``custom_rules``, ``init_max``, ``data_max``,
-``flush_to_zero`` (``data_min``), ``max_reduction_depth``, the accuracy fallback (``tolerance``), then the
-default: low precision.
+``include_ops`` (force low), ``exclude_nodes``, ``exclude_ops``, ``custom_rules``, the precision-sensitive
+``patterns`` (``precast.policy.patterns``), ``init_max``, ``data_max``, ``flush_to_zero`` (``data_min``),
+``max_reduction_depth``, the accuracy fallback (``tolerance``), then the default: low precision.
 
 Ops are of three kinds. *Compute* ops (matmuls, convolutions, elementwise math, reductions, norms...) get
 the dtype the rules give and their floating inputs are cast to it. *Follow* ops (views, shape and index ops,
@@ -27,9 +27,10 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
-from torch.export.graph_signature import OutputKind
+from torch.export.graph_signature import InputKind, OutputKind
 
 from precast.errors import PrecastError, module_path
+from precast.policy import patterns as sensitive
 from precast.policy.autocast import tensor_args
 from precast.policy.base import Decision, dtype_name
 from precast.policy.calibrate import TOLERANCE_BATCHES, Calibration, calibrate
@@ -337,6 +338,8 @@ class RuleOptions:
     data_min: float | None = None  # flush_to_zero: values whose absmax stays below this underflow in `low`
     max_reduction_depth: int | None = None
     custom_rules: tuple = ()
+    # precision-sensitive patterns kept in fp32 (precast.policy.patterns.PATTERNS); all by default
+    patterns: frozenset = frozenset(sensitive.PATTERNS)
 
     @classmethod
     def build(
@@ -351,7 +354,10 @@ class RuleOptions:
         max_reduction_depth=None,
         custom_rules=(),
         data_min=None,
+        patterns=None,
     ) -> RuleOptions:
+        """Checked options; ``patterns``: None (every precision-sensitive pattern), () (none), or names from
+        ``precast.policy.patterns.PATTERNS``."""
         if data_max is None and low == torch.float16:
             data_max = FP16_DATA_MAX
         if init_max is None:
@@ -360,7 +366,9 @@ class RuleOptions:
             # bf16 shares fp32's exponent range: what it flushes is already subnormal in fp32
             data_min = torch.finfo(low).tiny
         for name, value in (("data_max", data_max), ("init_max", init_max)):
-            if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+            if value is not None and (
+                not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0
+            ):
                 raise PrecastError(f"{name}={value!r}: give a positive number (math.inf turns the rule off)")
         if data_min is not None and (not isinstance(data_min, (int, float)) or not 0 <= data_min < math.inf):
             raise PrecastError(f"data_min={data_min!r}: give a finite number >= 0 (0 turns the rule off)")
@@ -375,6 +383,10 @@ class RuleOptions:
                 raise PrecastError(
                     f"custom_rules: {rule!r} is not callable; give functions (node, context) -> reason"
                 )
+        try:
+            chosen = sensitive.parse_patterns(patterns)
+        except ValueError as exc:
+            raise PrecastError(str(exc)) from None
         ops = lambda xs, opt: [resolve_op(x, opt) for x in ((xs,) if isinstance(xs, str) else xs)]  # noqa: E731
         return cls(
             low=low,
@@ -387,6 +399,7 @@ class RuleOptions:
             data_min=float(data_min) if data_min else None,
             max_reduction_depth=max_reduction_depth,
             custom_rules=tuple(custom_rules),
+            patterns=chosen,
         )
 
 
@@ -489,6 +502,13 @@ class RulesPolicy:
         self.force: dict[str, torch.dtype] = {}  # fallback search only: node -> dtype
         self.decided: dict[str, Decision] = {}
         self._absmax: dict[str, float] = {}
+        # precision-sensitive subgraphs, matched once on the graph as it stands before any decision
+        self.sensitive: dict[str, sensitive.Match] = sensitive.mark(
+            program.graph,
+            opts.patterns,
+            parameters={n.name for n, spec in program.input_spec.items() if spec.kind == InputKind.PARAMETER},
+            constant=program.constant_value,
+        )
 
     def autocast_state(self, device_type: str) -> None:
         return None
@@ -560,6 +580,9 @@ class RulesPolicy:
                 if reason:
                     rname = getattr(rule, "__name__", type(rule).__name__)
                     return make(fp32, "user", f"custom:{rname}", f"custom rule {rname}: {reason}")
+        hit = self.sensitive.get(node.name)
+        if hit is not None:
+            return make(fp32, "rules", f"pattern:{hit.pattern}", hit.reason)
         if o.init_max is not None:
             consts = consts if consts is not None else self.constants_of(node)
             for cname, t in consts.items():

@@ -119,6 +119,11 @@ def test_exclude_ops_other_overload_does_not_match():
         ({"include_ops": [42]}, "not an op"),
         ({"max_reduction_depth": 0}, "positive integer"),
         ({"data_max": -1}, "positive number"),
+        (
+            {"data_max": math.nan},
+            "positive number",
+        ),  # NaN compares false with every limit: the rule never fired
+        ({"init_max": True}, "positive number"),
     ],
 )
 def test_bad_options_are_clear_errors(kw, needle):
