@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.overrides import TorchFunctionMode
 
 from precast.errors import PrecastError, first_line
 
@@ -38,11 +40,58 @@ def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     )
 
 
+class KeepValuesDistinct(TorchFunctionMode):
+    """While precast exports a module for ``policy="torch"``: a dtype conversion that is a no-op at trace time
+    (``v.float()`` of an fp32 ``v``) is recorded as a copy, not as an alias of ``v``.
+
+    Exported without autocast, ``v.float()`` returns ``v`` itself, so the tracer records every later use of
+    ``v`` as a use of the ``.float()`` node: ``v.float() * 0.5 + v * v`` would compute ``v * v`` in fp32 where
+    eager autocast computes it in bf16 (``v`` comes out of a linear). A copy keeps ``v`` distinct, and under
+    autocast it is the real cast eager makes. A device move with no dtype (``v.to("cpu")`` on the same device)
+    returns ``v`` unrecorded: eager autocast keeps its dtype.
+    """
+
+    CONVERSIONS = {
+        torch.Tensor.float: torch.float32,
+        torch.Tensor.half: torch.float16,
+        torch.Tensor.bfloat16: torch.bfloat16,
+        torch.Tensor.double: torch.float64,
+    }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.CONVERSIONS and len(args) == 1 and not kwargs:
+            self_, dtype = args[0], self.CONVERSIONS[func]
+            if isinstance(self_, torch.Tensor) and self_.dtype == dtype:
+                return torch.ops.aten._to_copy.default(self_, dtype=dtype)
+        elif func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor):
+            self_ = args[0]
+            # .to(device|dtype [, dtype|non_blocking]) and keywords; a positional `copy` (4+ args) is left alone
+            if (
+                len(args) <= 3
+                and not any(isinstance(a, torch.Tensor) for a in args[1:])
+                and set(kwargs) <= {"device", "dtype", "non_blocking", "copy", "memory_format"}
+            ):
+                rest = {k: v for k, v in kwargs.items() if k != "copy"}
+                copy = bool(kwargs.get("copy", False))
+                device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **rest)
+                same_device = device is None or torch.device(device) == self_.device
+                plain = not copy and memory_format in (None, torch.preserve_format)
+                if same_device and plain and dtype == self_.dtype:
+                    return torch.ops.aten._to_copy.default(self_, dtype=dtype)
+                if same_device and plain and dtype is None:
+                    return self_
+        return func(*args, **kwargs)
+
+
 def capture(
     program_or_module: ExportedProgram | torch.nn.Module,
     example_inputs: Any = None,
     dynamic_shapes: Any = None,
+    *,
+    distinct_values: bool = False,
 ) -> ExportedProgram:
+    """The program to convert. ``distinct_values`` (policy "torch"): export with ``KeepValuesDistinct``."""
     if isinstance(program_or_module, ExportedProgram):
         return program_or_module
     if not isinstance(program_or_module, torch.nn.Module):
@@ -62,9 +111,10 @@ def capture(
             "semantics"
         )
     try:
-        return torch.export.export(
-            program_or_module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False
-        )
+        with KeepValuesDistinct() if distinct_values else contextlib.nullcontext():
+            return torch.export.export(
+                program_or_module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False
+            )
     except PrecastError:
         raise
     except Exception as exc:

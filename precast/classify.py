@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.export.graph_signature import InputKind
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from precast.errors import PrecastError, where
@@ -109,11 +110,22 @@ def _privatize(program: Program) -> FakeState:
     )
     state = FakeState(mode)
     adopt_vals(state, program.graph.nodes)
+    _unmark_buffers(program)
     state.signatures = {n: node_signature(n) for n in program.graph.nodes}
     if env is not None:
         state.symbols = _input_symbols(program, env)
         state.replacements = len(env.replacements)
     return state
+
+
+def _unmark_buffers(program: Program) -> None:
+    """Buffers and lifted constants start a call not requiring grad. Export records each placeholder's fake
+    value as it was at the end of tracing: a buffer updated in place from an activation (an EMA) comes back
+    marked requires_grad, and re-running that in-place op on a leaf requiring grad would fail."""
+    for node, spec in program.input_spec.items():
+        val = node.meta.get("val")
+        if spec.kind != InputKind.PARAMETER and isinstance(val, FakeTensor) and val.requires_grad:
+            val.requires_grad_(False)
 
 
 def adopt_vals(state: FakeState, nodes: Iterable[torch.fx.Node]) -> None:
@@ -251,14 +263,23 @@ def check_dynamic(state: FakeState, node: torch.fx.Node) -> None:
     state.replacements = len(env.replacements)  # only new, unrelated (unbacked) symbols were replaced
 
 
+def _oblivious_backend_choice(target: object) -> contextlib.AbstractContextManager:
+    """Fake convolution picks a backend to guess the output's memory format, comparing the batch with
+    thresholds (``_select_conv_backend``); on a dynamic batch that adds a guard export never added, narrowing
+    the batch range (VR[2, 64] -> VR[2, 15]). The choice only shapes strides, never values: decide it without
+    guards (size-oblivious)."""
+    name = target._schema.name.split("::")[-1] if isinstance(target, torch._ops.OpOverload) else ""
+    if name in op_families.CONV_OPS:
+        return torch.fx.experimental._config.patch(backed_size_oblivious=True)
+    return contextlib.nullcontext()
+
+
 def run_fake(state: FakeState, node: torch.fx.Node, target, args: tuple, kwargs: dict) -> object:
     """Run ``target`` on fake values as export does (Python dispatcher on: symbolic-aware decompositions, no
     C++ composite reading concrete sizes), then check that no dynamic dimension was specialized."""
     if target is operator.getitem:
         return target(*args)
-    # no_grad: a program converted for inference; a model exported with grad enabled can leave a buffer's fake
-    # value marked requires_grad after an in-place update, and an in-place op on such a leaf runs only so
-    with state.mode, enable_python_dispatcher(), torch.no_grad():
+    with state.mode, enable_python_dispatcher(), _oblivious_backend_choice(target):
         out = target(*args, **kwargs)
     check_dynamic(state, node)
     return out

@@ -112,7 +112,7 @@ def convert(
             f"policy={policy!r}: choose None (the program's own autocast regions), 'torch' or 'rules'"
         )
     low = parse_dtype(dtype)
-    ep = capture(program_or_module, example_inputs, dynamic_shapes)
+    ep = capture(program_or_module, example_inputs, dynamic_shapes, distinct_values=policy == "torch")
     device = device_type or program_device_type(ep)
     if device not in ("cpu", "cuda"):
         raise PrecastError(f"device_type={device!r}: precast has autocast tables for 'cpu' and 'cuda'")
@@ -296,11 +296,13 @@ def reference_module(ep: ExportedProgram) -> torch.nn.Module:
     """``ep.module()`` without export's ``_assert_tensor_metadata`` checks, which pin the dtypes seen at export
     and so fail when the program runs under an ambient autocast (eager has no such checks)."""
     module = ep.module()
-    graph = module.graph
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
-            graph.erase_node(node)
-    module.recompile()
+    for sub in module.modules():  # region subgraphs carry them too
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        for node in list(sub.graph.nodes):
+            if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+                sub.graph.erase_node(node)
+        sub.recompile()
     return module
 
 

