@@ -167,7 +167,15 @@ def convert(
         from precast.policy.rules import convert_with_rules
 
         return convert_with_rules(
-            program, ep, rep, low=low, device=device, keep_io_types=keep_io_types, verify=verify, **rule_opts
+            program,
+            ep,
+            rep,
+            low=low,
+            device=device,
+            keep_io_types=keep_io_types,
+            verify=verify,
+            inputs=inputs,
+            **rule_opts,
         )
 
     pol = TorchPolicy(device, low) if policy == "torch" else None

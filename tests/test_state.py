@@ -310,15 +310,17 @@ def test_example_inputs_beside_a_program_are_checked():
         precast.convert(ep, (inputs[0].double(),))
 
 
-def test_example_inputs_beside_a_program_are_used_to_verify():
+@pytest.mark.parametrize("policy", POLICIES)
+def test_example_inputs_beside_a_program_are_used_to_verify(policy):
     model, inputs = zoo.small_mlp(4)
     ep = torch.export.export(model, inputs)
     ep._example_inputs = None  # a program loaded without example inputs
-    res = precast.convert(ep)
+    res = precast.convert(ep, policy=policy)
     assert not res.report.verification
     assert "verification-skipped" in [d.code for d in res.report.diagnostics]
-    res = precast.convert(ep, inputs)
-    assert res.report.verification["bitwise"]
+    res = precast.convert(ep, inputs, policy=policy)
+    assert res.report.verification["max_abs"] < 0.1
+    assert res.report.verification["bitwise"] or policy == "rules"
 
 
 def test_no_third_party_warning_per_conversion():

@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
 from precast.errors import PrecastError, module_path
 from precast.policy import patterns as sensitive
@@ -703,10 +702,13 @@ def convert_with_rules(
     verify: bool,
     calibration=None,
     tolerance=None,
+    inputs: tuple[tuple, dict] | None = None,
     **rule_options: Any,
 ):
-    """policy="rules": ``rule_options`` are RuleOptions.build's keywords (exclude/include, limits, custom rules)."""
-    from precast.convert import ConvertResult, _verify, finish, run_pipeline
+    """policy="rules": ``rule_options`` are RuleOptions.build's keywords (exclude/include, limits, custom rules);
+    ``inputs``: example inputs given beside a program, used to verify."""
+    from precast.convert import ConvertResult, _verify, finish, run_pass, run_pipeline
+    from precast.passes.restore_io import output_dtypes, restore_output_dtypes
     from precast.policy.fallback import meet_tolerance, parse_tolerance
 
     keep_io = True if keep_io_types is None else bool(keep_io_types)
@@ -717,14 +719,14 @@ def convert_with_rules(
     if tol is not None and cal is None:
         raise PrecastError("tolerance= needs data to measure the error on: pass calibration=[inputs, ...]")
 
-    original_out = _output_dtypes(program)
+    original_out = output_dtypes(program)
     policy = RulesPolicy(program, opts, cal)
     result = None
     if tol is not None:
         result = meet_tolerance(program, ep, policy, tol, cal.sample)
         rep.diagnostics.append(Diagnostic("info", "tolerance", result.summary()))
     run_pipeline(program, policy, rep)
-    _restore_output_dtypes(program, original_out, keep_io)
+    run_pass(program, "restore_output_dtypes", restore_output_dtypes, original_out, keep_io)
     out = finish(program, rep)
     _warn_flushed(rep, cal, opts)
     kept = [r for r in rep.nodes if r.source in ("rules", "user") and r.dtype == "fp32"]
@@ -762,7 +764,7 @@ def convert_with_rules(
                 )
             )
     if verify:
-        _verify(out, ep, rep, "rules", device, low)
+        _verify(out, ep, rep, "rules", device, low, inputs=inputs)
         if result is not None:
             rep.verification["tolerance"] = {
                 "target": tol.spec,
@@ -834,48 +836,3 @@ def _warn_flushed(rep: Report, cal: Calibration | None, opts: RuleOptions) -> No
                 location=hit[0][0].location,
             )
         )
-
-
-def _output_dtypes(program: Program) -> list[torch.dtype | None]:
-    out = program.graph.output_node()
-    vals = []
-    for a in pytree.tree_leaves(out.args[0]):
-        v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None
-        vals.append(v.dtype if isinstance(v, torch.Tensor) else None)
-    return vals
-
-
-def _restore_output_dtypes(program: Program, original: list, keep_io: bool) -> None:
-    """Outputs whose dtype changed get a cast back (user outputs only when keep_io; mutations always).
-    A cast of the same producer to the same dtype that already exists is reused."""
-    from precast.passes.insert_casts import CAST_META, TO_COPY, cast_dtype, is_cast
-    from precast.verify import refresh_vals
-
-    graph = program.graph
-    out = graph.output_node()
-    leaves, spec = pytree.tree_flatten(out.args[0])
-    kinds = [s.kind for s in program.output_specs]
-    changed = False
-    for i, (a, want) in enumerate(zip(leaves, original, strict=True)):
-        if not isinstance(a, torch.fx.Node) or want is None:
-            continue
-        val = a.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.dtype == want:
-            continue
-        if not keep_io and i < len(kinds) and kinds[i] == OutputKind.USER_OUTPUT:
-            continue
-        existing = next((u for u in a.users if is_cast(u) and cast_dtype(u) == want), None)
-        if existing is None:
-            with graph.inserting_before(out):
-                existing = graph.call_function(TO_COPY, (a,), {"dtype": want})
-            for k in ("stack_trace", "nn_module_stack"):
-                if k in a.meta:
-                    existing.meta[k] = a.meta[k]
-            existing.meta["val"] = val.to(want)
-            existing.meta[CAST_META] = want
-        leaves[i] = existing
-        changed = True
-    if changed:
-        out.args = (pytree.tree_unflatten(leaves, spec),)
-        graph.lint()
-        refresh_vals(program)
