@@ -14,7 +14,7 @@ from torch.export import ExportedProgram
 
 from precast import diagnostics
 from precast.capture import capture, normalize_inputs
-from precast.classify import classify
+from precast.classify import classify, fake_state
 from precast.errors import PrecastError, first_line
 from precast.passes.fold_constants import constant_bytes, fold_constant_casts
 from precast.passes.insert_casts import insert_casts
@@ -222,6 +222,7 @@ def _example_inputs(ep: ExportedProgram, example_inputs: Any) -> tuple[tuple, di
 def run_pass(program: Program, name: str, fn: Any, *args: Any) -> Any:
     """Run one pass, then check the graph it leaves: it lints and fake-propagates, or the conversion stops with
     a PrecastError naming the pass (an internal failure, never a raw exception)."""
+    fake_state(program)  # the fake values the check after the pass compares against (made once per program)
     try:
         result = fn(program, *args)
     except PrecastError:

@@ -90,9 +90,8 @@ class Program:
         return self.sources.get(target)
 
     def _free_name(self, wanted: str) -> str:
-        taken = set(self.state_dict) | set(self.constants)
         name, i = wanted, 1
-        while name in taken:
+        while name in self.state_dict or name in self.constants:
             i += 1
             name = f"{wanted}_{i}"
         return name
@@ -121,7 +120,8 @@ class Program:
         return node
 
     def _free_node_name(self, wanted: str) -> str:
-        names = {n.name for n in self.graph.nodes}
+        # FX's own record of the names it has handed out (create_node checks the same set): no scan per call
+        names = self.graph._graph_namespace._used_names
         name, i = wanted, 1
         while name in names:
             i += 1

@@ -177,11 +177,14 @@ def fold_constant_casts(program: Program) -> FoldResult:
     graph.eliminate_dead_code()
     result.dropped = program.remove_unused_constants(keep=unused_from_start)
     # a cast constant whose fp32 original is gone takes the original's name: names stay recognizable
+    read_casts: dict[torch.fx.Node, int] = {}  # constant -> how many of its cast copies are still read
     for (const, _dtype), new in cast_constants.items():
-        if original_name[const] in result.dropped and new.users:
+        read_casts[const] = read_casts.get(const, 0) + bool(new.users)
+    dropped = set(result.dropped)
+    for (const, _dtype), new in cast_constants.items():
+        if original_name[const] in dropped and new.users:
             src = program.sources.pop(program.constant_target(new))
-            siblings = [n for (c, _), n in cast_constants.items() if c is const and n.users]
-            if len(siblings) == 1:
+            if read_casts[const] == 1:
                 if src.stored in result.clamped:
                     result.clamped[original_name[const]] = result.clamped.pop(src.stored)
                 program.rename_constant(new, original_name[const])

@@ -1,0 +1,73 @@
+"""Conversion cost per node: wall time and peak Python memory of every stage of ``precast.convert``.
+
+    .venv/bin/python benchmarks/convert_cost.py                      # chain N=250..8000 + real models
+    .venv/bin/python benchmarks/convert_cost.py --sizes 250 1000 --models gpt2 --no-memory
+    .venv/bin/python benchmarks/convert_cost.py --sizes 4000 --models --profile torch
+
+The same measurement as ``precast bench --convert`` (``precast.bench.run_convert_bench``): the stage functions
+of ``precast.convert`` called in its order with a timer around each (see ``precast/bench.py``), on a synthetic
+chain of N ops in one bf16 region and on small-config transformers / timm models (skipped when the library is
+missing), for policy None and "torch". Results are printed as each row finishes and written to ``--out``
+(convert_cost.json / convert_cost.md). ``--profile POLICY`` adds a cProfile of ``precast.convert`` on the chain
+at the largest N. Target (issue 15): <= 1 ms per node for all stages together, verification excluded, linear
+in N. Timings on a shared machine are noisy: compare rows measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from precast import bench
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", nargs="*", type=int, default=list(bench.CHAIN_SIZES), metavar="N")
+    p.add_argument("--models", nargs="*", default=list(bench.CONVERT_MODELS), metavar="NAME")
+    p.add_argument("--policies", nargs="+", default=["none", "torch"], choices=["none", "torch"])
+    p.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run")
+    p.add_argument("--no-verify", action="store_true", help="skip timing verification")
+    p.add_argument("--no-end-to-end", action="store_true", help="skip the precast.convert() cross-check")
+    p.add_argument("--static", action="store_true", help="export the chain with static shapes")
+    p.add_argument("--profile", choices=["none", "torch"], default=None, help="cProfile at the largest N")
+    p.add_argument("--out", default="convert_cost_out", metavar="DIR")
+    args = p.parse_args(argv)
+    policies = tuple(None if x == "none" else x for x in args.policies)
+    console = Console(width=None if Console().is_terminal else 250)
+    results: list[bench.ConvertCost] = []
+    jobs = [((n,), ()) for n in args.sizes] + [((), (m,)) for m in args.models]
+    for sizes, models in jobs:
+        done = len(results)
+        results += bench.run_convert_bench(
+            sizes,
+            models,
+            policies,
+            memory=not args.no_memory,
+            verify=not args.no_verify,
+            end_to_end=not args.no_end_to_end,
+            dynamic=not args.static,
+            progress=False,
+        )
+        for row in bench.convert_cost_rows(results)[1][done:]:
+            print("| " + " | ".join(row) + " |", file=sys.stderr, flush=True)
+        bench.write_convert_outputs(results, args.out, bench.machine_info())
+    for table in bench.convert_cost_rich(results):
+        console.print(table)
+    for key, ratio in bench.linearity(results).items():
+        print(f"linearity {key}: {ratio}")
+    if args.profile and args.sizes:
+        policy = None if args.profile == "none" else args.profile
+        ep = bench.chain_program(max(args.sizes), dynamic=not args.static)
+        text = bench.profile_convert(ep, policy)
+        Path(args.out, "profile.txt").write_text(text)
+        print(text)
+    print(f"wrote {args.out}/convert_cost.json, convert_cost.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
