@@ -963,7 +963,8 @@ def run_convert_bench(
     unknown = [m for m in models if m not in CONVERT_MODELS]
     if unknown:
         raise PrecastError(
-            f"bench --convert: unknown model(s) {unknown}; choose from chain, {', '.join(CONVERT_MODELS)}"
+            f"bench --convert: unknown model(s) {unknown}; choose from {', '.join(CONVERT_MODELS)} (the "
+            "synthetic chain is measured at the sizes given with --sizes)"
         )
     log = log or (lambda text: print(text, file=sys.stderr))
     results: list[ConvertCost] = []
