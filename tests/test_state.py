@@ -393,3 +393,24 @@ def test_torch_policy_keeps_values_distinct_from_no_op_conversions(dtype):
         want = model(x)
     assert_bitwise(res.program.module()(x), want)
     assert res.report.verification["bitwise"]
+
+
+def test_cast_folded_through_a_no_op_conversion_of_a_buffer():
+    """Llama's ``inv_freq.to(x.device, torch.float)``: export records a no-op conversion between the buffer and
+    precast's cast; the fold looks through it (and does not replay it: that would cast the copy back)."""
+
+    class Freqs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("f", torch.rand(4))
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x * self.f.to(device=x.device, dtype=torch.float))
+
+    x = torch.randn(2, 4)
+    ep = torch.export.export(Freqs(), (x,))
+    res = precast.convert(ep, policy="rules", dtype=FP16, patterns=())
+    assert constant_casts(res.program) == [] and constant_casts(res.program.run_decompositions()) == []
+    assert res.program.state_dict["f_fp16"].dtype == FP16
+    torch.testing.assert_close(res.program.module()(x), ep.module()(x), atol=1e-2, rtol=1e-2)

@@ -95,11 +95,38 @@ def constant_bytes(program: Program) -> dict[str, int]:
     return out
 
 
+# Conversions export records for `.to(device=..., dtype=...)` / `.float()`: identities when they change neither
+# dtype nor device (Llama's `inv_freq.to(x.device, torch.float)`); the cast commutes with them and the replay
+# drops them (replayed on the low-precision constant they would cast it back).
+NOOP_CONVERSIONS = {
+    torch.ops.aten.to.dtype,
+    torch.ops.aten.to.device,
+    torch.ops.aten.to.dtype_layout,
+    torch.ops.aten._to_copy.default,
+}
+
+
+def is_noop_conversion(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or node.target not in NOOP_CONVERSIONS or not node.args:
+        return False
+    src, out = node.args[0], node.meta.get("val")
+    src = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+    return (
+        isinstance(src, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and src.dtype == out.dtype
+        and src.device == out.device
+    )
+
+
 def _chain_to_constant(program: Program, node: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """[constant placeholder, view1, ..., viewN=node] when node is a view chain over a constant."""
+    """[constant placeholder, view1, ..., viewN=node] when node is a chain of views (and no-op conversions)
+    over a constant."""
     chain = [node]
     while node.op == "call_function":
-        if node.target not in VIEW_OPS or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        if not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        if node.target not in VIEW_OPS and not is_noop_conversion(node):
             return None
         if any(isinstance(a, torch.fx.Node) for a in node.args[1:]) or any(
             isinstance(v, torch.fx.Node) for v in node.kwargs.values()
@@ -159,6 +186,8 @@ def fold_constant_casts(program: Program) -> FoldResult:
         # replay the view chain on the cast constant (shared per (view node, dtype))
         current = new_base
         for view in views:
+            if view.target in NOOP_CONVERSIONS:
+                continue  # an identity here (see NOOP_CONVERSIONS)
             key = (view, dtype)
             if key not in rebuilt:
                 with graph.inserting_before(node):
