@@ -414,3 +414,28 @@ def test_cast_folded_through_a_no_op_conversion_of_a_buffer():
     assert constant_casts(res.program) == [] and constant_casts(res.program.run_decompositions()) == []
     assert res.program.state_dict["f_fp16"].dtype == FP16
     torch.testing.assert_close(res.program.module()(x), ep.module()(x), atol=1e-2, rtol=1e-2)
+
+
+def test_reference_failure_is_reported_not_raised():
+    """Eager autocast fails on a value nothing uses (cat of fp16 tensors inside a bf16 region, under an fp16
+    policy): precast drops the dead code and converts; verification says the reference failed (found by the
+    property suite's 10x run as a raw RuntimeError)."""
+
+    class DeadCat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)
+            with torch.autocast("cpu", dtype=BF16):
+                g = h * h
+                dead = torch.cat([g[:, :4], g[:, 4:]], -1)  # noqa: F841 - eager still runs it
+            return h.float() + 1, g
+
+    model, x = DeadCat(), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="prioritize"), torch.autocast("cpu", dtype=FP16):
+        model(x)
+    res = precast.convert(model, (x,), policy="torch", dtype=FP16)
+    skipped = [d for d in res.report.diagnostics if d.code == "verification-skipped"]
+    assert skipped and skipped[0].severity == "warning" and "itself fails" in skipped[0].message
