@@ -77,6 +77,24 @@ class FakeState:
     replacements: int = 0
     # node -> signature (target, args, kwargs) when its fake value was last computed (precast.verify)
     signatures: dict[torch.fx.Node, tuple] = field(default_factory=dict)
+    # (id(value), dtype) -> (value, value.to(dtype)): one fake cast per value and dtype per conversion (the
+    # value is kept so its id is never reused while the entry lives)
+    casts: dict[tuple[int, torch.dtype], tuple[object, object]] = field(default_factory=dict)
+    # node -> (target, (args, kwargs), output) of its last fake run (``run_fake``). Off for the full re-check
+    # (``refresh_vals``).
+    runs: dict[torch.fx.Node, tuple[object, tuple, object]] = field(default_factory=dict)
+    reuse_runs: bool = True
+
+
+def fake_cast(state: FakeState, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``value.to(dtype)`` on fake values, computed once per (value, dtype): classify casts an argument, then
+    insert_casts gives the cast node the same value (fake values are immutable metadata)."""
+    hit = state.casts.get((id(value), dtype))
+    if hit is not None and hit[0] is value:
+        return hit[1]
+    out = value.to(dtype)
+    state.casts[(id(value), dtype)] = (value, out)
+    return out
 
 
 def fake_state(program: Program) -> FakeState:
@@ -276,13 +294,55 @@ def _oblivious_backend_choice(target: object) -> contextlib.AbstractContextManag
 
 def run_fake(state: FakeState, node: torch.fx.Node, target, args: tuple, kwargs: dict) -> object:
     """Run ``target`` on fake values as export does (Python dispatcher on: symbolic-aware decompositions, no
-    C++ composite reading concrete sizes), then check that no dynamic dimension was specialized."""
+    C++ composite reading concrete sizes), then check that no dynamic dimension was specialized. A node run
+    again on inputs no op can tell from its last run's (same objects, or ``_same_fake``) returns that run's
+    result (``FakeState.runs``): the checks after insert_casts and fold recompute on the cast values classify
+    used, or on folded constants of the same metadata."""
     if target is operator.getitem:
         return target(*args)
+    memo = _memoizable(target)
+    if memo and state.reuse_runs:
+        last = state.runs.get(node)
+        if last is not None and last[0] is target and _same_args(last[1], (args, kwargs)):
+            return last[2]
     with state.mode, enable_python_dispatcher(), _oblivious_backend_choice(target):
         out = target(*args, **kwargs)
     check_dynamic(state, node)
+    if memo:
+        state.runs[node] = (target, (args, kwargs), out)
     return out
+
+
+def remember_run(
+    state: FakeState, node: torch.fx.Node, target, args: tuple, kwargs: dict, out: object
+) -> None:
+    """Record ``out`` as what ``node`` computes from these inputs (a cast node given the value classify
+    already computed for that cast)."""
+    if _memoizable(target):
+        state.runs[node] = (target, (args, kwargs), out)
+
+
+def _memoizable(target: object) -> bool:
+    """Aten ops that write nothing (an in-place or out= op may change its inputs' metadata: always run)."""
+    return isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+
+
+def _same_args(a: object, b: object) -> bool:
+    """Arguments an op cannot tell apart: same structure (lists and tuples alike: FX hands them over as
+    immutable lists), fake values by ``_same_fake``, real tensors (constants) by identity, anything else by
+    type and value."""
+    if a is b:
+        return True
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_args(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(_same_args(a[k], b[k]) for k in a)
+    sym = (FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+    if isinstance(a, sym) or isinstance(b, sym):  # `==` on symbolic values would add a guard
+        return _same_fake(a, b)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    return bool(a == b)
 
 
 def classify(
@@ -311,7 +371,8 @@ def classify(
         elif node.op == "call_function":
             args = torch.fx.node.map_aggregate(node.args, load)
             kwargs = torch.fx.node.map_aggregate(node.kwargs, load)
-            if _should_decompose(node, args, kwargs, policy):
+            decompose = _should_decompose(node, args, kwargs, policy)
+            if decompose:
                 first = _splice_decomposition(program, node, args, kwargs, state, policy, on_error)
                 if first is not None:
                     result.decomposed.append(f"{node.name} ({node.target})")
@@ -330,7 +391,15 @@ def classify(
             ):
                 decision = Decision(None, "none", "assert", "export's dtype check, updated to the new dtype")
                 decision.kwarg_updates = {"dtype": args[0].dtype}
-            env[node] = _run(node, args, kwargs, decision, state, on_error)
+            # a composite kept as written (the trace changed nothing, or failed and the user allowed it): export
+            # recorded its value as autocast computed it, which need not be what it computes as written
+            recorded = _recorded(node, decision, env, state) if traced is None and not decompose else _MISSING
+            if recorded is _MISSING:
+                env[node] = _run(node, args, kwargs, decision, state, on_error)
+            else:
+                _check_dtypes(node, node.target, args, kwargs, on_error)
+                env[node] = recorded
+                remember_run(state, node, node.target, args, kwargs, recorded)
             if decision is None and isinstance(node.target, torch._ops.OpOverload):
                 decision = _unchanged(node, env[node])
             if decision is not None:
@@ -339,7 +408,78 @@ def classify(
                 node.meta["precast"] = decision
                 result.decided += 1
         node = node.next
+    _store_vals(graph, env)
     return result
+
+
+def _store_vals(graph: torch.fx.Graph, env: dict) -> None:
+    """Give every op the value it will have once its decision is applied: the check after insert_casts then
+    recomputes only the nodes insert_casts rewrote and finds the same values, instead of re-propagating
+    everything downstream of a cast. Done after the walk: ``_recorded`` compares inputs with the values export
+    recorded."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node in env and node.meta.get("val", _MISSING) is not env[node]:
+            node.meta["val"] = env[node]
+
+
+_MISSING = object()
+
+
+def _recorded(node: torch.fx.Node, decision: Decision | None, env: dict, state: FakeState) -> object:
+    """The node's own fake value when running it again would only recompute it, else ``_MISSING``.
+
+    That holds when the decision changes nothing (no casts, dtype kwargs or redispatch), every input's value is
+    the value recorded for that input or has its exact metadata (``_same_fake``: an op's fake output depends
+    on nothing else), and the node's value was computed from its current arguments (unchanged signature).
+    Most of a program outside autocast regions is so, and so is most of a region export traced under
+    autocast; a fake run (symbolic sizes rebuilt through sympy) is the main cost of classify. In-place ops
+    still run: they may change their input's metadata."""
+    if decision is not None and (decision.casts or decision.kwarg_updates or decision.new_target is not None):
+        return _MISSING
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        return _MISSING
+    val = node.meta.get("val", _MISSING)
+    if val is _MISSING or _foreign(val, state.mode):
+        return _MISSING
+    for a in node.all_input_nodes:
+        if a.op != "get_attr" and not _same_fake(env.get(a, _MISSING), a.meta.get("val", _MISSING)):
+            return _MISSING
+    if state.signatures.get(node) != node_signature(node):
+        return _MISSING
+    return val
+
+
+def _same_fake(a: object, b: object) -> bool:
+    """The same object, or fake values an op that writes nothing computes the same metadata from: same
+    structure, and tensors of the same dtype, device, sizes, strides, storage offset and layout (symbolic sizes
+    by expression: ``==`` on SymInts would add a guard). ``requires_grad`` is not compared: it does not change
+    an output's metadata, and export records values without it."""
+    if a is b:
+        return a is not _MISSING
+    if isinstance(a, FakeTensor) and isinstance(b, FakeTensor):
+        return (
+            a.dtype == b.dtype
+            and a.device == b.device
+            and a.layout == b.layout
+            and a.dim() == b.dim()
+            and all(_same_int(p, q) for p, q in zip(a.shape, b.shape, strict=True))
+            and all(_same_int(p, q) for p, q in zip(a.stride(), b.stride(), strict=True))
+            and _same_int(a.storage_offset(), b.storage_offset())
+            and a.is_conj() == b.is_conj()
+            and a.is_neg() == b.is_neg()
+        )
+    if isinstance(a, (tuple, list)) and type(a) is type(b) and len(a) == len(b):
+        return all(_same_fake(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)):
+        return not isinstance(a, bool) and not isinstance(b, bool) and _same_int(a, b)
+    return False
+
+
+def _same_int(p: object, q: object) -> bool:
+    pe = p.node.expr if isinstance(p, torch.SymInt) else p
+    qe = q.node.expr if isinstance(q, torch.SymInt) else q
+    return bool(pe == qe)
 
 
 def _float_dtype(value: object) -> torch.dtype | None:
@@ -433,7 +573,20 @@ def redispatch_args(old, new, args: list, kwargs: dict) -> tuple[list, dict]:
 
 
 def _run(node, args, kwargs, decision, state: FakeState, on_error=None):
-    target, args, kwargs = apply_decision(node.target, args, kwargs, decision, lambda v, d: v.to(d))
+    target, args, kwargs = apply_decision(
+        node.target, args, kwargs, decision, lambda v, d: fake_cast(state, v, d)
+    )
+    _check_dtypes(node, target, args, kwargs, on_error)
+    try:
+        return run_fake(state, node, target, args, kwargs)
+    except PrecastError:
+        raise
+    except Exception as exc:
+        raise fake_run_error(node, target, args, kwargs, exc) from exc
+
+
+def _check_dtypes(node, target, args: tuple, kwargs: dict, on_error=None) -> None:
+    """The dtype check FakeTensor does not make (also for an op whose recorded value is reused)."""
     if isinstance(target, torch._ops.OpOverload) and target._schema.name in SAME_DTYPE_OPS:
         try:
             check_same_dtype(node, args, kwargs)
@@ -441,12 +594,6 @@ def _run(node, args, kwargs, decision, state: FakeState, on_error=None):
             if on_error is None:
                 raise
             on_error(err, node)
-    try:
-        return run_fake(state, node, target, args, kwargs)
-    except PrecastError:
-        raise
-    except Exception as exc:
-        raise fake_run_error(node, target, args, kwargs, exc) from exc
 
 
 def fake_run_error(node: torch.fx.Node, target, args: tuple, kwargs: dict, exc: Exception) -> PrecastError:

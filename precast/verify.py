@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 
 from precast.classify import (
     FakeState,
@@ -32,8 +33,15 @@ _MISSING = object()
 
 def refresh_vals(program: Program) -> None:
     """Recompute every node's fake value after rewriting; a failure names the node. Prefer ``check_pass``
-    (incremental) between passes; this is the full re-check."""
-    update_vals(program, [n for n in program.graph.nodes if n.op == "call_function"])
+    (incremental) between passes; this is the full re-check: every op's kernel runs again (neither a
+    dispatch-cache entry nor ``FakeState.runs`` from classify's run of the same op stands in for it)."""
+    state = fake_state(program)
+    state.reuse_runs = False
+    try:
+        with disable_fake_tensor_cache(state.mode):
+            update_vals(program, [n for n in program.graph.nodes if n.op == "call_function"])
+    finally:
+        state.reuse_runs = True
 
 
 def check_pass(program: Program, pass_name: str) -> None:

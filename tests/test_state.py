@@ -439,3 +439,31 @@ def test_reference_failure_is_reported_not_raised():
     res = precast.convert(model, (x,), policy="torch", dtype=FP16)
     skipped = [d for d in res.report.diagnostics if d.code == "verification-skipped"]
     assert skipped and skipped[0].severity == "warning" and "itself fails" in skipped[0].message
+
+
+def test_unchanged_ops_reuse_their_recorded_values(monkeypatch):
+    """Conversion cost: under policy None an op outside every region sees the values export recorded and reuses
+    its own recorded value instead of running again on fake tensors (issue 15: ≤ 1 ms per node)."""
+    import precast.classify as classify_mod
+
+    class MostlyFp32(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(10))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            with torch.autocast("cpu", dtype=BF16):
+                y = self.layers[0](x)
+            return y.float()
+
+    x = torch.randn(4, 8)
+    ep = torch.export.export(MostlyFp32(), (x,))
+    runs = []
+    real = classify_mod.run_fake
+    monkeypatch.setattr(classify_mod, "run_fake", lambda *a, **k: runs.append(a[1]) or real(*a, **k))
+    res = precast.convert(ep, verify=False)
+    ops = [n for n in ep.graph.nodes if n.op == "call_function"]
+    assert len(runs) < len(ops) // 2, (len(runs), len(ops))
+    assert_bitwise(res.program.module()(x), ep.module()(x))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from precast.classify import apply_decision
+from precast.classify import apply_decision, fake_cast, fake_state, remember_run
 from precast.mutation import analyze
 from precast.program import Program
 
@@ -38,6 +38,7 @@ def insert_casts(program: Program) -> int:
     """Apply each node's Decision (casts, dtype kwargs, redispatch). Returns the number of cast nodes added."""
     graph = program.graph
     alias = analyze(graph, program.input_spec, program.output_specs)
+    state = fake_state(program)
     made: dict[tuple[torch.fx.Node, torch.dtype, int], torch.fx.Node] = {}
     added = 0
     for node in list(graph.nodes):
@@ -60,7 +61,8 @@ def insert_casts(program: Program) -> int:
                         c.meta[k] = consumer.meta[k]
                 val = producer.meta.get("val")
                 if isinstance(val, torch.Tensor):
-                    c.meta["val"] = val.to(dtype)
+                    c.meta["val"] = fake_cast(state, val, dtype)
+                    remember_run(state, c, TO_COPY, (val,), {"dtype": dtype}, c.meta["val"])
                 c.meta[CAST_META] = dtype
                 made[key] = c
                 added += 1
