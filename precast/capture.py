@@ -93,6 +93,11 @@ def capture(
 ) -> ExportedProgram:
     """The program to convert. ``distinct_values`` (policy "torch"): export with ``KeepValuesDistinct``."""
     if isinstance(program_or_module, ExportedProgram):
+        if dynamic_shapes is not None:
+            raise PrecastError(
+                "dynamic_shapes= applies when precast exports a module; this program is already exported: pass "
+                "dynamic_shapes to torch.export.export instead"
+            )
         return program_or_module
     if not isinstance(program_or_module, torch.nn.Module):
         raise PrecastError(

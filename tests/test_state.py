@@ -467,3 +467,10 @@ def test_unchanged_ops_reuse_their_recorded_values(monkeypatch):
     ops = [n for n in ep.graph.nodes if n.op == "call_function"]
     assert len(runs) < len(ops) // 2, (len(runs), len(ops))
     assert_bitwise(res.program.module()(x), ep.module()(x))
+
+
+def test_dynamic_shapes_beside_a_program_is_refused():
+    model, inputs = zoo.small_mlp(4)
+    ep = torch.export.export(model, inputs)
+    with pytest.raises(PrecastError, match="dynamic_shapes= applies when precast exports a module"):
+        precast.convert(ep, dynamic_shapes=({0: torch.export.Dim("b")},))
