@@ -97,6 +97,10 @@ def test_torch_policy_written_buffers_match_eager_over_calls(policy):
             assert_bitwise(got, want)
         elif policy is None:
             assert_bitwise(got, eager(x))
+        else:  # rules: low-precision error only (a stale folded buffer drifts: cosine 0.90 by the 1st call)
+            want = eager(x)
+            cos = F.cosine_similarity(got.flatten().double(), want.flatten().double(), dim=0).item()
+            assert cos > 0.9999, cos
 
 
 @pytest.mark.parametrize("policy", POLICIES)
