@@ -490,6 +490,27 @@ class RuleContext:
     constants: dict  # input node name -> real constant tensor (parameters, buffers)
 
 
+def _scalar_beyond(node: torch.fx.Node, args: tuple, kwargs: dict, low: torch.dtype) -> tuple[str, float] | None:
+    """A finite Scalar argument the low dtype cannot hold (``masked_fill(mask, finfo(float32).min)``, baked in
+    by an fp32 export): in low precision the op raises "cannot be converted ... without overflow"."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    limit = torch.finfo(low).max
+    for i, arg in enumerate(schema.arguments):
+        if str(arg.type) not in ("number", "Scalar"):
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and abs(value) > limit
+        ):
+            return arg.name, value
+    return None
+
+
 class RulesPolicy:
     """The "rules" policy; its ``decide`` is asked for every op outside autocast regions."""
 
@@ -566,6 +587,18 @@ class RulesPolicy:
         op = matches_op(node.target, o.exclude_ops)
         if op is not None:
             return make(fp32, "user", "exclude_ops", f"exclude_ops: {op}")
+        scalar = _scalar_beyond(node, args, kwargs, low)
+        if scalar is not None:
+            name, value = scalar
+            return make(
+                fp32,
+                "rules",
+                "scalar_range",
+                f"scalar_range: its {name} {value:.3g} is beyond {dtype_name(low)}'s range (the op would fail "
+                "there)",
+                abs(float(value)),
+                float(torch.finfo(low).max),
+            )
         if kind != "compute":
             return None
         if node.name in self.force:

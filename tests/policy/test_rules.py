@@ -402,3 +402,27 @@ def test_init_max_stays_on_for_fp16_and_include_nodes_still_converts():
     assert forced.report.node("mul").dtype == "fp16"
     assert torch.isfinite(forced.module()(*inputs)).all()
     assert any(d.code == "fp16-clamped" for d in forced.report.diagnostics)
+
+
+def test_scalar_beyond_the_low_range_keeps_the_op_fp32():
+    """HF's ``masked_fill(mask, torch.finfo(s.dtype).min)`` bakes fp32's min into a plain export; in fp16 the op
+    would raise "cannot be converted to type Half without overflow" (MPT, found on a sweep of transformers
+    models): the rules keep it fp32 and say why."""
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(8, 8)
+
+        def forward(self, x, mask):
+            s = self.q(x) @ x.transpose(-1, -2)
+            return s.masked_fill(mask, torch.finfo(s.dtype).min).softmax(-1)
+
+    torch.manual_seed(0)
+    x, mask = torch.randn(2, 4, 8), torch.zeros(2, 4, 4, dtype=torch.bool)
+    mask[1, :, 3] = True
+    model = Masked().eval()
+    res = precast.convert(torch.export.export(model, (x, mask)), policy="rules", dtype=torch.float16)
+    node = res.report.node("masked_fill")
+    assert node.dtype == "fp32" and node.rule == "scalar_range"
+    torch.testing.assert_close(res.module()(x, mask), model(x, mask), atol=2e-3, rtol=2e-3)
