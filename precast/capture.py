@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import importlib
 import logging
 import sys
@@ -90,8 +92,13 @@ def capture(
     dynamic_shapes: Any = None,
     *,
     distinct_values: bool = False,
+    autocast: tuple[str, torch.dtype] | None = None,
 ) -> ExportedProgram:
-    """The program to convert. ``distinct_values`` (policy "torch"): export with ``KeepValuesDistinct``."""
+    """The program to convert. For ``policy="torch"`` on a module: ``distinct_values`` exports with
+    ``KeepValuesDistinct``, and ``autocast=(device_type, dtype)`` traces the forward inside that autocast, as
+    eager runs it, so model code that reads a tensor's dtype while tracing (``h.to(input_dtype)``,
+    ``torch.finfo(q.dtype).min``) sees the low dtype; the enclosing region is marked ``POLICY_REGION`` and
+    lowered as the policy, not as one of the program's own regions."""
     if isinstance(program_or_module, ExportedProgram):
         if dynamic_shapes is not None:
             raise PrecastError(
@@ -115,19 +122,47 @@ def capture(
             "call it outside the autocast block and pass policy='torch' (and dtype=...) to get eager autocast "
             "semantics"
         )
+    module = program_or_module if autocast is None else _in_autocast(program_or_module, *autocast)
     try:
         with KeepValuesDistinct() if distinct_values else contextlib.nullcontext():
-            return torch.export.export(
-                program_or_module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False
-            )
+            ep = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except PrecastError:
         raise
     except Exception as exc:
         first = first_line(exc)
+        if autocast is not None:
+            raise PrecastError(
+                f"policy='torch': {type(program_or_module).__name__} fails under eager torch.autocast("
+                f"{autocast[0]}, {autocast[1]}) itself while tracing: {first}; eager autocast has no result to "
+                "reproduce (export it yourself and convert with policy=None or 'rules')"
+            ) from exc
         raise PrecastError(
             f"torch.export.export failed on {type(program_or_module).__name__}: {first} "
             "(fix the export first: see https://pytorch.org/docs/stable/export.html)"
         ) from exc
+    if autocast is not None:
+        for node in ep.graph.nodes:  # the top-level regions are the one the policy opened around the forward
+            if node.op == "call_function" and node.target is torch.ops.higher_order.wrap_with_autocast:
+                node.meta[POLICY_REGION] = True
+    return ep
+
+
+POLICY_REGION = "precast_policy_region"
+
+
+def _in_autocast(module: torch.nn.Module, device_type: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A shallow copy of ``module`` (same parameters, buffers and submodules, so the same names) whose forward
+    runs inside ``torch.autocast(device_type, dtype)``. The caller's module is not touched."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return inner(*args, **kwargs)
+
+    wrapper = copy.copy(module)
+    wrapper.forward = forward
+    return wrapper
 
 
 # records torch.export.save writes (archive_format since torch 2.8, version before)

@@ -112,7 +112,10 @@ def convert(
             f"policy={policy!r}: choose None (the program's own autocast regions), 'torch' or 'rules'"
         )
     low = parse_dtype(dtype)
-    ep = capture(program_or_module, example_inputs, dynamic_shapes, distinct_values=policy == "torch")
+    region = _policy_region(program_or_module, policy, device_type, low)
+    ep = capture(
+        program_or_module, example_inputs, dynamic_shapes, distinct_values=policy == "torch", autocast=region
+    )
     device = device_type or program_device_type(ep)
     if device not in ("cpu", "cuda"):
         raise PrecastError(f"device_type={device!r}: precast has autocast tables for 'cpu' and 'cuda'")
@@ -180,6 +183,10 @@ def convert(
 
     pol = TorchPolicy(device, low) if policy == "torch" else None
     original_out = output_dtypes(program)
+    if region is not None and keep_io_types:
+        # traced under autocast, the program's outputs are already low: the types to keep are the module's own
+        plain = capture(program_or_module, example_inputs, dynamic_shapes, distinct_values=True)
+        original_out = output_dtypes(Program(plain))
     run_pipeline(program, pol, rep)
     if keep_io_types:
         run_pass(program, "restore_output_dtypes", restore_output_dtypes, original_out, True)
@@ -189,6 +196,18 @@ def convert(
         _verify(out, ep, rep, policy, device, low, original, inputs)
     write_program_info(out, rep)
     return ConvertResult(out, rep)
+
+
+def _policy_region(module: Any, policy: str | None, device_type: str | None, low) -> tuple | None:
+    """For policy "torch" on a module: the autocast (device, dtype) to export its forward in (see capture), when
+    that autocast can run here (a CUDA autocast needs a GPU; without one the policy applies to the plain export)."""
+    if policy != "torch" or not isinstance(module, torch.nn.Module):
+        return None
+    floats = [t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
+    device = device_type or (floats[0].device.type if floats else "cpu")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        return None
+    return device, low if low is not None else torch.get_autocast_dtype(device)
 
 
 def _example_inputs(ep: ExportedProgram, example_inputs: Any) -> tuple[tuple, dict] | None:

@@ -68,7 +68,9 @@ def _inline(gm: torch.fx.GraphModule, regions: list[Region]) -> None:
         sub = getattr(gm, submod_node.target)
         _inline(sub, regions)  # nested regions first: their nodes get the inner tags
         region = None
-        if node.target is WRAP_AUTOCAST:
+        # the region policy "torch" opened around the whole forward while exporting (capture.POLICY_REGION): its
+        # ops are the policy's, not a region of the program's own
+        if node.target is WRAP_AUTOCAST and not node.meta.get("precast_policy_region"):
             first = next((n for n in sub.graph.nodes if n.op == "call_function"), None)
             region = Region(
                 id=len(regions),

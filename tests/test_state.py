@@ -440,7 +440,11 @@ def test_reference_failure_is_reported_not_raised():
     model, x = DeadCat(), torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="prioritize"), torch.autocast("cpu", dtype=FP16):
         model(x)
-    res = precast.convert(model, (x,), policy="torch", dtype=FP16)
+    # given the module, precast traces it under eager autocast, which fails: one line saying so
+    with pytest.raises(PrecastError, match="fails under eager torch.autocast"):
+        precast.convert(model, (x,), policy="torch", dtype=FP16)
+    # given a program, the reference (the program under autocast) fails at verification: reported
+    res = precast.convert(torch.export.export(model, (x,)), policy="torch", dtype=FP16)
     skipped = [d for d in res.report.diagnostics if d.code == "verification-skipped"]
     assert skipped and skipped[0].severity == "warning" and "itself fails" in skipped[0].message
 
