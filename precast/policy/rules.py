@@ -490,7 +490,9 @@ class RuleContext:
     constants: dict  # input node name -> real constant tensor (parameters, buffers)
 
 
-def _scalar_beyond(node: torch.fx.Node, args: tuple, kwargs: dict, low: torch.dtype) -> tuple[str, float] | None:
+def _scalar_beyond(
+    node: torch.fx.Node, args: tuple, kwargs: dict, low: torch.dtype
+) -> tuple[str, float] | None:
     """A finite Scalar argument the low dtype cannot hold (``masked_fill(mask, finfo(float32).min)``, baked in
     by an fp32 export): in low precision the op raises "cannot be converted ... without overflow"."""
     schema = getattr(node.target, "_schema", None)
