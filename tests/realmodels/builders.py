@@ -185,9 +185,9 @@ def gpt2_upcast() -> Built:
     ``autocast(enabled=False)``, so the region program has real nested regions (transformers 5.23's Llama no
     longer opens one: its rotary embedding uses ``.float()``).
 
-    Policy None only: transformers opens that region through ``maybe_autocast``, i.e. only when autocast is
-    active while tracing, so a plain fp32 export does not contain it and no converter can reproduce eager
-    autocast's fp32 attention scores from that program (policy "torch" runs them in bf16, as the program says)."""
+    transformers opens that region through ``maybe_autocast``, i.e. only when autocast is active while tracing:
+    a plain fp32 export does not contain it, and eager autocast's fp32 attention scores cannot be recovered from
+    that program. ``policy="torch"`` on the module traces it under autocast, so the region is there (bitwise)."""
     model = _gpt2(reorder_and_upcast_attn=True, attn_implementation="eager")
     return Built("gpt2_upcast", _wrap(model, CausalLM), {b: (_ids(b, 8, 128),) for b in BATCHES}, region=True)
 

@@ -29,8 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # Which policies each model runs (default: all five). minilm_st is minilm_hf's network (same weights) behind
 # sentence-transformers' modules, and its outputs equal minilm_hf's: it runs a subset, to keep the tier within
 # its time budget (the largest cost here is MiniLM's conversions and decompositions).
-# gpt2_upcast exists for its nested region (policy None; see builders.gpt2_upcast).
-RUNS = {"minilm_st": ("none", "rules-fp16"), "gpt2_upcast": ("none",)}
+# gpt2_upcast exists for its nested region: policy None on the region program, and policy torch, which traces the
+# module under autocast so transformers opens that region too (see builders.gpt2_upcast).
+RUNS = {"minilm_st": ("none", "rules-fp16"), "gpt2_upcast": ("none", "torch-bf16", "torch-fp16")}
 # run_decompositions() of a converted program costs a conversion again (MiniLM rules-fp16: ~20 s CPU): the
 # decomposed check runs on the region program (policy None) and rules fp16 (every weight stored fp16) of the
 # small models, and on MiniLM's region program.
