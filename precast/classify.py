@@ -17,7 +17,6 @@ import contextlib
 import copy
 import logging
 import operator
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -61,7 +60,6 @@ class ClassifyResult:
 # ShapeEnv: every fake value of the program is re-created on it, and every fake run checks that no symbol of
 # the program's inputs was specialized or narrowed.
 # Keyed by the Program (nothing in the state refers back to it, so the entry dies with the conversion).
-_FAKE_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # ShapeEnv fields that hold tensors or FX nodes (not deep-copyable, and caches anyway): start them empty
 _SHAPE_ENV_FRESH = {"tracked_fakes": None, "fake_tensor_cache": {}, "fx_node_cache": {}}
 _SHAPE_ENV_SHARED = ("log",)
@@ -100,11 +98,9 @@ def fake_cast(state: FakeState, value: torch.Tensor, dtype: torch.dtype) -> torc
 def fake_state(program: Program) -> FakeState:
     """The program's private fake mode, created on first use: a copy of the input program's ShapeEnv, with
     every node's fake value re-created on it (no op runs: only metadata is rebuilt)."""
-    state = _FAKE_STATE.get(program)
-    if state is None:
-        state = _privatize(program)
-        _FAKE_STATE[program] = state
-    return state
+    if program.fake_state is None:
+        program.fake_state = _privatize(program)  # state travels with the program, never in a global
+    return program.fake_state
 
 
 def fake_mode_of(program: Program) -> FakeTensorMode:

@@ -63,6 +63,8 @@ class Program:
         self.output_specs: list[OutputSpec] = list(ep.graph_signature.output_specs)
         # stored FQN -> ConstantSource, for constants precast created by casting
         self.sources: dict[str, ConstantSource] = {}
+        # the conversion's private fake mode and shape env (precast.classify.fake_state), made on first use
+        self.fake_state: object | None = None
         # constants the program writes: the conversion (and the program it returns) owns copies of them, so
         # no forward precast runs, and no call of the converted program, changes the caller's state
         self.written: set[str] = written_constant_targets(self.graph, self.input_spec, self.output_specs)
