@@ -846,7 +846,7 @@ def staged_convert(
         if policy is None and not regions:
             raise PrecastError("bench: the program has no autocast regions: policy None returns it unchanged")
         pol = TorchPolicy(device, low) if policy == "torch" else None
-        original_out = output_dtypes(program)
+        original_out = output_dtypes(program.graph)
         if hasattr(classify_mod, "fake_state"):
             with clock("fake_state"):
                 classify_mod.fake_state(program)

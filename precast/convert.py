@@ -22,7 +22,7 @@ from precast.passes.restore_io import output_dtypes, restore_output_dtypes
 from precast.passes.simplify_casts import simplify_casts
 from precast.policy.base import dtype_name
 from precast.policy.torch_policy import TorchPolicy
-from precast.program import META_KEY, Program, private_state, written_targets
+from precast.program import META_KEY, Program, private_state, strip_dtype_asserts, written_targets
 from precast.regions import inline_regions
 from precast.report import Report, record_decisions, runtime_casts, write_program_info
 from precast.verify import check_pass, compare
@@ -182,11 +182,11 @@ def convert(
         )
 
     pol = TorchPolicy(device, low) if policy == "torch" else None
-    original_out = output_dtypes(program)
+    original_out = output_dtypes(program.graph)
     if region is not None and keep_io_types:
         # traced under autocast, the program's outputs are already low: the types to keep are the module's own
         plain = capture(program_or_module, example_inputs, dynamic_shapes, distinct_values=True)
-        original_out = output_dtypes(Program(plain))
+        original_out = output_dtypes(plain.graph)
     run_pipeline(program, pol, rep)
     if keep_io_types:
         run_pass(program, "restore_output_dtypes", restore_output_dtypes, original_out, True)
@@ -323,15 +323,7 @@ def _region_dict(region) -> dict:
 def reference_module(ep: ExportedProgram) -> torch.nn.Module:
     """``ep.module()`` without export's ``_assert_tensor_metadata`` checks, which pin the dtypes seen at export
     and so fail when the program runs under an ambient autocast (eager has no such checks)."""
-    module = ep.module()
-    for sub in module.modules():  # region subgraphs carry them too
-        if not isinstance(sub, torch.fx.GraphModule):
-            continue
-        for node in list(sub.graph.nodes):
-            if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
-                sub.graph.erase_node(node)
-        sub.recompile()
-    return module
+    return strip_dtype_asserts(ep.module())
 
 
 def _verify(

@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from precast.errors import PrecastError, first_line
+from precast.program import strip_dtype_asserts
 
 LOW = (torch.bfloat16, torch.float16)
 
@@ -48,16 +49,12 @@ def add_parser(sub) -> None:
 
 def fp32_reference(ep: torch.export.ExportedProgram) -> torch.nn.Module:
     """The converted program's float32 reference (see the module docstring)."""
-    module = ep.module()
+    module = strip_dtype_asserts(ep.module())
     for fqn, value in _fp32_constants(ep).items():
         _set_attr(module, fqn, value)
     graph = module.graph
     for node in list(graph.nodes):
-        if node.op != "call_function":
-            continue
-        if node.target is torch.ops.aten._assert_tensor_metadata.default:
-            graph.erase_node(node)
-        elif node.target not in REINTERPRET:
+        if node.op == "call_function" and node.target not in REINTERPRET:
             node.args = _widen(node.args)
             node.kwargs = _widen(node.kwargs)
     module.recompile()

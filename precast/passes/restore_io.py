@@ -15,9 +15,9 @@ from precast.passes.insert_casts import CAST_META, TO_COPY, cast_dtype, is_cast
 from precast.program import Program
 
 
-def output_dtypes(program: Program) -> list[torch.dtype | None]:
-    """The dtype of each output leaf, as the program is now (call before the conversion changes it)."""
-    out = program.graph.output_node()
+def output_dtypes(graph: torch.fx.Graph) -> list[torch.dtype | None]:
+    """The dtype of each output leaf of ``graph``, as it is now (call before the conversion changes it)."""
+    out = graph.output_node()
     vals = []
     for a in pytree.tree_leaves(out.args[0]):
         v = a.meta.get("val") if isinstance(a, torch.fx.Node) else None

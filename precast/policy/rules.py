@@ -754,7 +754,7 @@ def convert_with_rules(
     if tol is not None and cal is None:
         raise PrecastError("tolerance= needs data to measure the error on: pass calibration=[inputs, ...]")
 
-    original_out = output_dtypes(program)
+    original_out = output_dtypes(program.graph)
     policy = RulesPolicy(program, opts, cal)
     result = None
     if tol is not None:
