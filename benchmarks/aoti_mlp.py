@@ -1,7 +1,7 @@
 """AOTInductor on the benchmark MLP (4x Linear(1024, 1024) + head, CPU bf16, batch 1), in one run:
 AOTI default vs precast + AOTI vs weights hand-cast to bf16 before export, interleaved repeats, package sizes.
 
-    .venv/bin/python benchmarks/aoti_mlp.py [--repeats 40] [--out docs/benchmarks]
+    .venv/bin/python -m benchmarks.aoti_mlp [--repeats 40] [--out docs/benchmarks]   # from the repository root
 
 Issue 6 targets (printed, never asserted): precast >= 1.6x faster than default and within 5% of hand-cast;
 package within 5% of hand-cast's size.
@@ -18,8 +18,17 @@ from pathlib import Path
 
 import torch
 
-import precast
-from precast import bench, zoo
+from precast.metrics import flat_error
+
+if __package__ in (
+    None,
+    "",
+):  # run as a file (python benchmarks/aoti_mlp.py): the repository root is importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import precast  # noqa: E402
+from benchmarks.models import mlp  # noqa: E402
+from precast import bench  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,24 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write aoti_mlp.json and aoti_mlp.md here")
     args = ap.parse_args(argv)
 
-    model, inputs = zoo.mlp(args.batch)
+    model, inputs = mlp(args.batch)
     compile_kw = {"cache_dir": args.cache_dir, "progress": None}
     default = precast.compile(torch.export.export(model, inputs, strict=False), **compile_kw)
     converted = precast.compile(precast.convert(model, inputs).program, **compile_kw)
-    hand = zoo.mlp(args.batch)[0]
+    hand = mlp(args.batch)[0]
     hand.to(torch.bfloat16)  # weights hand-cast before export; the autocast region still casts the input
     handcast = precast.compile(torch.export.export(hand, inputs, strict=False), **compile_kw)
     models = {"aoti_default": default, "precast_aoti": converted, "handcast_aoti": handcast}
 
     fns = {name: (lambda cm=cm: cm(*inputs)) for name, cm in models.items()}
     samples = bench.interleaved_latency(fns, args.repeats)
-    with torch.no_grad():
-        ref = bench.autocast_as("cpu", None, enabled=False)
-        with ref:
-            fp32 = model(*inputs)
+    with torch.no_grad(), bench.regions(model, enabled=False):  # the model's autocast switch: fp32 reference
+        fp32 = model(*inputs)
     rows = {}
     for name, cm in models.items():
-        err, cos = bench.errors(cm(*inputs), fp32)
+        err, cos = flat_error(cm(*inputs), fp32)
         rows[name] = {
             "latency_ms": round(statistics.median(samples[name]), 4),
             "package_mb": round(os.path.getsize(cm.package_path) / 2**20, 3),
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         desc = ", ".join(f"{k}: {v}" for k, v in machine.items())
         (out / "aoti_mlp.md").write_text(
             f"# AOTInductor on the benchmark MLP (CPU bf16, batch {args.batch})\n\n"
-            f"Command: `.venv/bin/python benchmarks/aoti_mlp.py --repeats {args.repeats} --out {args.out}`\n\n"
+            f"Command: `.venv/bin/python -m benchmarks.aoti_mlp --repeats {args.repeats} --out {args.out}`\n\n"
             f"Machine: {desc}\n\nMedian of {args.repeats} interleaved repeats.\n\n{table}\n"
         )
         print(f"wrote {out / 'aoti_mlp.json'}, {out / 'aoti_mlp.md'}", file=sys.stderr)

@@ -6,6 +6,8 @@ code with ``precast.diagnostics.make_diagnostic`` / ``record``: its severity com
 
 ``python -c "import precast.codes as c; c.write_docs()"`` rewrites the table in docs/report.md and the enum in
 the schema from the registry.
+
+Input: a code name. Output: its ``Code`` record; ``write_docs`` regenerates the table in docs/report.md.
 """
 
 from __future__ import annotations
@@ -161,6 +163,21 @@ _CODES = (
         "run once on its example inputs node by node, an op of the converted program fails on the device "
         "(bf16 `mkldnn_rnn_layer` from `nn.LSTM` on CPUs without oneDNN bf16 support)",
         "keep the op in float32 (policy 'rules' with exclude_nodes / exclude_ops, or out of the region)",
+    ),
+    Code(
+        "no-low-precision-kernel",
+        "warning",
+        "policy 'rules' / 'auto': run once on the example inputs, an op failed in the low dtype on this device "
+        "(no low-precision kernel: fp16 `mkldnn_rnn_layer` on CPUs without oneDNN fp16), so it was kept in "
+        "float32 and the program converted again",
+        "nothing to do; exclude_ops the op to skip the retry, or use a device with the kernel",
+    ),
+    Code(
+        "auto-latency",
+        "info",
+        "policy 'auto': per-op fp32 vs low-precision latencies measured on this device (or read from the "
+        "cache), what was chosen, the estimated and the measured end-to-end speedup",
+        "",
     ),
     Code(
         "device-check-skipped",

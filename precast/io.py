@@ -1,4 +1,7 @@
-"""File output that never leaves a partial file behind: write to a temporary file, then rename."""
+"""File output that never leaves a partial file behind: write to a temporary file, then rename.
+
+Input: a destination path. Output: a temporary path to write, renamed into place on success.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""One progress bar for long work (calibration, benchmarks): rich on stderr when it is a terminal, else silent."""
+"""One progress bar for long work (calibration, benchmarks): rich on stderr when it is a terminal, else silent.
+
+Input: a total and a description. Output: progress on stderr (nothing when not a terminal).
+"""
 
 from __future__ import annotations
 

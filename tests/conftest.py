@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def small_model(seed: int = 0):
     """The small MLP (3x Linear(64, 64) + head under one bf16 region); ``seed`` perturbs the weights."""
-    from precast import zoo
+    from tests import models as zoo
 
     model, inputs = zoo.small_mlp(4)
     if seed:

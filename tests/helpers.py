@@ -27,7 +27,7 @@ def assert_bitwise(got, want) -> None:
 def constant_casts(ep: ExportedProgram) -> list[str]:
     """Casts whose input is a constant placeholder, directly or through view ops: work a backend would do on
     every forward."""
-    from precast.passes.fold_constants import VIEW_OPS
+    from precast.ir.graph import VIEW_OPS
 
     consts = {s.arg.name for s in ep.graph_signature.input_specs if s.kind in CONSTANT_KINDS}
     casts = (

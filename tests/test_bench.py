@@ -7,27 +7,83 @@ import json
 import pytest
 import torch
 
-from precast import bench, zoo
+from benchmarks.models import MLP
+from precast import bench
+from precast.bench import factories
+from precast.errors import PrecastError
+from tests import models
 
 
-def test_autocast_as_disables_and_retargets_regions():
-    model, inputs = zoo.small_mlp(2)
+def test_autocast_switch_disables_and_retargets_regions_of_one_instance():
+    model, inputs = models.small_mlp(2)
+    other, _ = models.small_mlp(2)
     with torch.no_grad():
-        with bench.autocast_as("cpu", None, enabled=False):
+        bf16 = model(*inputs)
+        with bench.regions(model, enabled=False) as n:
             fp32 = model(*inputs)
-        plain = zoo.MLP(64, depth=3, autocast=False).eval()
+            assert n == 1 and other.autocast  # only this instance
+        plain = MLP(64, depth=3, autocast=False).eval()
         plain.load_state_dict(model.state_dict())
         assert torch.equal(fp32, plain(*inputs))
-        with bench.autocast_as("cpu", torch.float16):
+        with bench.regions(model, dtype=torch.float16):
             half = model(*inputs)
-    assert torch.autocast is torch.amp.autocast  # restored
-    assert not torch.equal(half, fp32) and not torch.equal(half, model(*inputs))
+    assert (model.autocast, model.device_type, model.dtype) == (True, "cpu", torch.bfloat16)  # restored
+    assert torch.autocast is torch.amp.autocast  # torch itself is never patched
+    assert not torch.equal(half, fp32) and not torch.equal(half, bf16) and not torch.equal(bf16, fp32)
+
+
+def test_fp32_reference_of_a_model_without_the_switch_inlines_its_regions():
+    """No autocast attributes: the reference is the exported program with its regions inlined, which computes
+    what the model computes with its region off (the same aten ops in fp32)."""
+    model, (ids,) = models.tied()
+    assert factories.switches(model) == []
+    run, note = bench.fp32_reference(model, (ids,))
+    assert "regions inlined" in note
+    with torch.no_grad():
+        got = run()
+        want = model.out(torch.tanh(model.mid(model.emb(ids))))
+        low = model(ids)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert not torch.equal(low, want)  # the model as written does run in bf16
 
 
 def test_resize_batch_keeps_kinds():
     x, ids = bench.resize_batch((torch.randn(1, 5), torch.randint(0, 9, (2, 3))), 4)
     assert x.shape == (4, 5) and x.dtype == torch.float32
     assert ids.shape == (4, 3) and ids.dtype == torch.int64 and int(ids.max()) < 9
+
+
+def test_specs_short_names_and_factories():
+    model, (x,) = bench.build("mlp", 3)  # benchmarks.models:mlp(batch=3)
+    assert isinstance(model, MLP) and x.shape == (3, 1024)
+    model, (x,) = bench.build("precast.examples:seed_model", 5)  # no batch parameter: inputs resized
+    assert type(model).__name__ == "SeedModel" and x.shape == (5, 128)
+    assert bench.default_models() == ["mlp"]  # a source checkout
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nope", "unknown model(s) ['nope']"),
+        ("no_such_module_precast:f", "cannot import module 'no_such_module_precast'"),
+        ("precast.examples:nope", "module 'precast.examples' has no callable 'nope'"),
+    ],
+)
+def test_bad_model_is_one_line_error(capsys, spec, message):
+    from precast.cli import main
+
+    assert main(["bench", "--model", spec]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_short_names_outside_a_source_checkout(monkeypatch):
+    monkeypatch.setattr(factories, "SHORT_MODULE", "no_such_package_precast.models")
+    assert factories.short_names() is None
+    assert bench.default_models() == [factories.DEMO_SPEC]
+    with pytest.raises(PrecastError) as info:
+        factories.check_specs(["mlp"])
+    assert "source checkout" in str(info.value) and "module:factory" in str(info.value)
 
 
 def test_eager_harness_smoke(tmp_path):
@@ -40,6 +96,7 @@ def test_eager_harness_smoke(tmp_path):
     assert 0 < by["eager_autocast"].max_abs_err < 0.1 and by["eager_autocast"].cosine > 0.999
     assert by["eager_autocast"].casts_per_forward >= 4  # 2 weights, 2 biases, 1 input: cast every forward
     assert len(by["eager_autocast"].samples_ms) == 3 and by["eager_autocast"].latency_ms > 0
+    assert all(r.note == "" for r in results)  # the seed model has the autocast switch
     paths = bench.write_outputs(results, tmp_path, bench.machine_info())
     data = json.loads((tmp_path / "bench.json").read_text())
     assert [r["variant"] for r in data["results"]] == ["eager_fp32", "eager_autocast"]
@@ -48,12 +105,18 @@ def test_eager_harness_smoke(tmp_path):
     assert (tmp_path / "bench.png") in paths and (tmp_path / "bench.png").stat().st_size > 1000
 
 
-def test_unknown_model_is_one_line_error(capsys):
-    from precast.cli import main
-
-    assert main(["bench", "--model", "nope"]) == 2
-    err = capsys.readouterr().err
-    assert "unknown model(s) ['nope']" in err and err.count("\n") == 1
+def test_user_factory_without_the_switch():
+    results = bench.run_bench(
+        ["tests.models:tied"],
+        [2],
+        variants=("eager_fp32", "eager_autocast"),
+        repeats=2,
+        measure_rss=False,
+        progress=False,
+    )
+    by = {r.variant: r for r in results}
+    assert by["eager_fp32"].max_abs_err == 0.0 and "regions inlined" in by["eager_fp32"].note
+    assert by["eager_autocast"].max_abs_err > 0 and "as written" in by["eager_autocast"].note
 
 
 @pytest.mark.aoti

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 import precast
-import precast.classify as classify_mod
-from precast.classify import classify
+import precast.pipeline.decompose as decompose_mod
 from precast.errors import PrecastError
+from precast.ir.program import Program
+from precast.pipeline.classify import classify
+from precast.pipeline.regions import inline_regions
 from precast.policy.torch_policy import TorchPolicy
-from precast.program import Program
-from precast.regions import inline_regions
 from tests.helpers import assert_bitwise
 
 
@@ -97,7 +97,7 @@ def test_composite_trace_failure_is_an_error_naming_the_node(monkeypatch):
     def broken_trace(op, args, kwargs, mode, autocast):
         raise RuntimeError("tracer exploded")
 
-    monkeypatch.setattr(classify_mod, "_trace", broken_trace)
+    monkeypatch.setattr(decompose_mod, "_trace", broken_trace)
     model, inputs = _model(NestedEinsum)
     with pytest.raises(PrecastError) as err:
         precast.convert(model, inputs)

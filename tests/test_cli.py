@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import precast
-from precast import zoo
 from precast.cli import main
+from tests import models as zoo
 
 ROOT = Path(__file__).parents[1]
 
@@ -65,7 +65,7 @@ BAD_INPROCESS = {
     "convert-not-program": (["convert", "{d}/other.pt2", "-o", "{d}/out3.pt2"], "out3.pt2"),
     "convert-text": (["convert", "{d}/text.pt2", "-o", "{d}/out2.pt2"], "out2.pt2"),
     "convert-output-is-dir": (["convert", "{d}/raw.pt2", "-o", "{d}"], None),
-    "convert-bad-attr": (["convert", "precast.zoo:no_such_factory", "-o", "{d}/out6.pt2"], "out6.pt2"),
+    "convert-bad-attr": (["convert", "precast.examples:no_such_factory", "-o", "{d}/out6.pt2"], "out6.pt2"),
     "report-missing": (["report", "{d}/nope.pt2"], None),
     "report-not-program": (["report", "{d}/other.pt2"], None),
     "report-corrupt": (["report", "{d}/corrupt.pt2", "--format", "json", "-o", "{d}/r1.json"], "r1.json"),
@@ -166,7 +166,7 @@ def test_check_unconverted_program_is_bitwise(files, capsys):
 
 
 def test_check_fp32_reference_restores_weights(files):
-    from precast.commands.check import fp32_reference
+    from precast.cli.check import fp32_reference
 
     ep = torch.export.load(str(files / "good.pt2"))
     ref = fp32_reference(ep)
@@ -224,7 +224,7 @@ def test_convert_rules_flags_with_calibration_file(tmp_path, capsys):
 
 EARLY = {
     "dtype": (["convert", "{d}/raw.pt2", "-o", "{d}/e1.pt2", "--dtype", "int8"], "--dtype int8"),
-    "policy": (["convert", "{d}/raw.pt2", "-o", "{d}/e2.pt2", "--policy", "auto"], "invalid choice: 'auto'"),
+    "policy": (["convert", "{d}/raw.pt2", "-o", "{d}/e2.pt2", "--policy", "fastest"], "invalid choice: 'fastest'"),
     "data-max-negative": (
         ["convert", "{d}/raw.pt2", "-o", "{d}/e3.pt2", "--policy", "rules", "--data-max", "-1"],
         "--data-max=-1.0",
@@ -270,13 +270,13 @@ EARLY = {
 def test_options_rejected_before_loading(name, files, capfd, monkeypatch):
     """A bad option is one line and status 2 before any program is loaded or factory imported (loading a
     real model takes seconds); no message points at warnings the CLI hides."""
-    import precast.capture
+    import precast.pipeline.capture
 
     def no_load(*args, **kwargs):
         raise AssertionError("loaded before the options were checked")
 
     for fn in ("load_program", "load_factory", "load_saved"):
-        monkeypatch.setattr(precast.capture, fn, no_load)
+        monkeypatch.setattr(precast.pipeline.capture, fn, no_load)
     argv, needle = EARLY[name]
     with (
         pytest.raises(SystemExit)
@@ -312,7 +312,7 @@ class MadeLowInRegion(torch.nn.Module):
 
 
 def test_check_reference_of_tensors_made_low_in_a_region(tmp_path, capsys):
-    from precast.commands.check import fp32_reference
+    from precast.cli.check import fp32_reference
 
     torch.manual_seed(0)
     model = MadeLowInRegion().eval()

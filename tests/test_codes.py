@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 import precast
-from precast import codes, diagnostics
+from precast import codes
 from precast.codes import CODES
+from precast.ir import diagnostics
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "precast"
@@ -27,12 +28,12 @@ CODE_ARG = {
 LOOKUPS = {"code", "get"}  # precast.codes.code("x") / codes.get("x"): a registry lookup, checked at run time
 # functions that pass along a code they were given (already checked where it was written)
 PASS_THROUGH = {
-    ("diagnostics.py", "make_diagnostic"),  # Diagnostic(code=registered.name)
-    ("diagnostics.py", "record"),
-    ("diagnostics.py", "diagnostic"),
-    ("diagnostics.py", "raise_errors"),  # PrecastError(code=d.code)
-    ("diagnostics.py", "from_error"),  # Diagnostic("error", err.code)
-    ("report.py", "report"),  # Diagnostic(**saved): a saved report's own records
+    ("ir/diagnostics.py", "make_diagnostic"),  # Diagnostic(code=registered.name)
+    ("ir/diagnostics.py", "record"),
+    ("ir/diagnostics.py", "diagnostic"),
+    ("ir/diagnostics.py", "raise_errors"),  # PrecastError(code=d.code)
+    ("ir/diagnostics.py", "from_error"),  # Diagnostic("error", err.code)
+    ("report/build.py", "report"),  # Diagnostic(**saved): a saved report's own records
 }
 
 
@@ -87,10 +88,10 @@ class _Emissions(ast.NodeVisitor):
         self.imported = {
             alias.asname or alias.name
             for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.ImportFrom) and node.module == "precast.diagnostics"
+            if isinstance(node, ast.ImportFrom) and node.module == "precast.ir.diagnostics"
             for alias in node.names
             if alias.name == "record"
-        } | ({"record"} if filename == "diagnostics.py" else set())
+        } | ({"record"} if filename == "ir/diagnostics.py" else set())
 
     def visit_FunctionDef(self, node):
         self.function.append(node.name)
@@ -286,7 +287,7 @@ def test_make_diagnostic_takes_the_registry_severity():
 
 
 def test_record_applies_allow():
-    from precast.report import Report
+    from precast.report.model import Report
 
     rep = Report(allowed=["control-flow"])
     d = diagnostics.record(rep, "control-flow", "m", "cond")

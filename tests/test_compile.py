@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import precast
-from precast.aoti import COMPILE_LOG, MANIFEST, PACKAGE, _valid_entry, cache_key
+from precast.backends.cache import COMPILE_LOG, MANIFEST, PACKAGE, _valid_entry, cache_key
 from tests.conftest import ROOT, run_python, small_model
 
 pytestmark = pytest.mark.aoti
@@ -29,7 +29,7 @@ from tests.conftest import small_model
 seed, cache = int(sys.argv[1]), sys.argv[2]
 model, inputs = small_model(seed)
 res = precast.convert(model, inputs)
-import precast.aoti  # the import is not part of the load time
+import precast.backends.aoti  # the import is not part of the load time
 t = time.perf_counter()
 cm = precast.compile(res.program, cache_dir=cache, progress=False)
 seconds = time.perf_counter() - t
@@ -170,7 +170,7 @@ def test_cache_key_covers_graph_weights_and_configs(converted_a):
 
 
 def test_cache_dir_from_env(monkeypatch, tmp_path):
-    from precast.aoti import resolve_cache_dir
+    from precast.backends.cache import resolve_cache_dir
 
     monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path / "env"))
     assert resolve_cache_dir() == tmp_path / "env"
@@ -245,7 +245,7 @@ def test_cli_compile_copies_package(converted_a, compiled_a, aoti_cache, tmp_pat
 @pytest.mark.aoti
 def test_cnn_state_dict_with_unread_buffers_reloads(aoti_cache):
     """BatchNorm's 0-d num_batches_tracked: hashed into the cache key, never read, accepted by load_weights."""
-    from precast import zoo
+    from tests import models as zoo
 
     model, inputs = zoo.cnn()
     res = precast.convert(model, inputs)
@@ -301,3 +301,30 @@ def test_load_weights_accepts_state_dict_without_non_persistent_buffers(aoti_cac
     assert done["kept"] == ["inv_freq"] and "lin.weight" in done["loaded"]
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), precast.convert(new, (x,)).program.module()(x))
+
+
+def test_dynamic_batch_never_returns_a_program_pinned_to_the_traced_size():
+    """A graph that fixes its batch (a reshape to a constant size) makes ``Dim.AUTO`` "succeed" with dim 0 pinned:
+    the package would silently run at one batch size only. ``dynamic_batch`` must keep the original program and
+    warn that the batch stays static (no compile needed to see it)."""
+    import warnings
+
+    from precast.backends.aoti import batch_symbols, dynamic_batch
+
+    class FixedBatch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x).reshape(2, 2, 4)  # the batch of 2 is baked into the graph
+
+    ep = torch.export.export(FixedBatch(), (torch.randn(2, 8),))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = dynamic_batch(ep)
+    assert out is ep and not batch_symbols(out)
+    assert any("batch dimension stays static" in str(w.message) for w in caught)
+    # a model that allows it gets a dynamic batch
+    model, inputs = torch.nn.Linear(8, 8), (torch.randn(1, 8),)
+    assert batch_symbols(dynamic_batch(torch.export.export(model, inputs)))

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 import precast
-from precast import zoo
-from precast.diagnostics import AmbientAutocastWarning
+from precast.guard import AmbientAutocastWarning
+from tests import models as zoo
 
 BF16 = torch.bfloat16
 
@@ -28,7 +28,7 @@ def test_dtype_mismatch_names_output_linear_source_and_fix():
     assert err.code == "dtype-mismatch"
     d = err.diagnostic
     assert d.module == "output" and d.node == err.node
-    assert d.location and d.location.endswith("zoo.py:50")  # `x = self.output(x)`
+    assert d.location and d.location.endswith("examples.py:49")  # `x = self.output(x)`
     assert ".float()" in d.fix and ".float()" in str(err)
     assert "(module output)" in str(err) and "--allow dtype-mismatch" in str(err)
 
@@ -150,7 +150,7 @@ def test_device_unsupported_names_the_node():
     err = info.value
     assert err.code == "device-unsupported"
     assert err.diagnostic.module == "rnn" and "mkldnn_rnn_layer" in err.diagnostic.message
-    assert err.diagnostic.location and "zoo.py" in err.diagnostic.location
+    assert err.diagnostic.location and "models.py" in err.diagnostic.location
 
 
 def test_device_unsupported_not_raised_for_mlp():
@@ -184,8 +184,8 @@ def test_ambient_autocast_silent_without_autocast():
 
 # ---- device-check-skipped: a check that could not run is never a silent success ---------------------------
 def test_device_check_skipped_when_inputs_do_not_fit_the_signature():
-    from precast.diagnostics import check_runs
-    from precast.report import Report
+    from precast.pipeline.checks import check_runs
+    from precast.report.model import Report
 
     out = precast.convert(*zoo.seed_model()).program
     rep = Report()
@@ -196,8 +196,8 @@ def test_device_check_skipped_when_inputs_do_not_fit_the_signature():
 
 
 def test_device_check_skipped_when_the_run_fails_outside_an_op(monkeypatch):
-    from precast.diagnostics import check_runs
-    from precast.report import Report
+    from precast.pipeline.checks import check_runs
+    from precast.report.model import Report
 
     out = precast.convert(*zoo.seed_model()).program
 
@@ -213,8 +213,8 @@ def test_device_check_skipped_when_the_run_fails_outside_an_op(monkeypatch):
 
 
 def test_device_check_records_nothing_when_the_program_runs():
-    from precast.diagnostics import check_runs
-    from precast.report import Report
+    from precast.pipeline.checks import check_runs
+    from precast.report.model import Report
 
     model, inputs = zoo.seed_model()
     rep = Report()

@@ -9,7 +9,7 @@ import torch
 from torch.export import Dim
 
 import precast
-from precast.regions import WRAP_AUTOCAST
+from precast.ir.regions import WRAP_AUTOCAST
 from tests import models
 from tests.helpers import assert_bitwise, casts_per_producer, constant_casts
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import precast
 from precast.errors import PrecastError
+from precast.ir.program import private_state
 from tests import models as zoo
 from tests.helpers import assert_bitwise, constant_casts
 
@@ -61,7 +62,7 @@ def test_written_buffers_three_calls_bitwise(decomposed):
     x = torch.randn(8, 8)
     ep = _export(WritesBuffers(), x, decomposed)
     res = precast.convert(ep)
-    got, want = res.program.module(), precast.program.private_state(ep).module()
+    got, want = res.program.module(), private_state(ep).module()
     for _ in range(3):
         assert_bitwise(got(x), want(x))
     names = [d.code for d in res.report.diagnostics]
@@ -265,8 +266,8 @@ def test_round_trip_cleanup_keeps_the_graph_valid():
 
 
 def test_internal_pass_failure_names_the_pass():
-    from precast.convert import run_pass
-    from precast.program import Program
+    from precast.ir.program import Program
+    from precast.pipeline.runner import run_stage
 
     model, inputs = zoo.small_mlp(4)
     program = Program(torch.export.export(model, inputs))
@@ -276,7 +277,7 @@ def test_internal_pass_failure_names_the_pass():
         node.args = (node.args[0], "not a tensor", *node.args[2:])
 
     with pytest.raises(PrecastError, match="internal error in pass corrupt"):
-        run_pass(program, "corrupt", corrupt)
+        run_stage(program, "corrupt", corrupt, check=True)
 
 
 # ---- fp16 range of stored constants ----------------------------------------------------------------------
@@ -369,7 +370,7 @@ def test_in_place_buffer_update_exported_with_grad_enabled(policy):
     ep = torch.export.export(model, (x,))
     res = precast.convert(ep, policy=policy)
     if policy is None:
-        got, want = res.program.module(), precast.program.private_state(ep).module()
+        got, want = res.program.module(), private_state(ep).module()
         for _ in range(3):
             assert_bitwise(got(x), want(x))
 
@@ -452,7 +453,7 @@ def test_reference_failure_is_reported_not_raised():
 def test_unchanged_ops_reuse_their_recorded_values(monkeypatch):
     """Conversion cost: under policy None an op outside every region sees the values export recorded and reuses
     its own recorded value instead of running again on fake tensors (issue 15: ≤ 1 ms per node)."""
-    import precast.classify as classify_mod
+    import precast.pipeline.classify as classify_mod
 
     class MostlyFp32(nn.Module):
         def __init__(self):

@@ -10,9 +10,9 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import precast
-from precast.classify import apply_decision
 from precast.errors import PrecastError
 from precast.policy.autocast import autocast_decision
+from precast.policy.base import apply_decision
 from tests import models
 from tests.autocast_cases import OneOp, cpu_cases
 from tests.helpers import assert_bitwise, casts_per_producer, constant_casts

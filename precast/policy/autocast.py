@@ -5,6 +5,8 @@ tensor of the autocast device type, not float64) and not already of the target t
 when any eligible argument is float32, else the low dtype; ``fp32_set_opt_dtype`` and ``fp32_append_dtype``
 act only when the first argument is eligible. Tensor, optional Tensor and Tensor-list arguments are cast;
 nothing else is.
+
+Input: an op node, its fake arguments, the autocast device/dtype. Output: a ``Decision`` as eager would make it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from precast.dtypes import dtype_name
 from precast.errors import PrecastError, where
-from precast.policy.base import ArgPath, Decision, dtype_name
+from precast.ir.graph import ArgPath, tensor_args
+from precast.policy.base import Decision
 from precast.policy.torch_tables import APPEND_DTYPE_OVERLOAD, BANNED_MESSAGES, Category, category
 
 
@@ -24,25 +28,6 @@ def eligible(value: object, device_type: str) -> bool:
         and value.dtype != torch.float64
         and (value.device.type == device_type or (device_type == "cpu" and value.is_mkldnn))
     )
-
-
-def tensor_args(args: tuple, kwargs: dict) -> list[tuple[ArgPath, torch.Tensor]]:
-    """Every tensor argument (top level, or inside a list/tuple argument) with its path."""
-    found = []
-    for key, container in (("args", enumerate(args)), ("kwargs", kwargs.items())):
-        for name, value in container:
-            if isinstance(value, torch.Tensor):
-                found.append(((key, name), value))
-            elif isinstance(value, (list, tuple)):
-                found.extend(((key, name, j), v) for j, v in enumerate(value) if isinstance(v, torch.Tensor))
-    return found
-
-
-def op_device_type(args: tuple, kwargs: dict) -> str | None:
-    """The device type autocast dispatches on: that of the op's tensor arguments."""
-    for _, value in tensor_args(args, kwargs):
-        return value.device.type
-    return None
 
 
 def registration(op: object) -> str:

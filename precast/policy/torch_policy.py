@@ -1,4 +1,7 @@
-"""Policy "torch": eager ``torch.autocast`` semantics on the whole program, for one device type and dtype."""
+"""Policy "torch": eager ``torch.autocast`` semantics on the whole program, for one device type and dtype.
+
+Input: device type and dtype. Output: the autocast state classify applies to every op outside regions.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +15,11 @@ from precast.policy.base import Decision
 
 @dataclass(frozen=True)
 class TorchPolicy:
-    """Behaves as if the whole forward ran under ``torch.autocast(device_type, dtype)``."""
+    """Behaves as if the whole forward ran under ``torch.autocast(device_type, dtype)``. Pass it as
+    ``convert(..., policy=TorchPolicy("cuda", torch.float16))``; ``policy="torch"`` is the same with defaults."""
 
-    device_type: str
-    dtype: torch.dtype
+    device_type: str | None = None  # None: the program's device type
+    dtype: torch.dtype | None = None  # None: that device's autocast dtype
     name: str = "torch"
 
     def autocast_state(self, device_type: str) -> tuple[bool, torch.dtype] | None:

@@ -20,6 +20,8 @@ Updating on a torch upgrade: run ``pytest tests/policy/test_torch_tables.py``. T
 lists every registration name that the dispatcher has and this file lacks (and the reverse).
 Read the new ``autocast_mode.cpp``/``autocast_mode.h`` to put each one in its category, and fill
 in APPEND_DTYPE_OVERLOAD / BANNED_MESSAGES for new entries of those kinds.
+
+Input: an op. Output: its autocast category (lower_precision_fp, fp32, promote, banned, ...).
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ import torch.nn as nn
 
 import precast
 from precast.errors import PrecastError
-from precast.policy.calibrate import TOLERANCE_BATCHES, NodeStats, calibrate
-from precast.program import Program
-from precast.regions import inline_regions
+from precast.ir.program import Program
+from precast.pipeline.calibrate import calibrate
+from precast.pipeline.regions import inline_regions
+from precast.policy.rules.measures import TOLERANCE_BATCHES, NodeStats
 
 
 class TupleOut(nn.Module):

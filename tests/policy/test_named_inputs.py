@@ -13,7 +13,7 @@ import torch.nn as nn
 import precast
 from precast.cli import main
 from precast.errors import PrecastError
-from precast.policy.calibrate import bind_inputs, input_names
+from precast.ir.inputs import bind_inputs, input_names
 
 FP16 = torch.float16
 

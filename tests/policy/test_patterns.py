@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import precast
 from precast.errors import PrecastError
-from precast.policy import patterns
-from precast.policy.rules import RuleOptions
+from precast.policy.rules import patterns
+from precast.policy.rules.options import RuleOptions
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None

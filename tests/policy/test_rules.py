@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import precast
 from precast.errors import PrecastError
-from precast.passes.insert_casts import cast_dtype, is_cast
+from precast.ir.graph import cast_dtype, is_cast
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 OFF = math.inf  # turns a range rule off

@@ -1,0 +1,367 @@
+"""AOTInductor compilation of (converted) programs, with a disk cache and weight swapping.
+
+    cm = precast.compile(res.program)           # compile once, cached on disk and in process
+    y = cm(x)                                   # any batch size (dim 0 is dynamic by default)
+    cm.load_weights(model.state_dict())         # new fp32 weights by original name, cast on load
+
+Cache entries live in ``<cache_dir>/aoti/<key>/`` (``model.pt2`` + ``manifest.json``). The key hashes the
+graph, the weights, the inductor configs, the torch version and the CPU/CUDA capability. An entry is built in a
+temporary folder and renamed into place after its manifest (sha256 of every file) is written, under a file lock,
+so concurrent processes compile a key once and a killed compile never leaves a loadable entry. An entry whose
+files do not match its manifest is rebuilt, never loaded: it is native code.
+
+Input: an ExportedProgram (converted or not) and compile options. Output: a ``CompiledModel`` (callable,
+``load_weights`` by original names) backed by a cached AOTInductor package (``backends/cache.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from precast.backends.cache import (
+    COMPILE_LOG,
+    FORMAT,
+    MANIFEST,
+    PACKAGE,
+    _fsync_dir,
+    _remove,
+    _sha256,
+    _Stored,
+    _stored_constants,
+    _valid_entry,
+    _write_text,
+    cache_key,
+    resolve_cache_dir,
+)
+from precast.errors import PrecastError, first_line
+
+MODES = ("default", "max-autotune")
+
+# program -> {options key: CompiledModel}; weak so a cached model never keeps a program's weights alive
+_MEMO: weakref.WeakKeyDictionary[ExportedProgram, dict[str, CompiledModel]] = weakref.WeakKeyDictionary()
+
+
+class CompiledModel:
+    """A loaded AOTInductor package. Call it like the program's module; swap weights with ``load_weights``."""
+
+    def __init__(
+        self,
+        runner: Any,
+        package_path: Path,
+        key: str,
+        stored: dict[str, _Stored],
+        *,
+        from_cache: bool,
+        compile_seconds: float,
+        load_seconds: float,
+    ):
+        self._runner = runner
+        self.package_path = Path(package_path)
+        self.key = key
+        self._stored = stored
+        self.from_cache = from_cache
+        self.compile_seconds = compile_seconds
+        self.load_seconds = load_seconds
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._runner(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        how = "from cache" if self.from_cache else f"compiled in {self.compile_seconds:.1f}s"
+        return f"CompiledModel({self.package_path}, {how})"
+
+    def constant_fqns(self) -> list[str]:
+        """Names of the constants the compiled code reads (stored names, possibly low precision)."""
+        return sorted(self._runner.get_constant_fqns())
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
+        """Replace the weights by the model's ORIGINAL state_dict (fp32, original names), without recompiling.
+
+        Each tensor is cast to the dtype(s) the converted program stores it in. Names, shapes and dtypes are
+        checked first; on any mismatch a PrecastError lists them all and the model keeps its old weights.
+        Non-persistent buffers and lifted constants (``position_ids``, ``inv_freq``: not in ``state_dict()``)
+        are swapped when given by name and otherwise keep the value the program baked. Returns
+        ``{"loaded": [...], "kept": [...]}``: the original names swapped, and those left as they were.
+        """
+        by_original: dict[str, list[_Stored]] = {}
+        for st in self._stored.values():
+            by_original.setdefault(st.source.original, []).append(st)
+        swappable = set(self._runner.get_constant_fqns())
+        kept = sorted(
+            n
+            for n, sts in by_original.items()
+            if n not in state_dict and not any(st.persistent for st in sts)
+        )
+        missing = sorted(n for n in by_original if n not in state_dict and n not in kept)
+        unexpected = sorted(n for n in state_dict if n not in by_original)
+        problems: list[str] = []
+        for name in sorted(set(by_original) & set(state_dict)):
+            value = state_dict[name]
+            want = by_original[name][0]
+            if not isinstance(value, torch.Tensor):
+                problems.append(f"{name} is a {type(value).__name__}, not a tensor")
+                continue
+            if tuple(value.shape) != want.shape:
+                problems.append(f"{name} has shape {tuple(value.shape)}, expected {want.shape}")
+            if value.dtype != want.source.original_dtype:
+                problems.append(f"{name} has dtype {value.dtype}, expected {want.source.original_dtype}")
+        folded = sorted(
+            st.source.stored for st in self._stored.values() if st.read and st.source.stored not in swappable
+        )
+        if missing:
+            problems.insert(0, f"missing {missing}")
+        if unexpected:
+            problems.insert(1 if missing else 0, f"unexpected {unexpected}")
+        if folded:
+            problems.append(
+                f"compiled code folded {folded} into itself (freezing?); recompile without freezing to swap them"
+            )
+        if problems:
+            raise PrecastError(
+                f"load_weights({self.package_path.name}): {len(problems)} problem(s): {'; '.join(problems)}; "
+                "pass the original fp32 state_dict of the model the program was converted from "
+                "(the compiled model still serves its previous weights)"
+            )
+        update: dict[str, torch.Tensor] = {}
+        for name, entries in by_original.items():
+            if name in kept:
+                continue
+            value = state_dict[name].detach()
+            for st in entries:
+                if not st.read:
+                    continue  # never read by the graph (e.g. num_batches_tracked): checked above, nothing to swap
+                # a fresh contiguous copy in the stored dtype: the same rounding fold_constant_casts applied
+                update[st.source.stored] = value.to(
+                    device=st.device, dtype=st.source.dtype, copy=True, memory_format=torch.contiguous_format
+                )
+        self._runner.load_constants(update, check_full_update=set(update) >= swappable)
+        return {"loaded": sorted(n for n in by_original if n not in kept), "kept": kept}
+
+
+# ---- public entry point -------------------------------------------------------------------------------------
+def compile(
+    program: ExportedProgram | Any,
+    *,
+    mode: str = "default",
+    cache_dir: str | os.PathLike | None = None,
+    dynamic: bool = True,
+    inductor_configs: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
+) -> CompiledModel:
+    """Compile ``program`` (an ExportedProgram or a ConvertResult) with AOTInductor, cached; returns a loaded model.
+
+    ``dynamic``: re-export with a dynamic dim 0 (batch) on every tensor input, as PyTorch's benchmark harness does.
+    ``cache_dir``: default ``$PRECAST_CACHE_DIR`` or the user cache dir. ``progress``: a spinner on stderr
+    (default: only when stderr is a terminal and ``CI`` is unset).
+    """
+    ep = getattr(program, "program", program)  # a ConvertResult
+    if not isinstance(ep, ExportedProgram):
+        raise PrecastError(
+            f"precast.compile: got {type(program).__name__}; pass an ExportedProgram "
+            "(torch.export.export(...) or precast.convert(...).program)"
+        )
+    if mode not in MODES:
+        raise PrecastError(f"precast.compile: mode={mode!r}; choose one of {', '.join(MODES)}")
+    configs = dict(inductor_configs or {})
+    if mode == "max-autotune":
+        configs["max_autotune"] = True
+    root = resolve_cache_dir(cache_dir)
+    options = json.dumps(
+        {"configs": configs, "dynamic": dynamic, "root": str(root)}, sort_keys=True, default=str
+    )
+    memo = _MEMO.get(ep)
+    if memo is not None and options in memo:
+        return memo[options]
+
+    key = cache_key(ep, configs, dynamic)
+    stored = _stored_constants(ep)
+    entry = root / "aoti" / key
+    started = time.perf_counter()
+    compile_seconds = 0.0
+    if _valid_entry(entry, key) is not None:
+        compile_seconds = _build_locked(ep, root, key, configs, dynamic, stored, progress)
+    from_cache = compile_seconds == 0.0  # published by an earlier run or by a process we waited for
+    runner = _load(entry / PACKAGE)
+    model = CompiledModel(
+        runner,
+        entry / PACKAGE,
+        key,
+        stored,
+        from_cache=from_cache,
+        compile_seconds=compile_seconds,
+        load_seconds=time.perf_counter() - started - compile_seconds,
+    )
+    _MEMO.setdefault(ep, {})[options] = model
+    return model
+
+
+def _build_locked(
+    ep: ExportedProgram,
+    root: Path,
+    key: str,
+    configs: dict[str, Any],
+    dynamic: bool,
+    stored: dict[str, _Stored],
+    progress: bool | None,
+) -> float:
+    """Compile and publish the entry for ``key`` unless another process did it while we waited for the lock.
+
+    Returns the seconds spent compiling (0.0 if another process published the entry first)."""
+    from filelock import FileLock
+
+    (root / "locks").mkdir(parents=True, exist_ok=True)
+    (root / "tmp").mkdir(parents=True, exist_ok=True)
+    entry = root / "aoti" / key
+    with FileLock(str(root / "locks" / f"{key}.lock")):
+        why = _valid_entry(entry, key)
+        if why is None:
+            return 0.0
+        if why != "absent":
+            _remove(entry, root)
+        for stale in (root / "tmp").glob(f"{key}.*"):  # left by a killed compile: we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        build = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=root / "tmp"))
+        try:
+            started = time.perf_counter()
+            with _progress(
+                progress, f"precast: compiling with AOTInductor ({key[:12]}, ~30 s on a small CPU)"
+            ):
+                _aoti_compile(ep, build / PACKAGE, configs, dynamic)
+            seconds = time.perf_counter() - started
+            manifest = {
+                "format": FORMAT,
+                "key": key,
+                "files": {PACKAGE: _sha256(build / PACKAGE)},
+                "torch": torch.__version__,
+                "inductor_configs": configs,
+                "dynamic": dynamic,
+                "compile_seconds": round(seconds, 3),
+                "created": time.time(),
+                "constants": {
+                    name: [st.source.original, str(st.source.original_dtype), str(st.source.dtype)]
+                    for name, st in stored.items()
+                },
+            }
+            _write_text(build / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+            _fsync_dir(build)
+            os.rename(build, entry)  # atomic publish: the entry appears whole or not at all
+            _fsync_dir(entry.parent)
+        except BaseException:
+            shutil.rmtree(build, ignore_errors=True)
+            raise
+        with open(root / COMPILE_LOG, "a") as log:
+            log.write(json.dumps({"key": key, "pid": os.getpid(), "seconds": round(seconds, 3)}) + "\n")
+        return seconds
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool | None, message: str) -> Iterator[None]:
+    if enabled is None:
+        enabled = sys.stderr.isatty() and not os.environ.get("CI")
+    if not enabled:
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(message):
+        yield
+
+
+# ---- AOTInductor --------------------------------------------------------------------------------------------
+def dynamic_batch(ep: ExportedProgram) -> ExportedProgram:
+    """Re-export ``ep`` with dim 0 of every tensor input dynamic (min 1), as the dynamo harness does.
+
+    A batch of 1 in the example would be specialized (0/1 specialization), so it is traced at batch 2. Falls
+    back to ``Dim.AUTO`` (dynamic where the program allows) and then to the program as it is.
+    """
+    from torch.export import Dim
+
+    args, kwargs = ep.example_inputs or ((), {})
+    if kwargs or not args:
+        return ep
+    batched = [isinstance(a, torch.Tensor) and a.dim() > 0 for a in args]
+    if not any(batched):
+        return ep
+    sizes = {a.shape[0] for a, b in zip(args, batched, strict=True) if b}
+    trace_args = tuple(
+        torch.cat([a, a]) if b and a.shape[0] == 1 else a for a, b in zip(args, batched, strict=True)
+    )
+    module = ep.module(check_guards=False)  # the static program's guards pin the batch size
+    attempts: list[tuple] = []
+    if len(sizes) == 1:
+        batch = Dim("batch", min=1)
+        attempts.append(tuple({0: batch} if b else None for b in batched))
+    attempts.append(tuple({0: Dim.AUTO} if b else None for b in batched))
+    reasons = []
+    for shapes in attempts:
+        try:
+            out = torch.export.export(module, trace_args, dynamic_shapes=shapes, strict=False)
+        except Exception as exc:  # noqa: BLE001 - a model with a fixed batch: try the next, then keep it static
+            reasons.append(first_line(exc))
+            continue
+        if batch_symbols(out):
+            return out
+        # Dim.AUTO "succeeds" on a graph that fixes the batch, with dim 0 pinned to the traced size (2 for an
+        # example batch of 1): that program would run only at the traced size, so keep the original instead
+        reasons.append("Dim.AUTO left dim 0 static (the program fixes the batch size)")
+    warnings.warn(
+        f"precast.compile: the batch dimension stays static ({'; '.join(reasons)}); the package runs only at "
+        "the example batch size (pass dynamic=False to silence this)",
+        stacklevel=3,
+    )
+    return ep
+
+
+def _aoti_compile(ep: ExportedProgram, package: Path, configs: dict[str, Any], dynamic: bool) -> None:
+    import torch._inductor
+
+    with torch.no_grad():
+        program = dynamic_batch(ep) if dynamic else ep
+        try:
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(package), inductor_configs=dict(configs)
+            )
+        except Exception as exc:
+            raise PrecastError(
+                f"precast.compile: AOTInductor failed: {type(exc).__name__}: {first_line(exc)[:300]}; "
+                "run with TORCH_LOGS=output_code for details, or try dynamic=False"
+            ) from exc
+
+
+def _load(package: Path) -> Any:
+    import torch._inductor
+
+    try:
+        return torch._inductor.aoti_load_package(str(package))
+    except Exception as exc:
+        raise PrecastError(
+            f"precast.compile: cannot load {package}: {first_line(exc)[:300]}; delete the cache entry"
+        ) from exc
+
+
+def batch_symbols(ep: ExportedProgram) -> set[str]:
+    """Names of the symbols dim 0 of the program's tensor user inputs has (empty: a static batch)."""
+    user = set(ep.graph_signature.user_inputs)
+    out = set()
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and node.name in user and isinstance(val, torch.Tensor) and val.dim():
+            dim = val.shape[0]
+            # a SymInt export specialized (Dim.AUTO on a graph that fixes the size) prints as a number
+            if isinstance(dim, torch.SymInt) and dim.node.expr.free_symbols:
+                out.add(str(dim))
+    return out

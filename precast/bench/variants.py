@@ -1,0 +1,256 @@
+"""Building and running the variants ``precast bench`` compares, on one model at a time.
+
+Variants (all at the same precision, on the same inputs):
+  eager_fp32            the model with its autocast regions off (the accuracy reference; see factories.py)
+  eager_autocast        the model as written (eager autocast casts weights on every forward)
+  aoti_default          torch.export + AOTInductor defaults (the seed's situation: casts at run time)
+  aoti_freezing         AOTInductor with ``freezing=True`` under no_grad (casts folded; weights not swappable)
+  aoti_runtime_folding  AOTInductor with run-time constant folding (fp32 weights kept, folded at load)
+  precast_aoti          precast.convert + precast.compile
+  aoti_fp32             the model with its regions off, exported and compiled: fp32 AOTInductor
+  auto_aoti             that fp32 model through precast.convert(policy="auto") + precast.compile: low precision
+                        only where it is measured faster on this device (never slower than aoti_fp32)
+  ort_fp32, ort_precast the fp32 program and precast's conversion on ONNX Runtime's CPU provider (bench/ort.py)
+
+Input: model specs (``factories.build``), batch sizes, dtype/device, repeats. Output: ``run_bench`` -> one
+``Result`` per (model, batch, variant): median latency of interleaved repeats, speedup vs aoti_default,
+package size, resident memory after load in a fresh process, error vs eager_fp32, casts per forward, compile
+time; a variant that fails gets its ``error`` and the others still run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from precast.backends.onnx_runtime import ort_load_rss_mb
+from precast.bench.factories import (
+    build,
+    check_specs,
+    fp32_reference,
+    regions,
+    resolve,
+    retarget,
+    switches,
+)
+from precast.bench.measure import (
+    aoti_cast_kernels,
+    eager_cast_ops,
+    interleaved_latency,
+    load_rss_mb,
+    to_device,
+)
+from precast.bench.ort import ORT_VARIANTS, build_ort_variant
+from precast.dtypes import ALIASES
+from precast.errors import PrecastError, first_line
+from precast.metrics import flat_error
+from precast.progress import ProgressBar
+
+VARIANTS = (
+    "eager_fp32",
+    "eager_autocast",
+    "aoti_default",
+    "aoti_freezing",
+    "aoti_runtime_folding",
+    "precast_aoti",
+    "aoti_fp32",
+    "auto_aoti",
+    *ORT_VARIANTS,
+)
+BASELINE = "aoti_default"
+AOTI_CONFIGS: dict[str, dict[str, Any]] = {
+    "aoti_default": {},
+    "aoti_freezing": {"freezing": True},
+    "aoti_runtime_folding": {"aot_inductor.use_runtime_constant_folding": True},
+    "precast_aoti": {},
+    "aoti_fp32": {},
+    "auto_aoti": {},
+}
+
+
+@dataclass
+class Result:
+    model: str
+    batch: int
+    variant: str
+    latency_ms: float | None = None
+    speedup: float | None = None  # vs aoti_default
+    package_mb: float | None = None
+    rss_mb: float | None = None  # resident memory added by loading the package and one forward
+    max_abs_err: float | None = None  # vs eager_fp32
+    cosine: float | None = None
+    casts_per_forward: int | None = None
+    compile_s: float | None = None
+    error: str | None = None
+    note: str = ""
+    package_path: str | None = field(default=None, repr=False)
+    onnx_path: str | None = field(default=None, repr=False)
+    samples_ms: list[float] = field(default_factory=list, repr=False)
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {first_line(exc)[:200]}"
+
+
+def build_variants(
+    model: torch.nn.Module,
+    inputs: tuple,
+    variants: tuple[str, ...],
+    *,
+    cache_dir: str | os.PathLike | None,
+    on_step: Callable[[str], None] | None = None,
+    low: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+    work: Path | None = None,
+) -> tuple[dict[str, Callable[[], Any]], dict[str, Result]]:
+    """A callable per variant that built, plus the compile facts of every variant in partial Results (model
+    and batch left blank). The model's regions are used as they are set (see ``factories.retarget``);
+    ``low``/``device``: what ``auto_aoti`` converts to."""
+    import precast
+
+    fns: dict[str, Callable[[], Any]] = {}
+    facts: dict[str, Result] = {}
+    exported = None
+    for variant in variants:
+        if on_step:
+            on_step(variant)
+        facts[variant] = res = Result(model="", batch=0, variant=variant)
+        try:
+            if variant == "eager_fp32":
+                fns[variant], res.note = fp32_reference(model, inputs)
+                with torch.no_grad():
+                    res.casts_per_forward = eager_cast_ops(fns[variant])
+            elif variant == "eager_autocast":
+                fns[variant] = lambda m=model, x=inputs: m(*x)
+                with torch.no_grad():
+                    res.casts_per_forward = eager_cast_ops(fns[variant])
+            elif variant in ORT_VARIANTS:
+                folder = work or Path(os.environ.get("TMPDIR", "/tmp")) / f"precast-bench-{os.getpid()}"
+                fns[variant] = build_ort_variant(variant, model, inputs, folder, fp32_program, res)
+            else:
+                if variant == "precast_aoti":
+                    program = precast.convert(model, inputs).program
+                elif variant in ("aoti_fp32", "auto_aoti"):
+                    program, res.note = fp32_program(model, inputs)
+                    if variant == "auto_aoti":
+                        conv = precast.convert(program, inputs, policy="auto", dtype=low, device_type=device)
+                        program, res.note = conv.program, auto_note(conv.report)
+                else:
+                    if exported is None:
+                        exported = torch.export.export(model, inputs, strict=False)
+                    program = exported
+                started = time.perf_counter()
+                cm = precast.compile(
+                    program, cache_dir=cache_dir, inductor_configs=AOTI_CONFIGS[variant], progress=False
+                )
+                res.compile_s = round(time.perf_counter() - started, 2)
+                fns[variant] = lambda cm=cm, x=inputs: cm(*x)
+                res.package_mb = round(os.path.getsize(cm.package_path) / 2**20, 2)
+                res.casts_per_forward = aoti_cast_kernels(cm.package_path)
+                res.package_path = str(cm.package_path)
+        except Exception as exc:  # noqa: BLE001 - one failing variant must not sink the table
+            res.error = _error_text(exc)
+            fns.pop(variant, None)
+    return fns, facts
+
+
+def fp32_program(model: torch.nn.Module, inputs: tuple) -> tuple[Any, str]:
+    """The model exported with its autocast regions off (fp32 throughout), and a note (empty when it has the
+    switch; otherwise the program as exported, regions included)."""
+    if switches(model):
+        with regions(model, enabled=False):
+            return torch.export.export(model, inputs, strict=False), ""
+    note = "no autocast switch: exported as written, regions included"
+    return torch.export.export(model, inputs, strict=False), note
+
+
+def auto_note(report: Any) -> str:
+    """What policy auto chose, in one line (from its ``auto-latency`` diagnostic)."""
+    text = next((d.message for d in report.diagnostics if d.code == "auto-latency"), "")
+    return text.removeprefix("auto: ")
+
+
+def check_options(variants: tuple[str, ...], dtype: str, device: str) -> None:
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise PrecastError(f"bench: unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+    if dtype not in ALIASES:
+        raise PrecastError(f"bench: --dtype {dtype!r}; choose bf16 or fp16")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PrecastError("bench: --device cuda but torch.cuda.is_available() is False; use --device cpu")
+
+
+def run_bench(
+    models: list[str],
+    batches: list[int],
+    *,
+    dtype: str = "bf16",
+    device: str = "cpu",
+    repeats: int = 20,
+    variants: tuple[str, ...] = VARIANTS,
+    cache_dir: str | os.PathLike | None = None,
+    workdir: str | os.PathLike | None = None,
+    measure_rss: bool = True,
+    progress: bool | None = None,
+) -> list[Result]:
+    """Benchmark every (model spec, batch) on ``variants``; returns one Result per variant."""
+    check_specs(models)
+    for spec in models:
+        resolve(spec)  # every spec is checked before the first model is built
+    check_options(variants, dtype, device)
+    low = ALIASES[dtype]
+    work = Path(workdir or os.environ.get("TMPDIR", "/tmp")) / f"precast-bench-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+    with ProgressBar("bench", len(models) * len(batches), progress) as bar:
+        for name in models:
+            for batch in batches:
+                bar.describe(f"{name} batch {batch}: building")
+                model, inputs = build(name, batch)
+                model, inputs = model.to(device).eval(), to_device(inputs, device)
+                switchable = retarget(model, device, low) > 0
+                fns, facts = build_variants(
+                    model,
+                    inputs,
+                    variants,
+                    cache_dir=cache_dir,
+                    on_step=lambda v, name=name, batch=batch: bar.describe(f"{name} batch {batch}: {v}"),
+                    low=low,
+                    device=device,
+                    work=work / f"{name}-b{batch}",
+                )
+                bar.describe(f"{name} batch {batch}: timing {repeats} interleaved repeats")
+                samples = interleaved_latency(fns, repeats, device)
+                with torch.no_grad():
+                    ref = fns["eager_fp32"]() if "eager_fp32" in fns else None
+                    outs = {v: fn() for v, fn in fns.items()}
+                base = statistics.median(samples[BASELINE]) if BASELINE in samples else None
+                for variant in variants:
+                    r = facts[variant]
+                    r.model, r.batch = name, batch
+                    if not switchable and variant != "eager_fp32":
+                        r.note = "no autocast switch: the model's regions run as written (--device/--dtype ignored)"
+                    if variant in samples:
+                        r.samples_ms = [round(s, 4) for s in samples[variant]]
+                        r.latency_ms = round(statistics.median(samples[variant]), 4)
+                        if base:
+                            r.speedup = round(base / r.latency_ms, 3)
+                        if ref is not None:
+                            err, cos = flat_error(outs[variant], ref)
+                            r.max_abs_err, r.cosine = float(f"{err:.4g}"), round(cos, 6)
+                    if measure_rss and r.package_path and device == "cpu":
+                        bar.describe(f"{name} batch {batch}: memory of {variant} in a fresh process")
+                        r.rss_mb = load_rss_mb(r.package_path, inputs, work)
+                    if measure_rss and r.onnx_path:
+                        bar.describe(f"{name} batch {batch}: memory of {variant} in a fresh process")
+                        r.rss_mb = ort_load_rss_mb(r.onnx_path, inputs, work)
+                    results.append(r)
+                bar.advance()
+    return results

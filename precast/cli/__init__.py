@@ -1,0 +1,70 @@
+"""The ``precast`` command line: convert, report, check, compile, bench, demo.
+
+Each subcommand lives in ``precast/cli/<name>.py`` with ``add_parser(subparsers)`` and ``run(args) -> int``.
+User errors (PrecastError, bad options) print one line and exit with status 2, no traceback. Commands check
+every option they can before loading a program or importing a factory (a load can take many seconds).
+
+Input: argv. Output: an exit status (2 and one line on user error, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import warnings
+
+from precast.errors import PrecastError
+
+COMMANDS = ("convert", "report", "check", "compile", "bench", "demo")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with precast's error contract: a bad option is one line on stderr and exit status 2 (argparse
+    prints the usage block first; ``precast CMD --help`` still shows it). Subcommand parsers inherit it."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="precast", description="Ahead-of-time mixed precision for torch.export programs.")
+    parser.add_argument("--version", action="version", version=f"precast {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"precast.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"precast.cli.{name}":
+                raise
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def _version() -> str:
+    from precast import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not os.environ.get("PRECAST_VERBOSE"):
+        warnings.filterwarnings(
+            "ignore"
+        )  # torch's own UserWarnings drown the output; PRECAST_VERBOSE=1 shows them
+    try:
+        return int(args.run(args) or 0)
+    except PrecastError as err:
+        print(f"precast {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"precast {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""``precast bench``: the command line of ``precast.bench`` (options in, tables on stdout, files in ``--out``).
+
+precast bench [--model NAME|module:factory ...] [--batch N ...] [--dtype bf16|fp16] [--device cpu|cuda]
+              [--repeats N] [--variant V ...] [--out DIR]
+precast bench --convert [--model chain NAME ...] [--sizes N ...] [--policy none torch] [--no-memory] [--out DIR]
+
+Input: argv. Output: tables on stdout, files in ``--out``, an exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="compare eager, AOTInductor, ONNX Runtime and precast variants on a model",
+        description="Latency (median of interleaved repeats), package size, resident memory after load (fresh "
+        "process), error vs fp32 and run-time casts per forward, for eager fp32, eager autocast, AOTI default, "
+        "AOTI freezing, AOTI run-time constant folding, precast + AOTI, fp32 AOTI, policy auto + AOTI, and ONNX "
+        "Runtime on the fp32 program and on precast's (ort_fp32, ort_precast; needs precast[onnx]; bf16 has no "
+        "ONNX Runtime CPU kernels: use --dtype fp16 there).",
+    )
+    p.add_argument(
+        "--model",
+        nargs="+",
+        default=None,
+        metavar="SPEC",
+        help="package.module:factory (as precast convert takes; called with batch=N when it has a batch "
+        "parameter), or a short name of a source checkout's benchmarks.models (run from the repository root): "
+        "seed, mlp, cnn, encoder, minilm. Default: mlp in a source checkout, else precast.examples:seed_model. "
+        "eager_fp32 turns the model's autocast regions off through the modules' autocast/device_type/dtype "
+        "attributes (see benchmarks/models.py); a model without them keeps its regions as written and gets "
+        "its fp32 reference from its exported program with the regions inlined. With --convert: chain (the "
+        "synthetic chain at --sizes) and the real architectures of benchmarks.convert_models (gpt2, llama, "
+        "bert, convnext_atto, efficientvit_m0, fastvit_t8; skipped when transformers/timm is missing); "
+        "default: all",
+    )
+    p.add_argument("--batch", nargs="+", type=int, default=[1], metavar="N", help="default: 1")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--repeats", type=int, default=20, metavar="N", help="interleaved repeats (default 20)")
+    p.add_argument(
+        "--variant",
+        nargs="+",
+        default=None,
+        metavar="V",
+        help="subset of: eager_fp32 eager_autocast aoti_default aoti_freezing aoti_runtime_folding precast_aoti "
+        "aoti_fp32 auto_aoti ort_fp32 ort_precast (default: all)",
+    )
+    p.add_argument("--out", default=None, metavar="DIR", help="write bench.json, bench.md, bench.png here")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="AOTInductor package cache (default: $PRECAST_CACHE_DIR or the user cache dir)",
+    )
+    p.add_argument("--no-rss", action="store_true", help="skip the fresh-process memory measurement")
+    conv = p.add_argument_group("conversion cost (--convert)")
+    conv.add_argument(
+        "--convert",
+        action="store_true",
+        help="measure the conversion itself instead: ms and peak Python memory per node of every stage of "
+        "precast.convert (observed through precast.pipeline.runner.observe), verification timed apart",
+    )
+    conv.add_argument(
+        "--sizes", nargs="+", type=int, default=None, metavar="N", help="chain sizes (default 250 ... 8000)"
+    )
+    conv.add_argument("--policy", nargs="+", choices=["none", "torch"], default=["none", "torch"])
+    conv.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run (halves the time)")
+    conv.add_argument("--no-verify", action="store_true", help="skip timing verification")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from precast import bench
+    from precast.bench.factories import check_specs
+    from precast.bench.variants import check_options
+    from precast.errors import PrecastError
+    from precast.io import check_writable
+
+    if args.convert:
+        return run_convert(args)
+    if args.repeats < 1:
+        raise PrecastError(f"bench: --repeats {args.repeats}; give at least 1")
+    if any(b < 1 for b in args.batch):
+        raise PrecastError(f"bench: --batch {args.batch}; batch sizes must be at least 1")
+    variants = tuple(args.variant or bench.VARIANTS)
+    check_options(variants, args.dtype, args.device)
+    args.model = args.model or bench.default_models()
+    check_specs(args.model)
+    for spec in args.model:
+        bench.resolve(spec)  # a bad spec fails before anything is built
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        check_writable(Path(args.out) / "bench.json")
+    results = bench.run_bench(
+        args.model,
+        args.batch,
+        dtype=args.dtype,
+        device=args.device,
+        repeats=args.repeats,
+        variants=variants,
+        cache_dir=args.cache_dir,
+        measure_rss=not args.no_rss,
+    )
+    # off a terminal rich assumes 80 columns and folds every cell: give files and pipes a wide table
+    console = Console()
+    Console(width=None if console.is_terminal else 170).print(bench.to_rich_table(results))
+    for note in dict.fromkeys(f"{r.model}: {r.note}" for r in results if r.note):
+        print(f"note: {note}", file=sys.stderr)
+    if args.out:
+        for path in bench.write_outputs(results, args.out, bench.machine_info(args.device)):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from precast import bench
+    from precast.errors import PrecastError
+    from precast.io import check_writable
+
+    models = args.model or ["chain", *bench.real_models()]
+    sizes = tuple(args.sizes or bench.CHAIN_SIZES) if "chain" in models else ()
+    if any(n < 1 for n in sizes):
+        raise PrecastError(f"bench --convert: --sizes {list(sizes)}; chain sizes must be at least 1")
+    unknown = [m for m in models if m != "chain" and m not in bench.real_models()]
+    if unknown:
+        raise PrecastError(
+            f"bench --convert: unknown model(s) {unknown}; choose from chain, "
+            f"{', '.join(bench.real_models()) or '(benchmarks.convert_models needs a source checkout)'}"
+        )
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        check_writable(Path(args.out) / "convert_cost.json")
+    results = bench.run_convert_bench(
+        sizes,
+        tuple(m for m in models if m != "chain"),
+        tuple(None if p == "none" else p for p in args.policy),
+        memory=not args.no_memory,
+        verify=not args.no_verify,
+    )
+    console = Console()
+    wide = Console(width=None if console.is_terminal else 250)
+    for table in bench.convert_cost_rich(results):
+        wide.print(table)
+    for key, ratio in bench.linearity(results).items():
+        print(f"linearity (ms/node, {key}): {ratio}")
+    if args.out:
+        for path in bench.write_convert_outputs(results, args.out, bench.machine_info()):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,125 @@
+"""precast compile IN.pt2 [--backend aoti|onnx|executorch] [-o FILE] [--mode default|max-autotune] [--cache-dir DIR]
+
+Input: a saved program. Output: the artifact the engine loads (AOTInductor package, .onnx, .pte), written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+
+from precast.errors import PrecastError
+
+BACKENDS = ("aoti", "onnx", "executorch")
+# what `pip install` needs for each optional backend (the package extras)
+EXTRAS = {"onnx": "pip install 'precast[onnx]'", "executorch": "pip install 'precast[executorch]'"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "compile",
+        help="compile a saved (converted) program with AOTInductor (cached), or export it to ONNX / ExecuTorch",
+        description="Compile a program saved with torch.export.save (e.g. by 'precast convert') into an "
+        "AOTInductor package, with a dynamic batch dimension; compiled packages are cached by content. "
+        "--backend onnx writes an .onnx file (ONNX Runtime), --backend executorch a .pte file.",
+    )
+    p.add_argument("source", help="a program saved with torch.export.save (.pt2)")
+    p.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="write the artifact here (aoti: default prints the cached package's path; onnx/executorch: required)",
+    )
+    p.add_argument("--backend", choices=BACKENDS, default="aoti", help="default: aoti (AOTInductor)")
+    p.add_argument("--mode", choices=["default", "max-autotune"], default="default", help="aoti only")
+    p.add_argument(
+        "--cache-dir", default=None, help="aoti only; default: $PRECAST_CACHE_DIR or the user cache dir"
+    )
+    p.add_argument(
+        "--static", action="store_true", help="keep the program's static shapes (no dynamic batch)"
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from precast.io import check_writable
+
+    backend = getattr(args, "backend", "aoti")
+    if backend != "aoti":
+        return _run_export(args, backend)
+    import importlib
+
+    from precast.io import atomic_path
+    from precast.pipeline.capture import load_program
+
+    compile_mod = importlib.import_module("precast.backends.aoti")
+    if args.output:
+        check_writable(args.output)
+    started = time.perf_counter()
+    program = load_program(args.source)
+    cm = compile_mod.compile(program, mode=args.mode, cache_dir=args.cache_dir, dynamic=not args.static)
+    how = "loaded from cache" if cm.from_cache else f"compiled in {cm.compile_seconds:.1f}s"
+    if args.output:
+        with atomic_path(args.output) as tmp:
+            shutil.copyfile(cm.package_path, tmp)
+        print(f"{args.output}: {how} ({time.perf_counter() - started:.1f}s total)", file=sys.stderr)
+    else:
+        print(cm.package_path)
+        print(f"{how} ({time.perf_counter() - started:.1f}s total)", file=sys.stderr)
+    return 0
+
+
+def _run_export(args: argparse.Namespace, backend: str) -> int:
+    """--backend onnx|executorch: every option checked and the backend imported before the program loads."""
+    from precast.io import check_writable
+    from precast.pipeline.capture import load_program
+
+    if not args.output:
+        suffix = ".onnx" if backend == "onnx" else ".pte"
+        raise PrecastError(f"--backend {backend} needs -o FILE (e.g. -o model{suffix})")
+    if args.mode != "default" or args.cache_dir is not None:
+        option = "--mode" if args.mode != "default" else "--cache-dir"
+        raise PrecastError(f"{option} applies to --backend aoti only; drop it for --backend {backend}")
+    check_writable(args.output)
+    export = _exporter(backend)
+    started = time.perf_counter()
+    program = load_program(args.source)
+    if backend == "onnx":
+        info = export(program, args.output, dynamic_batch=not args.static)
+        low = {k: v for k, v in info.initializers.items() if k in ("float16", "bfloat16")}
+        batch = "dynamic batch" if info.dynamic_batch else "static shapes"
+        detail = (
+            f"{info.size_bytes / 2**20:.2f} MB, opset {info.opset}, {batch}, low-precision initializers {low}"
+        )
+    else:
+        from precast.io import atomic_path
+
+        with atomic_path(args.output) as tmp:  # no partial .pte, whatever the exporter does on failure
+            facts = export(program, tmp)
+        detail = ", ".join(f"{k}: {v}" for k, v in (facts or {}).items() if isinstance(v, (int, float, str)))
+    print(
+        f"{args.output}: exported for {backend} in {time.perf_counter() - started:.1f}s ({detail})",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _exporter(backend: str):
+    """The backend's export function, imported now: a missing package is a one-line error naming the extra."""
+    import importlib
+
+    module_name, function = {
+        "onnx": ("precast.backends.onnx", "export_onnx"),
+        "executorch": ("precast.backends.executorch", "export_executorch"),
+    }[backend]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PrecastError(
+            f"--backend {backend}: cannot import {module_name} ({exc}); {EXTRAS[backend]}"
+        ) from exc
+    if backend == "onnx":
+        module.require_modules("onnx", "onnxscript")  # fail before loading the program, not after
+    return getattr(module, function)

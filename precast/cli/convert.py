@@ -1,0 +1,187 @@
+"""precast convert IN.pt2|pkg.module:factory -o OUT.pt2
+
+Input: a saved program or a factory spec, options. Output: the converted program file (atomic write) and a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from precast.errors import PrecastError
+from precast.io import atomic_path, check_writable
+from precast.pipeline.capture import check_program_file
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="convert a saved program (or a model factory) to explicit mixed precision",
+        description="Lower the program's autocast regions (and optionally a policy) to explicit casts, cast "
+        "weights once, and save a standard torch.export program.",
+    )
+    p.add_argument("source", help="a program saved with torch.export.save, or 'package.module:factory'")
+    p.add_argument("-o", "--output", required=True, help="where to save the converted program (.pt2)")
+    p.add_argument(
+        "--policy",
+        choices=["torch", "rules", "auto"],
+        default=None,
+        help="default: the program's own regions; auto: rules, with each matmul/convolution/attention low only "
+        "where that is faster on this device (measured, cached)",
+    )
+    p.add_argument("--dtype", default=None, help="bf16 or fp16 (default: the device's autocast dtype)")
+    p.add_argument("--device-type", default=None, choices=["cpu", "cuda"])
+    p.add_argument("--exclude-nodes", nargs="*", default=(), metavar="REGEX")
+    p.add_argument("--exclude-ops", nargs="*", default=(), metavar="OP")
+    p.add_argument(
+        "--include-nodes", nargs="*", default=(), metavar="REGEX", help="rules: force low precision"
+    )
+    p.add_argument("--include-ops", nargs="*", default=(), metavar="OP", help="rules: force low precision")
+    p.add_argument("--data-max", type=float, default=None, help="rules: fp32 where |values| exceed this")
+    p.add_argument("--init-max", type=float, default=None, help="rules: fp32 where a constant exceeds this")
+    p.add_argument(
+        "--max-reduction-depth", type=int, default=None, help="rules: fp32 above this accumulation depth"
+    )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="FILE.pt",
+        help="rules: a list of input tuples saved with torch.save, for data_max and tolerance",
+    )
+    p.add_argument(
+        "--patterns",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="rules: precision-sensitive patterns kept in fp32 (default: all of manual_norm, small_divisor, "
+        "exp_reduce, sincos_angles; --patterns alone: none)",
+    )
+    p.add_argument("--no-verify", action="store_true", help="skip the run comparing against the reference")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a summary")
+    p.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="CODE",
+        help="downgrade this diagnostic error to a warning (repeatable), e.g. --allow control-flow",
+    )
+    p.set_defaults(run=run)
+
+
+def load_source(source: str):
+    """(program_or_module, example_inputs) from a .pt2 path or a module:factory spec."""
+    from precast.pipeline.capture import load_factory, load_program
+
+    if _is_factory(source):
+        return load_factory(source)
+    return load_program(source), None
+
+
+def _is_factory(source: str) -> bool:
+    return ":" in source and not Path(source).exists() and not source.endswith(".pt2")
+
+
+# RuleOptions.build's keyword -> the flag a user typed, for error messages
+FLAGS = {
+    "exclude_nodes": "--exclude-nodes",
+    "exclude_ops": "--exclude-ops",
+    "include_nodes": "--include-nodes",
+    "include_ops": "--include-ops",
+    "data_max": "--data-max",
+    "init_max": "--init-max",
+    "max_reduction_depth": "--max-reduction-depth",
+    "patterns": "--patterns",
+}
+
+
+def check_options(args: argparse.Namespace) -> dict:
+    """Every option checked before anything is loaded (one-line PrecastError); returns convert's keywords."""
+    from precast import codes
+    from precast.dtypes import parse_low_dtype as parse_dtype
+    from precast.policy.rules.options import RuleOptions
+
+    try:
+        low = parse_dtype(args.dtype)
+    except PrecastError:
+        raise PrecastError(f"--dtype {args.dtype}: choose bf16 or fp16") from None
+    opts = {name: getattr(args, name) for name in FLAGS if getattr(args, name) not in (None, (), [])}
+    if args.patterns is not None:  # `--patterns` alone: none
+        opts["patterns"] = tuple(args.patterns)
+    rules_only = [FLAGS[name] for name in opts] + (["--calibration"] if args.calibration else [])
+    if args.policy not in ("rules", "auto") and rules_only:
+        raise PrecastError(f"{', '.join(rules_only)}: these options need --policy rules (or auto)")
+    try:
+        RuleOptions.build(low or torch.bfloat16, **opts)
+    except PrecastError as exc:
+        raise PrecastError(_as_flag(str(exc))) from None
+    unknown = [c for c in args.allow if c not in codes.allowable()]
+    if unknown:
+        raise PrecastError(
+            f"--allow {' '.join(unknown)}: unknown diagnostic code; choose from {', '.join(codes.allowable())}"
+        )
+    if not _is_factory(args.source):
+        check_program_file(args.source)
+    elif not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", args.source):
+        raise PrecastError(f"'{args.source}': expected a saved program path or 'package.module:factory'")
+    if args.calibration and not Path(args.calibration).is_file():
+        raise PrecastError(
+            f"--calibration {args.calibration}: no such file; save a list of input tuples with torch.save"
+        )
+    return opts
+
+
+def _as_flag(message: str) -> str:
+    """``data_max=-1.0: ...`` -> ``--data-max=-1.0: ...``: name the flag the user typed."""
+    for name, flag in FLAGS.items():
+        if message.startswith(name):
+            return flag + message[len(name) :]
+    return message
+
+
+def _load_calibration(path: str) -> list:
+    from precast.pipeline.capture import load_saved
+
+    p = Path(path)
+    batches = load_saved(p, "--calibration", "save a list of input tuples with torch.save")
+    if not isinstance(batches, (list, tuple)) or not batches:
+        raise PrecastError(
+            f"--calibration {p}: expected a non-empty list of input tuples, got {type(batches).__name__}"
+        )
+    return list(batches)
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = check_options(args)
+    check_writable(args.output)
+    if args.calibration:
+        opts["calibration"] = _load_calibration(args.calibration)  # small and quick: before the program
+    import precast
+
+    started = time.perf_counter()
+    obj, inputs = load_source(args.source)
+    res = precast.convert(
+        obj,
+        inputs,
+        policy=args.policy,
+        dtype=args.dtype,
+        device_type=args.device_type,
+        verify=not args.no_verify,
+        allow=tuple(args.allow),
+        **opts,
+    )
+    with atomic_path(args.output) as tmp:
+        try:
+            torch.export.save(res.program, str(tmp))
+        except Exception as exc:
+            raise PrecastError(f"{args.output}: could not save the converted program: {exc}") from exc
+    if args.json:
+        print(res.report.to_json())
+    else:
+        print(res.report.summary())
+        print(f"saved {args.output} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    return 0

@@ -1,0 +1,54 @@
+"""precast report FILE.pt2 [--format table|json|model-explorer] [-o OUT]
+
+Input: a saved (converted) program. Output: the report as a table, JSON or Model Explorer node data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from precast.errors import PrecastError
+from precast.io import atomic_path, check_writable
+from precast.pipeline.capture import load_program
+
+FORMATS = ("table", "json", "model-explorer")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "report",
+        help="explain a converted program: every op's dtype and why, casts, weight bytes, diagnostics",
+        description="Rebuild precast's report from a program saved with torch.export.save.",
+    )
+    p.add_argument("program", help="a program saved with torch.export.save (converted by precast or not)")
+    p.add_argument("--format", choices=FORMATS, default="table")
+    p.add_argument("-o", "--output", default=None, help="write to this file instead of standard output")
+    p.add_argument("--width", type=int, default=None, help="table width (default: the terminal's)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import precast
+    from precast.report.render import render, render_table
+
+    if args.output:
+        check_writable(args.output)
+    ep = load_program(args.program)
+    rep = precast.report(ep)
+    if args.output is None and args.format == "table":
+        from rich.console import Console
+
+        render_table(rep, Console(width=args.width) if args.width else None)
+        return 0
+    text = render(rep, args.format, width=args.width)
+    if args.output is None:
+        sys.stdout.write(text + "\n")
+        return 0
+    with atomic_path(args.output) as tmp:
+        try:
+            tmp.write_text(text + "\n")
+        except OSError as exc:
+            raise PrecastError(f"{args.output}: could not write the report: {exc}") from exc
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0

@@ -1,0 +1,52 @@
+"""Autocast regions as data: the region records ``inline_regions`` tags ops with (``node.meta``), and the
+innermost region in force for an op on a device.
+
+Input: a node. Output: its enclosing ``Region`` records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from precast.dtypes import dtype_name
+from precast.errors import short_path
+
+WRAP_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
+
+
+WRAP_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+REGION_META = "precast_regions"
+
+
+@dataclass(frozen=True)
+class Region:
+    """One ``torch.autocast`` region of the program."""
+
+    id: int
+    device_type: str
+    dtype: torch.dtype
+    enabled: bool
+    cache_enabled: bool | None
+    source: str | None  # user's source line of the region's first op
+    module: str  # module path of the region's first op
+
+    def describe(self) -> str:
+        state = f"{dtype_name(self.dtype)}" if self.enabled else "enabled=False"
+        loc = f" at {short_path(self.source)}" if self.source else ""
+        return f"autocast({self.device_type}, {state}){loc}"
+
+
+def regions_of(node: torch.fx.Node) -> tuple[Region, ...]:
+    """Enclosing regions, outermost first."""
+    return node.meta.get(REGION_META, ())
+
+
+def innermost_region(node: torch.fx.Node, device_type: str) -> Region | None:
+    for region in reversed(regions_of(node)):
+        if region.device_type == device_type:
+            return region
+    return None

@@ -1,0 +1,114 @@
+"""The conversion pipeline: one stage per module, each a function over a ``Program`` returning its stats.
+
+In order (``STAGES``; ``precast.api.convert`` runs them, ``precast.pipeline.runner`` times and checks each):
+
+  capture      module/program -> ExportedProgram (policy torch on a module: traced under torch.autocast)
+  program_copy ExportedProgram -> Program (private graph copy, written constants cloned)
+  regions      autocast regions inlined, their ops tagged (``inline_regions``)
+  checks       control flow, unused regions, no-op regions: diagnostics before any decision
+  calibrate    rules: value statistics from the calibration data (one streaming pass)
+  tolerance    rules with ``tolerance=``: the ops to keep fp32, found by simulating with ``lower``
+  classify     a Decision per op in ``node.meta["precast"]``; composites decomposed as eager autocast would
+  rewrite      one cast per (producer, dtype, version) (``insert_casts``)
+  fold         casts of read-only constants computed once (``fold_constant_casts``)
+  simplify     exact cast rewrites to a fixed point (``simplify_casts``)
+  restore_io   keep_io_types: outputs cast back to the input program's dtypes
+  verify       converted vs reference, on private copies of the state each writes
+
+``lower`` runs classify through restore_io: the conversion and the tolerance search's simulation use it alike.
+
+Input: a Program, a policy (decider), a diagnostic log. Output: ``LowerStats`` from ``lower``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from precast.ir import diagnostics
+from precast.ir.diagnostics import DiagnosticLog
+from precast.ir.program import Program
+from precast.pipeline import checks
+from precast.pipeline.classify import classify as classify_program  # keeps the submodule name free
+from precast.pipeline.fold import fold_constant_casts
+from precast.pipeline.restore_io import restore_output_dtypes
+from precast.pipeline.rewrite import insert_casts
+from precast.pipeline.runner import run_stage
+from precast.pipeline.simplify import simplify_casts
+
+STAGES = (
+    "capture",
+    "program_copy",
+    "regions",
+    "checks",
+    "calibrate",
+    "tolerance",
+    "classify",
+    "rewrite",
+    "fold",
+    "simplify",
+    "restore_io",
+    "verify",
+)
+
+
+@dataclass
+class LowerStats:
+    """What ``lower`` did: ops decided, composites decomposed, casts folded/simplified, constants made."""
+
+    decomposed: list[str] = field(default_factory=list)
+    casts_folded: int = 0
+    casts_simplified: int = 0
+    constants_created: list[str] = field(default_factory=list)
+    constants_dropped: list[str] = field(default_factory=list)
+    outputs_restored: int = 0
+
+
+def lower(
+    program: Program,
+    policy: Any,
+    log: DiagnosticLog,
+    *,
+    user_rules: tuple = (),
+    restore: list[torch.dtype | None] | None = None,
+    keep_io: bool = False,
+) -> LowerStats:
+    """classify -> insert casts -> fold -> simplify (-> restore output dtypes when ``restore`` is given: the
+    input program's output dtypes), each checked by the runner. Diagnostics go to ``log``."""
+    stats = LowerStats()
+    result = run_stage(
+        program, "classify", classify_program, policy, user_rules, checks.classify_error_handler(log)
+    )
+    stats.decomposed = result.decomposed or []
+    run_stage(program, "insert_casts", insert_casts, check=True)
+    fold = run_stage(program, "fold_constant_casts", fold_constant_casts, check=True)
+    stats.casts_folded, stats.constants_created, stats.constants_dropped = (
+        fold.folded,
+        fold.created,
+        fold.dropped,
+    )
+    if fold.written:
+        diagnostics.record(
+            log,
+            "written-constant-not-folded",
+            f"{len(fold.written)} constant(s) the program writes keep their casts at run time (their value "
+            f"changes from call to call, so a cast copy made once would go stale): {', '.join(fold.written)}",
+        )
+    for name, count in fold.clamped.items():
+        diagnostics.record(
+            log,
+            "fp16-clamped",
+            f"constant {name}: {count} value(s) beyond float16's range stored clamped to ±65504 (not inf)",
+            fix="keep the ops reading it in float32 (init_max, exclude_nodes) if the clamp matters",
+        )
+    simple = run_stage(
+        program, "simplify_casts", lambda p: simplify_casts(p.graph, p.input_spec, p.output_specs), check=True
+    )
+    stats.casts_simplified = simple.removed
+    if restore is not None:
+        stats.outputs_restored = run_stage(
+            program, "restore_output_dtypes", restore_output_dtypes, restore, keep_io, check=True
+        )
+    return stats

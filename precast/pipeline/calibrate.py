@@ -1,0 +1,135 @@
+"""Calibrate: run the fp32 program over user data once, streaming, and keep per-node range statistics.
+
+The program run is the one classification sees (regions inlined, nothing cast yet), so statistics are keyed by
+the node names the rules and the report use. The data is consumed once and lazily, whatever it is (a list, a
+generator, a DataLoader), and memory does not grow with the number of batches: each batch's activations are
+freed as the interpreter goes, each node keeps a few numbers, and only the first ``keep`` batches are kept (for
+the tolerance search, which needs several forwards on the same batches).
+
+Batches are tuples of positional inputs, dicts of keyword inputs, or ``(args, kwargs)`` pairs. A dict may be
+keyed by the forward's own argument names (``forward(self, X)`` -> ``{"X": t}``, as ModelOpt keys its
+calibration files) or by export's sanitized placeholder names (``{"x": t}``).
+
+Input: the Program, its ExportedProgram and an iterable of batches. Output: ``Calibration`` (per-node
+statistics, the kept sample) and diagnostics saying which data each used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export import ExportedProgram
+
+from precast.errors import PrecastError
+from precast.ir.diagnostics import Diagnostic, DiagnosticLog
+from precast.ir.inputs import bind_inputs, placeholder_values, user_values
+from precast.ir.program import Program
+from precast.policy.rules.measures import TOLERANCE_BATCHES, Calibration, NodeStats
+from precast.progress import ProgressBar
+
+# ---- input names ---------------------------------------------------------------------------------------
+
+
+# ---- batches -------------------------------------------------------------------------------------------
+
+
+class _StatsInterpreter(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, stats: dict[str, NodeStats], low: torch.dtype | None):
+        super().__init__(gm, garbage_collect_values=True)
+        self.stats, self.low = stats, low
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        # export's dtype checks pin the dtypes of the program's own autocast regions; this fp32 run drops them
+        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
+            return None
+        out = super().run_node(n)
+        if n.op in ("placeholder", "call_function"):
+            self.stats.setdefault(n.name, NodeStats()).update(out, self.low)
+        return out
+
+
+def batches_of(data: Any) -> Iterator[Any]:
+    if isinstance(data, (torch.Tensor, str, bytes, dict)) or not isinstance(data, Iterable):
+        raise PrecastError(
+            f"calibration must be an iterable of batches (a list of input tuples, a DataLoader...), got "
+            f"{type(data).__name__}; wrap a single batch as [batch]"
+        )
+    return iter(data)
+
+
+def calibrate(
+    program: Program,
+    ep: ExportedProgram,
+    data: Iterable[Any],
+    *,
+    low: torch.dtype | None = None,
+    keep: int = 0,
+    progress: bool | None = None,  # None: a bar on an interactive terminal outside CI
+    source: str = "calibration data",
+) -> Calibration:
+    """Per-node statistics of the fp32 program over ``data``, read once and lazily; the first ``keep`` batches
+    are kept (checked, as (args, kwargs)) in ``Calibration.sample`` for later forwards. ``low``: the dtype
+    the conversion lowers to, for the subnormal / flush-to-zero counts."""
+    cal = Calibration(source=source)
+    interp = _StatsInterpreter(program.gm, cal.stats, low)
+    total = len(data) if hasattr(data, "__len__") else None
+    with ProgressBar(f"calibrating on {source}", total, progress) as bar, torch.no_grad():
+        for i, batch in enumerate(batches_of(data)):
+            user = user_values(program, ep, batch, i)
+            interp.run(*placeholder_values(program, user))
+            if len(cal.sample) < keep:
+                cal.sample.append(bind_inputs(ep, batch, f"calibration batch {i}"))
+            cal.batches += 1
+            bar.advance()
+            del batch, user  # the generator's next batch must not find this one still alive
+    if cal.batches == 0:
+        raise PrecastError("calibration data is empty: give at least one batch of inputs")
+    return cal
+
+
+def calibrate_stage(
+    program: Program,
+    ep: ExportedProgram,
+    rep: DiagnosticLog,
+    data,
+    low: torch.dtype,
+    *,
+    ranges: bool,
+    tol: bool,
+) -> Calibration | None:
+    """One streaming pass over the calibration data (else the example inputs, when a range rule or the
+    tolerance needs data): statistics from every batch, the first TOLERANCE_BATCHES kept for the tolerance
+    search. The report says which data each used."""
+    keep = TOLERANCE_BATCHES if tol else 0
+    if data is not None:
+        cal = calibrate(program, ep, data, low=low, keep=keep)
+        searched = f"; the tolerance search used the first {len(cal.sample)}" if tol else ""
+        rep.diagnostics.append(
+            Diagnostic("info", "calibrated", f"value ranges measured on {cal.batches} batches{searched}")
+        )
+        return cal
+    if not (ranges or tol):
+        return None
+    if ep.example_inputs is None:
+        if ranges:
+            rep.diagnostics.append(
+                Diagnostic(
+                    "warning",
+                    "data-max-inactive",
+                    "data_max and flush_to_zero are not applied: no calibration data and the program has no "
+                    "example inputs; pass calibration=[inputs, ...]",
+                )
+            )
+        return None
+    rep.diagnostics.append(
+        Diagnostic(
+            "info",
+            "ranges-from-example-inputs",
+            "no calibration data: value ranges (data_max, flush_to_zero) and errors were measured on the example "
+            "inputs only; pass calibration=[inputs, ...] for representative ranges",
+        )
+    )
+    return calibrate(program, ep, [ep.example_inputs], low=low, keep=keep, source="the example inputs")

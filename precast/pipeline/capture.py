@@ -1,0 +1,249 @@
+"""Capture: get an ExportedProgram from what the user has (a program, a module + inputs, a file, a factory).
+
+Input: an ExportedProgram, a module + example inputs, a saved file or a factory spec. Output: an ExportedProgram.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import importlib
+import logging
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.overrides import TorchFunctionMode
+
+from precast.errors import PrecastError, first_line
+from precast.ir.inputs import normalize_inputs
+
+
+class KeepValuesDistinct(TorchFunctionMode):
+    """While precast exports a module for ``policy="torch"``: a dtype conversion that is a no-op at trace time
+    (``v.float()`` of an fp32 ``v``) is recorded as a copy, not as an alias of ``v``.
+
+    Exported without autocast, ``v.float()`` returns ``v`` itself, so the tracer records every later use of
+    ``v`` as a use of the ``.float()`` node: ``v.float() * 0.5 + v * v`` would compute ``v * v`` in fp32 where
+    eager autocast computes it in bf16 (``v`` comes out of a linear). A copy keeps ``v`` distinct, and under
+    autocast it is the real cast eager makes. A device move with no dtype (``v.to("cpu")`` on the same device)
+    returns ``v`` unrecorded: eager autocast keeps its dtype.
+    """
+
+    CONVERSIONS = {
+        torch.Tensor.float: torch.float32,
+        torch.Tensor.half: torch.float16,
+        torch.Tensor.bfloat16: torch.bfloat16,
+        torch.Tensor.double: torch.float64,
+    }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.CONVERSIONS and len(args) == 1 and not kwargs:
+            self_, dtype = args[0], self.CONVERSIONS[func]
+            if isinstance(self_, torch.Tensor) and self_.dtype == dtype:
+                return torch.ops.aten._to_copy.default(self_, dtype=dtype)
+        elif func is torch.Tensor.to and args and isinstance(args[0], torch.Tensor):
+            self_ = args[0]
+            # .to(device|dtype [, dtype|non_blocking]) and keywords; a positional `copy` (4+ args) is left alone
+            if (
+                len(args) <= 3
+                and not any(isinstance(a, torch.Tensor) for a in args[1:])
+                and set(kwargs) <= {"device", "dtype", "non_blocking", "copy", "memory_format"}
+            ):
+                rest = {k: v for k, v in kwargs.items() if k != "copy"}
+                copy = bool(kwargs.get("copy", False))
+                device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **rest)
+                same_device = device is None or torch.device(device) == self_.device
+                plain = not copy and memory_format in (None, torch.preserve_format)
+                if same_device and plain and dtype == self_.dtype:
+                    return torch.ops.aten._to_copy.default(self_, dtype=dtype)
+                if same_device and plain and dtype is None:
+                    return self_
+        return func(*args, **kwargs)
+
+
+def capture(
+    program_or_module: ExportedProgram | torch.nn.Module,
+    example_inputs: Any = None,
+    dynamic_shapes: Any = None,
+    *,
+    distinct_values: bool = False,
+    autocast: tuple[str, torch.dtype] | None = None,
+) -> ExportedProgram:
+    """The program to convert. For ``policy="torch"`` on a module: ``distinct_values`` exports with
+    ``KeepValuesDistinct``, and ``autocast=(device_type, dtype)`` traces the forward inside that autocast, as
+    eager runs it, so model code that reads a tensor's dtype while tracing (``h.to(input_dtype)``,
+    ``torch.finfo(q.dtype).min``) sees the low dtype; the enclosing region is marked ``POLICY_REGION`` and
+    lowered as the policy, not as one of the program's own regions."""
+    if isinstance(program_or_module, ExportedProgram):
+        if dynamic_shapes is not None:
+            raise PrecastError(
+                "dynamic_shapes= applies when precast exports a module; this program is already exported: pass "
+                "dynamic_shapes to torch.export.export instead"
+            )
+        return program_or_module
+    if not isinstance(program_or_module, torch.nn.Module):
+        raise PrecastError(
+            f"precast.convert takes a torch.export.ExportedProgram or an nn.Module, got {type(program_or_module).__name__}"
+        )
+    if example_inputs is None:
+        raise PrecastError(
+            f"converting the module {type(program_or_module).__name__} needs example_inputs to export it; pass "
+            "example_inputs=(x,) or export it yourself with torch.export.export"
+        )
+    args, kwargs = normalize_inputs(example_inputs)
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        raise PrecastError(
+            "precast.convert was called under an ambient torch.autocast, which torch.export does not record; "
+            "call it outside the autocast block and pass policy='torch' (and dtype=...) to get eager autocast "
+            "semantics"
+        )
+    module = program_or_module if autocast is None else _in_autocast(program_or_module, *autocast)
+    try:
+        with KeepValuesDistinct() if distinct_values else contextlib.nullcontext():
+            ep = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    except PrecastError:
+        raise
+    except Exception as exc:
+        first = first_line(exc)
+        if autocast is not None:
+            raise PrecastError(
+                f"policy='torch': {type(program_or_module).__name__} fails under eager torch.autocast("
+                f"{autocast[0]}, {autocast[1]}) itself while tracing: {first}; eager autocast has no result to "
+                "reproduce (export it yourself and convert with policy=None or 'rules')"
+            ) from exc
+        raise PrecastError(
+            f"torch.export.export failed on {type(program_or_module).__name__}: {first} "
+            "(fix the export first: see https://pytorch.org/docs/stable/export.html)"
+        ) from exc
+    if autocast is not None:
+        for node in ep.graph.nodes:  # the top-level regions are the one the policy opened around the forward
+            if node.op == "call_function" and node.target is torch.ops.higher_order.wrap_with_autocast:
+                node.meta[POLICY_REGION] = True
+    return ep
+
+
+POLICY_REGION = "precast_policy_region"
+
+
+def _in_autocast(module: torch.nn.Module, device_type: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A shallow copy of ``module`` (same parameters, buffers and submodules, so the same names) whose forward
+    runs inside ``torch.autocast(device_type, dtype)``. The caller's module is not touched."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return inner(*args, **kwargs)
+
+    wrapper = copy.copy(module)
+    wrapper.forward = forward
+    return wrapper
+
+
+# records torch.export.save writes (archive_format since torch 2.8, version before)
+PROGRAM_MARKERS = ("archive_format", "version")
+
+
+def check_program_file(path: str | Path) -> Path:
+    """Before loading: ``path`` is a file torch.export.save wrote (a zip with its archive marker). torch's own
+    failure on other zips points at warnings the CLI hides; this says what the file is instead."""
+    p = Path(path)
+    if not p.exists():
+        raise PrecastError(f"{p}: no such file; pass a program saved with torch.export.save(ep, '{p.name}')")
+    if p.is_dir():
+        raise PrecastError(f"{p}: is a directory, not a program saved with torch.export.save")
+    if not zipfile.is_zipfile(p):
+        raise PrecastError(
+            f"{p}: not a saved torch.export program (not a zip archive); save it with torch.export.save"
+        )
+    with zipfile.ZipFile(p) as z:
+        names = z.namelist()
+    if not any(n == m or n.endswith("/" + m) for n in names for m in PROGRAM_MARKERS):
+        raise PrecastError(
+            f"{p}: a zip archive, but not one torch.export.save wrote (no archive_format or version record); "
+            "save the program with torch.export.save"
+        )
+    return p
+
+
+def load_program(path: str | Path) -> ExportedProgram:
+    """Load a program saved with ``torch.export.save``, with one-line errors for the usual mistakes."""
+    p = check_program_file(path)
+    try:
+        with zipfile.ZipFile(p) as z:
+            bad = z.testzip()
+        if bad is not None:
+            raise PrecastError(
+                f"{p}: corrupted archive (member {bad} fails its checksum); save the program again"
+            )
+        # torch.export.load logs a traceback at WARNING before failing on a file that is not a program;
+        # precast turns the failure into one line instead
+        logger = logging.getLogger("torch.export")
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            return torch.export.load(str(p))
+        finally:
+            logger.setLevel(level)
+    except PrecastError:
+        raise
+    except Exception as exc:
+        raise PrecastError(
+            f"{p}: cannot be loaded as a torch.export program ({first_line(exc)}); save it with torch.export.save from "
+            f"torch {torch.__version__.split('+')[0]}"
+        ) from exc
+
+
+def load_saved(path: str | Path, what: str, hint: str) -> Any:
+    """A user's file of tensors (``torch.save``), read with ``weights_only=True``; one-line errors saying
+    ``what`` it was for and ``hint`` on how to make one."""
+    p = Path(path)
+    if not p.is_file():
+        raise PrecastError(f"{what} {p}: no such file; {hint}")
+    try:
+        return torch.load(p, weights_only=True)
+    except Exception as exc:
+        first = first_line(exc)
+        raise PrecastError(f"{what} {p}: cannot be read with torch.load ({first}); {hint}") from exc
+
+
+def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
+    """``pkg.module:factory`` -> (model, example_inputs) from calling the factory with no arguments."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise PrecastError(f"'{spec}': expected a saved program path or 'package.module:factory'")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # like python -m: the current directory is importable
+    try:
+        module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        raise PrecastError(
+            f"'{spec}': cannot import module '{mod_name}' ({exc}); check the name and PYTHONPATH"
+        ) from exc
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise PrecastError(f"'{spec}': module '{mod_name}' has no callable '{attr}'")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+        raise PrecastError(
+            f"'{spec}': the factory must return (model, example_inputs), got {type(made).__name__}"
+        )
+    return made
+
+
+def policy_region(module: Any, policy: str | None, device_type: str | None, low) -> tuple | None:
+    """For policy "torch" on a module: the autocast (device, dtype) to export its forward in (see capture), when
+    that autocast can run here (a CUDA autocast needs a GPU; without one the policy applies to the plain export)."""
+    if policy != "torch" or not isinstance(module, torch.nn.Module):
+        return None
+    floats = [t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
+    device = device_type or (floats[0].device.type if floats else "cpu")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        return None
+    return device, low if low is not None else torch.get_autocast_dtype(device)

@@ -1,0 +1,218 @@
+"""Classify: walk the graph in order with fake tensors and give every op a Decision (``node.meta["precast"]``).
+
+Decisions depend on the dtypes that reach an op, which depend on the decisions upstream (autocast casts only
+eligible arguments, ``promote`` looks at the actual dtypes), so classification propagates fake values as it
+goes, as eager autocast would see them at run time. Order of authority: the program's own autocast regions,
+then user rules (exclude/include), then the policy.
+
+Composite ops that eager autocast would decompose (a CompositeImplicitAutograd op with no autocast kernel, such
+as ``einsum`` or ``lstm``, runs its decomposition *under* autocast, so the ``bmm`` inside it is cast) are
+decomposed here one level at a time, only when their decomposition reaches an op that autocast casts. Ops that
+autocast leaves alone stay as the user wrote them.
+
+Input: a Program with regions inlined, a policy (decider), user rules. Output: ``node.meta["precast"]``
+Decisions, fake values for every node, ``ClassifyResult`` (decided, decomposed).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from precast.dtypes import dtype_name
+from precast.errors import PrecastError, where
+from precast.ir import op_families
+from precast.ir.fake import (
+    _MISSING,
+    FakeState,
+    _arg_name,
+    _foreign,
+    _same_fake,
+    fake_cast,
+    fake_run_error,
+    fake_state,
+    node_signature,
+    remember_run,
+    run_fake,
+)
+from precast.ir.graph import ASSERT_METADATA, tensor_args
+from precast.ir.program import Program
+from precast.pipeline.decompose import TRACED_META, _should_decompose, _splice_decomposition
+from precast.policy.base import Decision, Policy, apply_decision
+from precast.policy.compose import decide
+
+# Ops whose eager kernels require every floating tensor argument to have one dtype (no type promotion).
+# FakeTensor does not check this, so a low-precision activation meeting an fp32 weight would only fail at run
+# time; precast checks it at conversion.
+SAME_DTYPE_OPS = frozenset(f"aten::{name}" for name in op_families.SAME_DTYPE_OPS)
+# a user rule: (node, args, kwargs) -> Decision | None; rules.py builds these from exclude/include options
+UserRule = Callable[[torch.fx.Node, tuple, dict], "Decision | None"]
+
+
+@dataclass
+class ClassifyResult:
+    decided: int = 0
+    decomposed: list[str] | None = None
+
+
+def classify(
+    program: Program,
+    policy: Policy | None,
+    user_rules: tuple[UserRule, ...] = (),
+    on_error: Callable | None = None,
+) -> ClassifyResult:
+    """``on_error(err, node)``, when given, receives the ``dtype-mismatch`` and ``composite-not-traced`` errors
+    instead of raising them here (precast.diagnostics records them, and re-raises unless the user allowed the
+    code; an allowed ``composite-not-traced`` keeps the composite op as written)."""
+    graph = program.graph
+    state = fake_state(program)
+    env: dict[torch.fx.Node, object] = {}
+    result = ClassifyResult(decomposed=[])
+
+    def load(a):
+        return env[a] if isinstance(a, torch.fx.Node) else a
+
+    node = next(iter(graph.nodes))
+    while node.op != "output":
+        if node.op == "placeholder":
+            env[node] = node.meta["val"]
+        elif node.op == "get_attr":
+            env[node] = getattr(program.gm, node.target)
+        elif node.op == "call_function":
+            args = torch.fx.node.map_aggregate(node.args, load)
+            kwargs = torch.fx.node.map_aggregate(node.kwargs, load)
+            decompose = _should_decompose(node, args, kwargs, policy)
+            if decompose:
+                first = _splice_decomposition(program, node, args, kwargs, state, policy, on_error)
+                if first is not None:
+                    result.decomposed.append(f"{node.name} ({node.target})")
+                    node = first
+                    continue
+            traced = node.meta.get(TRACED_META)
+            # nodes traced under autocast already hold eager's casts: deciding again would cast twice
+            decision = (
+                copy.copy(traced) if traced is not None else decide(node, args, kwargs, policy, user_rules)
+            )
+            # export's runtime check of a `.to()` input: keep it true for the dtype that now flows
+            if (
+                node.target is ASSERT_METADATA
+                and isinstance(args[0], torch.Tensor)
+                and node.kwargs.get("dtype") not in (None, args[0].dtype)
+            ):
+                decision = Decision(None, "none", "assert", "export's dtype check, updated to the new dtype")
+                decision.kwarg_updates = {"dtype": args[0].dtype}
+            # a composite kept as written (the trace changed nothing, or failed and the user allowed it): export
+            # recorded its value as autocast computed it, which need not be what it computes as written
+            recorded = _recorded(node, decision, env, state) if traced is None and not decompose else _MISSING
+            if recorded is _MISSING:
+                env[node] = _run(node, args, kwargs, decision, state, on_error)
+            else:
+                _check_dtypes(node, node.target, args, kwargs, on_error)
+                env[node] = recorded
+                remember_run(state, node, node.target, args, kwargs, recorded)
+            if decision is None and isinstance(node.target, torch._ops.OpOverload):
+                decision = _unchanged(node, env[node])
+            if decision is not None:
+                if decision.dtype is None:
+                    decision.dtype = _float_dtype(env[node])
+                node.meta["precast"] = decision
+                result.decided += 1
+        node = node.next
+    _store_vals(graph, env)
+    return result
+
+
+def _store_vals(graph: torch.fx.Graph, env: dict) -> None:
+    """Give every op the value it will have once its decision is applied: the check after insert_casts then
+    recomputes only the nodes insert_casts rewrote and finds the same values, instead of re-propagating
+    everything downstream of a cast. Done after the walk: ``_recorded`` compares inputs with the values export
+    recorded."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node in env and node.meta.get("val", _MISSING) is not env[node]:
+            node.meta["val"] = env[node]
+
+
+def _recorded(node: torch.fx.Node, decision: Decision | None, env: dict, state: FakeState) -> object:
+    """The node's own fake value when running it again would only recompute it, else ``_MISSING``.
+
+    That holds when the decision changes nothing (no casts, dtype kwargs or redispatch), every input's value is
+    the value recorded for that input or has its exact metadata (``_same_fake``: an op's fake output depends
+    on nothing else), and the node's value was computed from its current arguments (unchanged signature).
+    Most of a program outside autocast regions is so, and so is most of a region export traced under
+    autocast; a fake run (symbolic sizes rebuilt through sympy) is the main cost of classify. In-place ops
+    still run: they may change their input's metadata."""
+    if decision is not None and (decision.casts or decision.kwarg_updates or decision.new_target is not None):
+        return _MISSING
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        return _MISSING
+    val = node.meta.get("val", _MISSING)
+    if val is _MISSING or _foreign(val, state.mode):
+        return _MISSING
+    for a in node.all_input_nodes:
+        if a.op != "get_attr" and not _same_fake(env.get(a, _MISSING), a.meta.get("val", _MISSING)):
+            return _MISSING
+    if state.signatures.get(node) != node_signature(node):
+        return _MISSING
+    return val
+
+
+def _float_dtype(value: object) -> torch.dtype | None:
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            return leaf.dtype
+    return None
+
+
+def _unchanged(node: torch.fx.Node, out: object) -> Decision:
+    return Decision(_float_dtype(out), "none", "follow", "not cast: runs in the dtype of its inputs")
+
+
+def _run(node, args, kwargs, decision, state: FakeState, on_error=None):
+    target, args, kwargs = apply_decision(
+        node.target, args, kwargs, decision, lambda v, d: fake_cast(state, v, d)
+    )
+    _check_dtypes(node, target, args, kwargs, on_error)
+    try:
+        return run_fake(state, node, target, args, kwargs)
+    except PrecastError:
+        raise
+    except Exception as exc:
+        raise fake_run_error(node, target, args, kwargs, exc) from exc
+
+
+def _check_dtypes(node, target, args: tuple, kwargs: dict, on_error=None) -> None:
+    """The dtype check FakeTensor does not make (also for an op whose recorded value is reused)."""
+    if isinstance(target, torch._ops.OpOverload) and target._schema.name in SAME_DTYPE_OPS:
+        try:
+            check_same_dtype(node, args, kwargs)
+        except PrecastError as err:
+            if on_error is None:
+                raise
+            on_error(err, node)
+
+
+def check_same_dtype(node: torch.fx.Node, args: tuple, kwargs: dict) -> None:
+    floats = [(p, t) for p, t in tensor_args(args, kwargs) if t.is_floating_point()]
+    dtypes = {t.dtype for _, t in floats}
+    if len(dtypes) <= 1:
+        return
+    inputs = ", ".join(f"{_arg_name(node, p)} {dtype_name(t.dtype)}" for p, t in floats)
+    low = sorted((d for d in dtypes if d != torch.float32), key=str)
+    fix = (
+        "cast the activation back with `.float()` where it leaves the autocast region, or move this op inside "
+        "the region"
+        if low and torch.float32 in dtypes
+        else "cast its inputs to one dtype"
+    )
+    raise PrecastError(
+        f"{where(node)}: {node.target._schema.name.removeprefix('aten::')} would fail at run time: its inputs have "
+        f"different dtypes ({inputs}); {fix}",
+        code="dtype-mismatch",
+        node=node.name,
+    )

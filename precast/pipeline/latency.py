@@ -1,0 +1,388 @@
+"""What the target device runs, and how fast: the stages that run ops for the rules and auto policies.
+
+- ``device_fallback``: run the converted program once on its example inputs; an op that fails in the low dtype
+  (no low-precision kernel on this device: fp16 ``mkldnn_rnn_layer`` on CPUs without oneDNN fp16) goes back
+  to fp32 and the program is converted again, until it runs (bounded). Diagnostic ``no-low-precision-kernel``.
+- ``measure_program``: per matmul / convolution / attention op (``precast.policy.auto.is_measured``), its
+  latency in fp32 and in the low dtype with its real shapes (from the fake values of its inputs), and the
+  casts the low choice forces at its boundaries. Cached per device, op, shapes and dtype in
+  ``<cache dir>/latency.json`` (``$PRECAST_CACHE_DIR`` or the user cache dir), so a second conversion of the
+  same shapes times nothing.
+- ``time_programs``: the converted program against the fp32 one on the example inputs (interleaved repeats).
+
+Input: a ``Program`` / ``ExportedProgram``, the low dtype, the device. Output: ``OpLatency`` per node name;
+diagnostics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+
+from precast.dtypes import dtype_name
+from precast.errors import PrecastError, first_line
+from precast.io import atomic_path
+from precast.ir import diagnostics
+from precast.ir.diagnostics import DiagnosticLog
+from precast.ir.inputs import normalize_inputs
+from precast.ir.program import Program, private_state
+from precast.ir.regions import innermost_region
+from precast.pipeline import checks
+from precast.policy.auto import OpLatency, is_measured
+
+CACHE_ENV = "PRECAST_CACHE_DIR"
+CACHE_FILE = "latency.json"
+CACHE_VERSION = 1
+MAX_FALLBACK_ROUNDS = 8
+BUDGET_S = 0.03  # at most this much time spent timing one variant of one op (after its first sample)
+SAMPLE_S = 0.0005  # one sample: this long a loop of calls
+SAMPLES = 30
+
+
+# ---- device fallback --------------------------------------------------------------------------------------
+def example_batch(ep: ExportedProgram, inputs: tuple[tuple, dict] | None) -> tuple[tuple, dict] | None:
+    """The inputs to run the program on here: the given ones, else the program's example inputs; None when
+    there are none or they are on a device this machine lacks."""
+    if inputs is None:
+        if ep.example_inputs is None:
+            return None
+        inputs = normalize_inputs(ep.example_inputs)
+    for t in pytree.tree_leaves(inputs):
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda" and not torch.cuda.is_available():
+            return None
+    return inputs
+
+
+def device_fallback(
+    out: ExportedProgram,
+    ep: ExportedProgram,
+    inputs: tuple[tuple, dict] | None,
+    decider: Any,
+    rep: DiagnosticLog,
+    relower: Callable[[dict[str, str]], tuple],
+) -> tuple | None:
+    """Run ``out`` once on the example inputs; while an op the policy put in the low dtype by default fails
+    (``device-unsupported``), keep it fp32 and convert again with ``relower(device_fp32) -> (program,
+    decider, stats, out)``. Returns the last ``relower`` result (None when nothing fell back). A failure
+    that is not the policy's own choice (a region, ``include_ops``, an op outside the decisions) is left to
+    the verification, which reports it as before."""
+    batch = example_batch(ep, inputs)
+    if batch is None:
+        return None
+    low = decider.opts.low
+    failed: dict[str, str] = {}
+    found: list[diagnostics.Diagnostic] = []
+    result = None
+    for _ in range(MAX_FALLBACK_ROUNDS):
+        probe = DiagnosticLog()
+        probe.device_type = getattr(rep, "device_type", None)  # type: ignore[attr-defined]
+        ok, _ = checks.run_checked(private_state(out).module(), batch[0], batch[1], probe)
+        if ok:
+            break
+        bad = next((d for d in probe.diagnostics if d.code == "device-unsupported"), None)
+        decision = decider.decided.get(bad.node) if bad is not None else None
+        if (
+            decision is None
+            or decision.dtype != low
+            or decision.source not in ("rules", "auto")
+            or bad.node in failed
+        ):
+            break
+        what = bad.message.split(": ", 1)[-1]
+        failed[bad.node] = what
+        found.append(bad)
+        result = relower(dict(failed))
+        decider, out = result[1], result[3]
+    for d in found:
+        diagnostics.record(
+            rep,
+            "no-low-precision-kernel",
+            f"{d.message.split(': ', 1)[0]}: no {dtype_name(low)} kernel on this device "
+            f"({d.message.split(': ', 1)[-1]}): kept in float32",
+            d.node,
+            location=d.location,
+            module=d.module,
+            fix="nothing to do; exclude_ops it to skip the retry",
+        )
+    return result
+
+
+# ---- the device ------------------------------------------------------------------------------------------
+def device_key(device: str) -> str:
+    """What a measurement depends on: the device model and capability, torch's version, the thread count."""
+    if device == "cuda":
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda"
+    else:
+        name = f"{_cpu_model()} {torch.backends.cpu.get_cpu_capability()} threads={torch.get_num_threads()}"
+    return f"{device} {name} torch={torch.__version__}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def native_note(device: str, low: torch.dtype) -> str:
+    """A phrase on whether the device has native instructions for ``low`` (for the report's "why")."""
+    if device != "cpu":
+        return ""
+    flags = _cpu_flags()
+    if flags is None:
+        return ""
+    want = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}.get(
+        low, ()
+    )
+    cap = torch.backends.cpu.get_cpu_capability()
+    if any(f in flags for f in want):
+        return f"this CPU ({cap}) has native {dtype_name(low)} instructions"
+    return f"no native {dtype_name(low)} on this CPU ({cap}): it is emulated"
+
+
+# ---- the cache -------------------------------------------------------------------------------------------
+def cache_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    root = cache_dir or os.environ.get(CACHE_ENV) or None
+    if root is None:
+        from platformdirs import user_cache_dir
+
+        root = user_cache_dir("precast")
+    return Path(root).expanduser() / CACHE_FILE
+
+
+def _load(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PrecastError(
+            f"latency cache {path}: cannot read it ({first_line(exc)}); delete the file to measure again"
+        ) from exc
+    if data.get("version") != CACHE_VERSION:
+        return {}
+    return data.get("entries", {})
+
+
+def _store(path: Path, new: dict) -> None:
+    from filelock import FileLock
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock"):
+            entries = _load(path)
+            entries.update(new)
+            with atomic_path(path) as tmp:
+                Path(tmp).write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1))
+    except OSError as exc:
+        raise PrecastError(
+            f"latency cache {path}: cannot write it ({exc.strerror}); set {CACHE_ENV} to a writable directory"
+        ) from exc
+
+
+# ---- measuring -------------------------------------------------------------------------------------------
+@dataclass
+class LatencyRun:
+    """What ``measure_program`` did: ops timed now, read from the cache, and skipped (with why)."""
+
+    timed: int = 0
+    cached: int = 0
+    skipped: dict[str, str] | None = None
+
+
+def _hint(d: Any) -> int:
+    if isinstance(d, int):
+        return d
+    hint = getattr(getattr(d, "node", None), "hint", None)
+    return int(hint) if hint is not None else 1
+
+
+def _signature(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ["T", [_hint(d) for d in v.shape], [_hint(s) for s in v.stride()], str(v.dtype)]
+    if isinstance(v, (list, tuple)):
+        return [_signature(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _signature(x) for k, x in sorted(v.items())}
+    if isinstance(v, torch.SymInt):
+        return _hint(v)
+    if isinstance(v, (int, float, bool, str)) or v is None:
+        return v
+    return repr(v)
+
+
+def _real(v: Any, gen: torch.Generator) -> Any:
+    """A real tensor shaped like the fake value ``v`` (its strides when they are concrete and dense)."""
+    if isinstance(v, (list, tuple)):
+        return type(v)(_real(x, gen) for x in v)
+    if isinstance(v, torch.SymInt):
+        return _hint(v)
+    if not isinstance(v, torch.Tensor):
+        return v
+    shape = [_hint(d) for d in v.shape]
+    stride = [_hint(s) for s in v.stride()]
+    try:
+        t = torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
+    except RuntimeError:
+        t = torch.empty(shape, dtype=v.dtype, device=v.device)
+    if t.is_floating_point():
+        t.copy_(torch.randn(shape, generator=gen).mul_(0.1))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.zero_()
+    return t
+
+
+def _time(fns: list[Callable[[], Any]], device: str, budget_s: float = BUDGET_S) -> list[float]:
+    """Seconds per call of each of ``fns``, timed in turn: after a warm-up, up to ``SAMPLES`` interleaved
+    samples of a few calls each (about ``SAMPLE_S``), within ``budget_s`` per function; the best sample of
+    each. The best, not the median: on a shared machine, load only ever adds time (a stalled thread of the
+    intra-op pool costs a whole scheduler slice), so the fastest sample is the one closest to the op's cost."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sizes = []
+    for fn in fns:
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        one = max(time.perf_counter() - t0, 1e-7)
+        sizes.append(max(1, min(1000, int(SAMPLE_S / one))))
+    best = [float("inf")] * len(fns)
+    spent = 0.0
+    for _ in range(SAMPLES):
+        for i, (fn, n) in enumerate(zip(fns, sizes, strict=True)):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            took = time.perf_counter() - t0
+            spent += took
+            best[i] = min(best[i], took / n)
+        if spent > budget_s * len(fns):
+            break
+    return best
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def measure_node(node: torch.fx.Node, constants: set[str], low: torch.dtype, device: str) -> OpLatency:
+    """Time one op here: fp32, low (every fp32 tensor input already low), the casts of its activation inputs
+    to low and of its outputs back to fp32. µs."""
+    gen = torch.Generator().manual_seed(0)
+    val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    args = _real(torch.fx.node.map_aggregate(node.args, val), gen)
+    kwargs = _real(torch.fx.node.map_aggregate(node.kwargs, val), gen)
+    to_low = lambda t: t.to(low) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t  # noqa: E731
+    largs, lkwargs = pytree.tree_map(to_low, (args, kwargs))
+    acts = [
+        v
+        for a, v in zip(node.args, args, strict=False)
+        if isinstance(a, torch.fx.Node) and a.name not in constants and isinstance(v, torch.Tensor)
+    ]
+    acts = [t for t in acts if t.dtype == torch.float32]
+    target = node.target
+    with torch.no_grad():
+        outs = _tensors(target(*largs, **lkwargs))
+        casts = [lambda t=t: t.to(low) for t in acts] + [lambda t=t: t.to(torch.float32) for t in outs]
+        t32, tlow, *tc = _time(
+            [lambda: target(*args, **kwargs), lambda: target(*largs, **lkwargs), *casts], device
+        )
+        cin, cout = sum(tc[: len(acts)]), sum(tc[len(acts) :])
+    return OpLatency(t32 * 1e6, tlow * 1e6, cin * 1e6, cout * 1e6)
+
+
+def measure_program(
+    program: Program,
+    low: torch.dtype,
+    device: str,
+    cache_dir: str | os.PathLike | None = None,
+) -> tuple[dict[str, OpLatency], LatencyRun]:
+    """``OpLatency`` per measured node of ``program`` (same shapes: timed once), from the cache where it has
+    them; new measurements are written back to the cache."""
+    path = cache_path(cache_dir)
+    entries = _load(path)
+    dkey = device_key(device)
+    constants = {n.name for n in program.input_spec if program.constant_target(n) is not None}
+    run = LatencyRun(skipped={})
+    table: dict[str, OpLatency] = {}
+    new: dict[str, dict] = {}
+    hits: set[str] = set()
+    for node in program.graph.nodes:
+        if not is_measured(node) or innermost_region(node, device) is not None:
+            continue  # not a candidate, or the program's own autocast region decides it
+        val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
+        acts = [isinstance(a, torch.fx.Node) and a.name not in constants for a in node.args]
+        fake_args = torch.fx.node.map_aggregate(node.args, val)
+        fake_kwargs = torch.fx.node.map_aggregate(node.kwargs, val)
+        sig = json.dumps(
+            [dkey, str(node.target), dtype_name(low), _signature(fake_args), _signature(fake_kwargs), acts],
+            default=repr,
+        )
+        key = hashlib.sha256(sig.encode()).hexdigest()[:32]
+        if key in new:
+            e = new[key]
+            table[node.name] = OpLatency(e["fp32"], e["low"], e["cast_in"], e["cast_out"])
+            continue
+        if key in entries:
+            e = entries[key]
+            table[node.name] = OpLatency(e["fp32"], e["low"], e["cast_in"], e["cast_out"], cached=True)
+            run.cached += key not in hits
+            hits.add(key)
+            continue
+        try:
+            lat = measure_node(node, constants, low, device)
+        except Exception as exc:  # noqa: BLE001 - an op that cannot be timed stays fp32, and the report says so
+            run.skipped[node.name] = f"{type(exc).__name__}: {first_line(exc)[:160]}"
+            continue
+        run.timed += 1
+        table[node.name] = lat
+        d = asdict(lat)
+        d.pop("cached")
+        new[key] = {**d, "op": str(node.target), "device": dkey}
+    if new:
+        _store(path, new)
+    return table, run
+
+
+def time_programs(
+    converted: ExportedProgram,
+    reference: ExportedProgram,
+    batch: tuple[tuple, dict],
+    device: str,
+    budget_s: float = 0.3,
+) -> tuple[float, float]:
+    """(converted, reference) milliseconds per call on ``batch``: interleaved samples, the best of each."""
+    a, k = batch
+    conv, ref = private_state(converted).module(), private_state(reference).module()
+    with torch.no_grad():
+        best_c, best_r = _time([lambda: conv(*a, **k), lambda: ref(*a, **k)], device, budget_s=budget_s)
+    return best_c * 1e3, best_r * 1e3

@@ -1,0 +1,221 @@
+"""Verify (the last stage): run the converted program against the reference semantics and compare outputs.
+
+The reference is eager ``torch.autocast`` for policy torch (the caller's module when given, through
+``torch.func.functional_call`` with private copies of the buffers it writes) and the unconverted program
+otherwise. Both sides run on private copies of the state they write, fresh for each run; a dynamic batch is
+also checked at a second size. The converted side runs through the device check (``checks.run_checked``), so
+an op the device cannot run is named instead of failing somewhere inside torch.
+
+Input: the converted and the reference program, example inputs. Output: the verification record
+(reference, bitwise, max abs error, per-output metrics from ``precast.metrics``, a second batch when dynamic)
+and diagnostics (``not-bitwise`` where bitwise was promised, ``measured-error`` otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+
+from precast.dtypes import dtype_name
+from precast.errors import PrecastError, first_line
+from precast.ir import diagnostics
+from precast.ir.diagnostics import DiagnosticLog
+from precast.ir.inputs import normalize_inputs
+from precast.ir.program import private_state, strip_dtype_asserts, written_targets
+from precast.metrics import compare_outputs
+from precast.pipeline import checks
+
+
+def compare(
+    converted: Callable, reference: Callable, args: tuple, kwargs: dict, *, reference_name: str
+) -> dict:
+    with torch.no_grad():
+        got = converted(*args, **kwargs)
+        want = reference(*args, **kwargs)
+    metrics = compare_outputs(got, want)
+    bitwise = all(m["bitwise"] for m in metrics)
+    worst = max((m["max_abs"] for m in metrics), default=0.0)
+    verdict = "bitwise equal" if bitwise else f"max abs error {worst:.3g}"
+    return {
+        "reference": reference_name,
+        "bitwise": bitwise,
+        "max_abs": worst,
+        "outputs": metrics,
+        "verdict": verdict,
+    }
+
+
+def reference_module(ep: ExportedProgram) -> torch.nn.Module:
+    """``ep.module()`` without export's ``_assert_tensor_metadata`` checks, which pin the dtypes seen at export
+    and so fail when the program runs under an ambient autocast (eager has no such checks)."""
+    return strip_dtype_asserts(ep.module())
+
+
+def verify_stage(
+    out: ExportedProgram,
+    ep: ExportedProgram,
+    rep: DiagnosticLog,
+    policy: str | None,
+    device: str,
+    low: torch.dtype | None,
+    original: torch.nn.Module | None = None,
+    inputs: tuple[tuple, dict] | None = None,
+) -> dict:
+    """Run the converted program against the reference semantics, each on private copies of the state it
+    writes: neither the caller's module or program nor the returned program changes. ``policy``: "torch"
+    (reference: eager autocast), "rules" (the unconverted program; differences are information) or anything
+    else (the unconverted program; differences are warnings). Returns the verification record ({} when it
+    could not run; a diagnostic says why)."""
+    if inputs is None and ep.example_inputs is None:
+        diagnostics.record(
+            rep,
+            "verification-skipped",
+            "not verified: the program has no example inputs; pass example_inputs=(x,) to convert",
+        )
+        return {}
+    args, kwargs = inputs if inputs is not None else normalize_inputs(ep.example_inputs)
+    if (
+        any(
+            isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in pytree.tree_leaves((args, kwargs))
+        )
+        and not torch.cuda.is_available()
+    ):
+        diagnostics.record(
+            rep,
+            "verification-skipped",
+            "not verified: the example inputs are on a device this machine does not have; run precast check "
+            "on a machine with it",
+        )
+        return {}
+    batches = [(args, kwargs)]
+    second = _second_batch(ep, args, kwargs)
+    if second is not None:
+        batches.append(second)  # a dynamic batch dim: a program narrowed to the example size fails here
+    results = []
+    for a, k in batches:
+        # fresh private copies of the written state for each run, on both sides
+        module = private_state(out).module()  # unlifted once per run
+        ok, got = checks.run_checked(module, a, k, rep)
+        if not ok:
+            diagnostics.raise_errors(rep)
+            return {}  # allowed: the program fails on this device, so there is nothing to compare
+        ref, name = _reference(ep, policy, device, low, original)
+        try:
+            with torch.no_grad():
+                want = ref(*a, **k)
+        except Exception as exc:  # noqa: BLE001 - the reference's own failure is reported, not raised raw
+            diagnostics.record(
+                rep,
+                "verification-skipped",
+                f"not verified: {name} itself fails on the example inputs ({type(exc).__name__}: "
+                f"{first_line(exc)}); the converted program ran, there is nothing to compare it with",
+            )
+            return {}
+        converted = module if got is None else (lambda *_a, _got=got, **_k: _got)
+        results.append(compare(converted, lambda *_a, _w=want, **_k: _w, a, k, reference_name=name))
+    verification = results[0]
+    if len(results) > 1:
+        size = _batch_size(batches[1])
+        verification["second_batch"] = {"batch": size, **results[1]}
+        if not results[1]["bitwise"] and results[0]["bitwise"]:
+            verification["bitwise"] = False
+            verification["verdict"] = f"at batch {size}: {results[1]['verdict']}"
+    if verification["bitwise"]:
+        return verification
+    if policy in (None, "torch"):
+        diagnostics.record(rep, "not-bitwise", f"outputs differ from {name}: {verification['verdict']}")
+    else:
+        # nobody promised rules (or a policy of the user's) are bitwise: the measured difference is information
+        diagnostics.record(rep, "measured-error", f"outputs vs {name}: {verification['verdict']}")
+    return verification
+
+
+def _reference(ep: ExportedProgram, policy, device, low, original) -> tuple[Any, str]:
+    """The reference semantics as a callable on private copies of the state it writes, and its name."""
+    if policy != "torch":
+        return private_state(ep).module(), "the unconverted program"
+    if original is not None:
+        reference = _with_private_buffers(original, written_targets(ep))
+    else:
+        reference = reference_module(private_state(ep))
+
+    def ref(*a, **k):
+        # the MHA fast path is a fused kernel torch.export never records: compare against the regular path
+        fast = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            # cache off: eager's cast cache is keyed by tensor, not dtype (stale copies in nested regions)
+            with torch.autocast(device, dtype=low, cache_enabled=False):
+                return reference(*a, **k)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fast)
+
+    return ref, f"eager torch.autocast({device}, {dtype_name(low)})"
+
+
+def _batch_size(batch: tuple[tuple, dict]) -> int | None:
+    leaves = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor) and t.dim()]
+    return leaves[0].shape[0] if leaves else None
+
+
+def _second_batch(ep: ExportedProgram, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """The example inputs at another batch size, when every input's dim 0 is one dynamic symbol of the
+    program (within its range); None otherwise."""
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    user = [
+        n
+        for n, spec in zip(placeholders, ep.graph_signature.input_specs, strict=True)
+        if spec.kind.name == "USER_INPUT"
+    ]
+    dims = [
+        n.meta["val"].shape[0]
+        for n in user
+        if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0
+    ]
+    exprs = {d.node.expr if isinstance(d, torch.SymInt) else d for d in dims}
+    if len(exprs) != 1:
+        return None
+    expr = exprs.pop()
+    if not isinstance(expr, sympy.Symbol):
+        return None  # static, or a derived size: leave it to the example batch
+    size = _batch_size((args, kwargs))
+    bounds = ep.range_constraints.get(expr)
+    lower = int(bounds.lower) if bounds is not None else 2
+    upper = bounds.upper if bounds is not None else size + 1
+    new = size + 1 if size + 1 <= upper else size - 1
+    if size is None or new < max(lower, 1) or new == size:
+        return None
+
+    def resize(t):
+        if not (isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size):
+            return t
+        return torch.cat([t, t[:1]]) if new > size else t[:new]
+
+    return pytree.tree_map(resize, (args, kwargs))
+
+
+def _with_private_buffers(module: torch.nn.Module, written: set[str]) -> Any:
+    """Call ``module`` with private copies of the tensors its forward writes (the caller's stay as they are)."""
+    if not written:
+        return module
+    own = dict(module.named_parameters(remove_duplicate=False)) | dict(
+        module.named_buffers(remove_duplicate=False)
+    )
+    missing = written - own.keys()
+    if missing:
+        raise PrecastError(
+            f"cannot verify against {type(module).__name__}: the program writes {', '.join(sorted(missing))}, "
+            "which the module does not have under those names; pass the exported program instead, or verify=False"
+        )
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        copies = {k: own[k].detach().clone() for k in written}
+        return torch.func.functional_call(module, copies, args, kwargs, strict=False)
+
+    return call

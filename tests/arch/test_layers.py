@@ -1,0 +1,169 @@
+"""The one-way architecture, enforced: a module imports only its own layer or lower (read with ``ast``, imports
+inside functions included), and no two modules import each other, directly or in a cycle.
+
+Layers, lowest first (docs/architecture.md): base (errors, dtypes, codes, metrics, io, progress, examples) ->
+ir -> policy -> pipeline -> report -> api -> backends -> bench -> cli (and the ``precast`` facade).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "precast"
+
+LAYERS = (
+    ("base", ("errors", "dtypes", "codes", "metrics", "io", "progress", "examples")),
+    ("ir", ("ir",)),
+    ("policy", ("policy",)),
+    ("pipeline", ("pipeline",)),
+    ("report", ("report",)),
+    ("api", ("api", "guard")),
+    ("backends", ("backends", "__init__")),  # the precast facade re-exports api and backends
+    ("bench", ("bench",)),
+    ("cli", ("cli", "__main__")),
+)
+RANK = {first: i for i, (_, firsts) in enumerate(LAYERS) for first in firsts}
+NAME = {i: name for i, (name, _) in enumerate(LAYERS)}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    """precast.X.Y -> rank of X; the package itself (precast/__init__.py) is the facade, top layer."""
+    parts = module.split(".")
+    if parts == ["precast"]:
+        return RANK["__init__"]
+    if parts[1] not in RANK:
+        raise AssertionError(f"{module}: no layer for precast.{parts[1]}; add it to LAYERS (and to docs)")
+    return RANK[parts[1]]
+
+
+def imports_of(source: str, module: str, is_package: bool) -> list[tuple[str, int]]:
+    """(imported precast module, line) for every import statement, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "precast"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                pkg = module.split(".") if is_package else module.split(".")[:-1]
+                pkg = pkg[: len(pkg) - node.level + 1]
+                base = ".".join(pkg + ([node.module] if node.module else []))
+            if base.split(".")[0] != "precast":
+                continue
+            if base == "precast":  # from precast import X: X is a submodule or a facade name
+                for a in node.names:
+                    sub = f"precast.{a.name}"
+                    found.append(
+                        (
+                            sub
+                            if (PACKAGE / a.name).exists() or (PACKAGE / f"{a.name}.py").exists()
+                            else "precast",
+                            node.lineno,
+                        )
+                    )
+            else:
+                found.append((base, node.lineno))
+    return found
+
+
+def upward_imports(files: dict[str, tuple[str, bool]]) -> list[str]:
+    problems = []
+    for module, (source, is_package) in sorted(files.items()):
+        mine = layer_of(module)
+        for target, line in imports_of(source, module, is_package):
+            theirs = layer_of(target)
+            if theirs > mine:
+                problems.append(
+                    f"{module}:{line} imports {target}: layer {NAME[mine]} may not import layer {NAME[theirs]}"
+                )
+    return problems
+
+
+def package_files() -> dict[str, tuple[str, bool]]:
+    return {module_name(p): (p.read_text(), p.name == "__init__.py") for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_no_upward_imports():
+    problems = upward_imports(package_files())
+    assert not problems, "upward imports:\n" + "\n".join(problems)
+
+
+def test_every_module_has_a_layer_and_a_docstring():
+    for module, (source, _) in package_files().items():
+        layer_of(module)
+        assert ast.get_docstring(ast.parse(source)), (
+            f"{module}: open with a docstring naming its stage and I/O"
+        )
+
+
+def test_no_import_cycles():
+    files = package_files()
+    graph = {
+        m: {t for t, _ in imports_of(src, m, pkg) if t in files and t != m and t != "precast"}
+        for m, (src, pkg) in files.items()
+    }
+    cycles, state = [], {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = "open"
+        for t in sorted(graph[m]):
+            if state.get(t) == "open":
+                cycles.append(" -> ".join(stack[stack.index(t) :] + [t]))
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+@pytest.mark.parametrize(
+    "module, source, expected",
+    [
+        (
+            "precast.ir.program",
+            "from precast.pipeline.classify import classify\n",
+            "layer ir may not import layer pipeline",
+        ),
+        (
+            "precast.policy.base",
+            "def f():\n    from precast.api import convert\n",
+            "layer policy may not import layer api",
+        ),
+        (
+            "precast.pipeline.fold",
+            "from ..report import build\n",
+            "layer pipeline may not import layer report",
+        ),
+        ("precast.ir.graph", "from precast import api\n", "layer ir may not import layer api"),
+    ],
+)
+def test_an_upward_import_is_caught(module, source, expected):
+    """The check fails on an upward import, at module level, inside a function, relative or from the package."""
+    (problem,) = upward_imports({module: (source, False)})
+    assert expected in problem and module in problem
+
+
+def test_downward_and_same_layer_imports_pass():
+    assert not upward_imports(
+        {"precast.api": ("from precast.pipeline import classify\nfrom precast import errors\n", False)}
+    )
+    assert not upward_imports(
+        {"precast.pipeline.fold": ("from precast.pipeline.rewrite import insert_casts\n", False)}
+    )
+
+
+def test_module_size():
+    """No module over ~400 lines (the issue's bound; a little slack for docstrings)."""
+    big = {m: len(src.splitlines()) for m, (src, _) in package_files().items() if len(src.splitlines()) > 430}
+    assert not big, f"modules over 430 lines: {big}"
