@@ -224,7 +224,10 @@ def test_convert_rules_flags_with_calibration_file(tmp_path, capsys):
 
 EARLY = {
     "dtype": (["convert", "{d}/raw.pt2", "-o", "{d}/e1.pt2", "--dtype", "int8"], "--dtype int8"),
-    "policy": (["convert", "{d}/raw.pt2", "-o", "{d}/e2.pt2", "--policy", "fastest"], "invalid choice: 'fastest'"),
+    "policy": (
+        ["convert", "{d}/raw.pt2", "-o", "{d}/e2.pt2", "--policy", "fastest"],
+        "invalid choice: 'fastest'",
+    ),
     "data-max-negative": (
         ["convert", "{d}/raw.pt2", "-o", "{d}/e3.pt2", "--policy", "rules", "--data-max", "-1"],
         "--data-max=-1.0",

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any
 
 from precast.errors import PrecastError, first_line
 from precast.ir.fake import fake_state

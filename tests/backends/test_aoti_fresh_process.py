@@ -47,3 +47,33 @@ def test_package_runs_in_a_process_without_precast(converted_a, compiled_a, tmp_
         for x, out in zip(batches, fresh, strict=True):
             assert torch.equal(out, compiled_a(*x))  # the same native code on the same inputs: bitwise
         assert torch.equal(fresh[0], res.program.module()(*inputs))  # and the converted program's values
+
+
+def test_real_model_package_runs_without_precast(aoti_cache, tmp_path):
+    """The real-model tier's BERT (transformers, from a config) under policy torch bf16, compiled once: the
+    package runs in a process that imports only torch, bitwise what precast's loaded model computes, and
+    within bf16 rounding of the converted program (Inductor fuses)."""
+    pytest.importorskip("transformers", reason="transformers not installed (pip install 'precast[test]')")
+    import precast
+    from tests.realmodels.builders import bert
+    from tests.realmodels.conftest import export
+
+    built = bert()
+    inputs = built.inputs[2]
+    res = precast.convert(export(built.make(False), inputs), inputs, policy="torch", dtype=torch.bfloat16)
+    cm = precast.compile(res.program, cache_dir=aoti_cache, progress=False)
+    batches = [inputs, built.inputs[3]]
+    torch.save(batches, tmp_path / "inputs.pt")
+    proc = run_python(CHILD, str(cm.package_path), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["precast"] == []
+    fresh = torch.load(tmp_path / "out.pt")
+    module = res.program.module()
+    with torch.no_grad():
+        for x, out in zip(batches, fresh, strict=True):
+            assert torch.equal(out, cm(*x))
+            ref = module(*x)
+            scale = ref.abs().max().item()
+            assert (out.float() - ref.float()).abs().max().item() <= 2 * torch.finfo(
+                torch.bfloat16
+            ).eps * scale

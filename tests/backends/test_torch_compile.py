@@ -131,3 +131,27 @@ def test_check_finds_eager_autocast_weight_casts():
     _, graph_casts, kernels = compile_and_inspect(model, inputs)
     assert len(graph_casts) == 8  # 4 weights + 4 biases
     assert kernels, "the generated code should show cast kernels reading the weights"
+
+
+def test_bert_real_model():
+    """The real-model tier's BERT (transformers, built from a config), bf16 under policy torch: torch.compile
+    of the converted program computes what the program computes (within 2 bf16 ulps of the output's scale:
+    Inductor fuses and reorders) and reads its bf16 weights as they are, no per-call casts."""
+    pytest.importorskip("transformers", reason="transformers not installed (pip install 'precast[test]')")
+    from tests.realmodels.builders import bert
+    from tests.realmodels.conftest import export
+
+    built = bert()
+    inputs = built.inputs[2]
+    program = export(built.make(False), inputs)
+    res = precast.convert(program, inputs, policy="torch", dtype=torch.bfloat16)
+    module = res.program.module()
+    with torch.no_grad():
+        ref = module(*inputs)
+    out, graph_casts, kernels = compile_and_inspect(module, inputs)
+    assert graph_casts == [] and kernels == [], (graph_casts, kernels)
+    out, ref = torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(ref)
+    for o, r in zip(out, ref, strict=True):
+        assert o.dtype == r.dtype and o.shape == r.shape
+        scale = r.abs().max().item()
+        assert (o.float() - r.float()).abs().max().item() <= 2 * torch.finfo(torch.bfloat16).eps * scale
