@@ -48,3 +48,17 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         raise
+
+
+CACHE_ENV = "PRECAST_CACHE_DIR"
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """precast's cache folder (AOTInductor packages, op latencies): the argument, else ``$PRECAST_CACHE_DIR``,
+    else the platform's user cache dir for precast. Not created here."""
+    root = cache_dir or os.environ.get(CACHE_ENV) or None
+    if root is None:
+        from platformdirs import user_cache_dir
+
+        root = user_cache_dir("precast")
+    return Path(root).expanduser()

@@ -23,10 +23,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from precast.errors import PrecastError
+from precast.io import CACHE_ENV, cache_root
 from precast.ir.program import CONSTANT_KINDS, ConstantSource, constant_sources
-
-CACHE_ENV = "PRECAST_CACHE_DIR"
-
 
 MANIFEST = "manifest.json"
 
@@ -53,13 +51,7 @@ class _Stored:
 
 def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     """The argument, else ``$PRECAST_CACHE_DIR``, else the platform's user cache dir for precast."""
-    if cache_dir is None:
-        cache_dir = os.environ.get(CACHE_ENV) or None
-    if cache_dir is None:
-        from platformdirs import user_cache_dir
-
-        cache_dir = user_cache_dir("precast")
-    root = Path(cache_dir).expanduser()
+    root = cache_root(cache_dir)
     try:
         (root / "aoti").mkdir(parents=True, exist_ok=True)
     except OSError as exc:

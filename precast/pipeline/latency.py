@@ -33,7 +33,7 @@ from torch.export import ExportedProgram
 
 from precast.dtypes import dtype_name
 from precast.errors import PrecastError, first_line
-from precast.io import atomic_path
+from precast.io import CACHE_ENV, atomic_path, cache_root
 from precast.ir import diagnostics
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.inputs import normalize_inputs
@@ -42,7 +42,6 @@ from precast.ir.regions import innermost_region
 from precast.pipeline import checks
 from precast.policy.auto import OpLatency, is_measured
 
-CACHE_ENV = "PRECAST_CACHE_DIR"
 CACHE_FILE = "latency.json"
 CACHE_VERSION = 1
 MAX_FALLBACK_ROUNDS = 8
@@ -167,12 +166,8 @@ def native_note(device: str, low: torch.dtype) -> str:
 
 # ---- the cache -------------------------------------------------------------------------------------------
 def cache_path(cache_dir: str | os.PathLike | None = None) -> Path:
-    root = cache_dir or os.environ.get(CACHE_ENV) or None
-    if root is None:
-        from platformdirs import user_cache_dir
-
-        root = user_cache_dir("precast")
-    return Path(root).expanduser() / CACHE_FILE
+    """``<precast cache dir>/latency.json`` (``precast.io.cache_root``: the AOTInductor cache's root)."""
+    return cache_root(cache_dir) / CACHE_FILE
 
 
 def _load(path: Path) -> dict:
