@@ -167,3 +167,11 @@ def test_module_size():
     """No module over ~400 lines (the issue's bound; a little slack for docstrings)."""
     big = {m: len(src.splitlines()) for m, (src, _) in package_files().items() if len(src.splitlines()) > 430}
     assert not big, f"modules over 430 lines: {big}"
+
+
+def test_every_package_folder_is_a_regular_package():
+    """A folder of modules without ``__init__.py`` imports from a checkout (a namespace package) but is left out
+    of the wheel (``setuptools.packages.find`` finds regular packages only): users would get ImportError."""
+    folders = {p.parent for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    missing = sorted(str(f.relative_to(PACKAGE.parent)) for f in folders if not (f / "__init__.py").exists())
+    assert not missing, f"add __init__.py to: {missing}"
