@@ -348,3 +348,14 @@ def test_check_t5_with_region(tmp_path, capsys):
     assert main(["check", str(path), "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["outputs"]
     assert row["cosine"] > 0.999
+
+
+def test_demo_catches_the_bug_then_converts_the_fix_bitwise(capsys):
+    """README's first command: the seed's model fails at conversion with the one-line error, the corrected model
+    converts, and the converted program is bitwise the unconverted one with no weight casts left per forward."""
+    assert main(["demo", "--repeats", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "precast stops at conversion" in out and "[dtype-mismatch;" in out and "node 'linear_2'" in out
+    assert "outputs bitwise equal: True" in out
+    assert "verified against the unconverted program: bitwise equal" in out
+    assert "weight casts per forward (decomposed graph): 4 -> 0" in out
