@@ -28,9 +28,7 @@ from precast.ir.inputs import check_example_inputs
 from precast.ir.program import Program, private_state, program_device_type
 from precast.pipeline import checks, lower
 from precast.pipeline.capture import capture, policy_region
-from precast.pipeline.latency import (
-    device_fallback,
-)
+from precast.pipeline.checks import device_fallback
 from precast.pipeline.prepare import auto_confirm, prepare_policy
 from precast.pipeline.regions import inline_regions
 from precast.pipeline.runner import run_stage, timed
@@ -172,6 +170,7 @@ def convert(
     out = report_stage(program, stats)
 
     # rules/auto: ops without a low-precision kernel on this device go back to fp32, converted again
+    ran = None  # the converted program's outputs on the example inputs, when the device check ran it
     if isinstance(decider, RulesDecider):
 
         def relower(device_fp32: dict[str, str], **extra: Any) -> tuple:
@@ -183,7 +182,7 @@ def convert(
             return fresh, d, st, report_stage(fresh, st)
 
         with timed("device_check"):
-            fell = device_fallback(out, ep, inputs, decider, rep, relower)
+            fell, ran = device_fallback(out, ep, inputs, decider, rep, relower)
         if fell is not None:
             program, decider, stats, out = fell
         if isinstance(decider, AutoDecider):
@@ -191,6 +190,7 @@ def convert(
                 fell = auto_confirm(out, ep, inputs, decider, pol, rep, device, relower, prep.latency_run)
             if fell is not None:
                 program, decider, stats, out = fell
+                ran = None  # another program now
 
     # report
     if prep is not None:
@@ -205,7 +205,7 @@ def convert(
         original = program_or_module if isinstance(program_or_module, torch.nn.Module) else None
         ref_kind = kind if kind in POLICY_NAMES else "custom"
         with timed("verify"):
-            result = verify_stage(out, ep, rep, ref_kind, device, low, original, inputs)
+            result = verify_stage(out, ep, rep, ref_kind, device, low, original, inputs, ran=ran)
         if result:
             rep.verification = {**result, **rep.verification}
     write_program_info(out, rep)

@@ -16,12 +16,15 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from precast import codes
-from precast.dtypes import long_name
+from precast.dtypes import dtype_name, long_name
 from precast.errors import PrecastError, first_line, where
-from precast.ir.diagnostics import DiagnosticLog, add, from_error, raise_errors, record
+from precast.ir.diagnostics import Diagnostic, DiagnosticLog, add, from_error, raise_errors, record
+from precast.ir.inputs import normalize_inputs
+from precast.ir.program import private_state
 
 # every registered code (kept under this name for callers that list them)
 CODES = tuple(codes.CODES)
@@ -211,14 +214,13 @@ def _record_skipped_run(rep: DiagnosticLog, node: torch.fx.Node | None, exc: Exc
 
 
 def _record_unsupported(rep: DiagnosticLog, node: torch.fx.Node, exc: Exception) -> None:
-    device = rep.device_type or "cpu"
-    dtypes = sorted(
-        {
-            long_name(v.meta["val"].dtype)
-            for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
-            if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)
-        }
-    )
+    values = [
+        v.meta["val"]
+        for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+        if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)
+    ]
+    device = values[0].device.type if values else "cpu"  # the device the failing op ran on
+    dtypes = sorted({long_name(v.dtype) for v in values})
     record(
         rep,
         "device-unsupported",
@@ -251,3 +253,77 @@ class _NodeInterpreter(torch.fx.Interpreter):
 
 
 # ---- ambient autocast at call time ----------------------------------------------------------------------
+
+
+MAX_FALLBACK_ROUNDS = 8
+
+
+# ---- device fallback --------------------------------------------------------------------------------------
+def example_batch(ep: ExportedProgram, inputs: tuple[tuple, dict] | None) -> tuple[tuple, dict] | None:
+    """The inputs to run the program on here: the given ones, else the program's example inputs; None when
+    there are none or they are on a device this machine lacks."""
+    if inputs is None:
+        if ep.example_inputs is None:
+            return None
+        inputs = normalize_inputs(ep.example_inputs)
+    for t in pytree.tree_leaves(inputs):
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda" and not torch.cuda.is_available():
+            return None
+    return inputs
+
+
+def device_fallback(
+    out: ExportedProgram,
+    ep: ExportedProgram,
+    inputs: tuple[tuple, dict] | None,
+    decider: Any,
+    rep: DiagnosticLog,
+    relower: Callable[[dict[str, str]], tuple],
+) -> tuple[tuple | None, Any]:
+    """Rules/auto: run ``out`` once on the example inputs; while an op the policy put in the low dtype by
+    default fails (``device-unsupported``: no low-precision kernel on this device), keep it fp32 and convert
+    again with ``relower(device_fp32) -> (program, decider, stats, out)``, at most MAX_FALLBACK_ROUNDS times.
+    Returns (the last ``relower`` result or None when nothing fell back, the outputs of the run that
+    succeeded or None): verification compares those outputs instead of running the program again. A failure
+    that is not the policy's own choice (a region, ``include_ops``, an op outside the decisions) is left to
+    the verification, which reports it as before."""
+    batch = example_batch(ep, inputs)
+    if batch is None:
+        return None, None
+    low = decider.opts.low
+    ran = None
+    failed: dict[str, str] = {}
+    found: list[Diagnostic] = []
+    result = None
+    for _ in range(MAX_FALLBACK_ROUNDS):
+        probe = DiagnosticLog()
+        ok, outputs = run_checked(private_state(out).module(), batch[0], batch[1], probe)
+        if ok:
+            ran = outputs
+            break
+        bad = next((d for d in probe.diagnostics if d.code == "device-unsupported"), None)
+        decision = decider.decided.get(bad.node) if bad is not None else None
+        if (
+            decision is None
+            or decision.dtype != low
+            or decision.source not in ("rules", "auto")
+            or bad.node in failed
+        ):
+            break
+        what = bad.message.split(": ", 1)[-1]
+        failed[bad.node] = what
+        found.append(bad)
+        result = relower(dict(failed))
+        decider, out = result[1], result[3]
+    for d in found:
+        record(
+            rep,
+            "no-low-precision-kernel",
+            f"{d.message.split(': ', 1)[0]}: no {dtype_name(low)} kernel on this device "
+            f"({d.message.split(': ', 1)[-1]}): kept in float32",
+            d.node,
+            location=d.location,
+            module=d.module,
+            fix="nothing to do; exclude_ops it to skip the retry",
+        )
+    return result, ran

@@ -1,8 +1,5 @@
-"""What the target device runs, and how fast: the stages that run ops for the rules and auto policies.
+"""How fast the target device runs each op: the stages that time ops for the auto policy.
 
-- ``device_fallback``: run the converted program once on its example inputs; an op that fails in the low dtype
-  (no low-precision kernel on this device: fp16 ``mkldnn_rnn_layer`` on CPUs without oneDNN fp16) goes back
-  to fp32 and the program is converted again, until it runs (bounded). Diagnostic ``no-low-precision-kernel``.
 - ``measure_program``: per matmul / convolution / attention op (``precast.policy.auto.is_measured``), its
   latency in fp32 and in the low dtype with its real shapes (from the fake values of its inputs), and the
   casts the low choice forces at its boundaries. Cached per device, op, shapes and dtype in
@@ -34,88 +31,15 @@ from torch.export import ExportedProgram
 from precast.dtypes import dtype_name
 from precast.errors import PrecastError, first_line
 from precast.io import CACHE_ENV, atomic_path, cache_root
-from precast.ir import diagnostics
-from precast.ir.diagnostics import DiagnosticLog
-from precast.ir.inputs import normalize_inputs
 from precast.ir.program import Program, private_state
 from precast.ir.regions import innermost_region
-from precast.pipeline import checks
 from precast.policy.auto import OpLatency, is_measured
 
 CACHE_FILE = "latency.json"
 CACHE_VERSION = 1
-MAX_FALLBACK_ROUNDS = 8
 BUDGET_S = 0.03  # at most this much time spent timing one variant of one op (after its first sample)
 SAMPLE_S = 0.0005  # one sample: this long a loop of calls
 SAMPLES = 30
-
-
-# ---- device fallback --------------------------------------------------------------------------------------
-def example_batch(ep: ExportedProgram, inputs: tuple[tuple, dict] | None) -> tuple[tuple, dict] | None:
-    """The inputs to run the program on here: the given ones, else the program's example inputs; None when
-    there are none or they are on a device this machine lacks."""
-    if inputs is None:
-        if ep.example_inputs is None:
-            return None
-        inputs = normalize_inputs(ep.example_inputs)
-    for t in pytree.tree_leaves(inputs):
-        if isinstance(t, torch.Tensor) and t.device.type == "cuda" and not torch.cuda.is_available():
-            return None
-    return inputs
-
-
-def device_fallback(
-    out: ExportedProgram,
-    ep: ExportedProgram,
-    inputs: tuple[tuple, dict] | None,
-    decider: Any,
-    rep: DiagnosticLog,
-    relower: Callable[[dict[str, str]], tuple],
-) -> tuple | None:
-    """Run ``out`` once on the example inputs; while an op the policy put in the low dtype by default fails
-    (``device-unsupported``), keep it fp32 and convert again with ``relower(device_fp32) -> (program,
-    decider, stats, out)``. Returns the last ``relower`` result (None when nothing fell back). A failure
-    that is not the policy's own choice (a region, ``include_ops``, an op outside the decisions) is left to
-    the verification, which reports it as before."""
-    batch = example_batch(ep, inputs)
-    if batch is None:
-        return None
-    low = decider.opts.low
-    failed: dict[str, str] = {}
-    found: list[diagnostics.Diagnostic] = []
-    result = None
-    for _ in range(MAX_FALLBACK_ROUNDS):
-        probe = DiagnosticLog()
-        probe.device_type = getattr(rep, "device_type", None)  # type: ignore[attr-defined]
-        ok, _ = checks.run_checked(private_state(out).module(), batch[0], batch[1], probe)
-        if ok:
-            break
-        bad = next((d for d in probe.diagnostics if d.code == "device-unsupported"), None)
-        decision = decider.decided.get(bad.node) if bad is not None else None
-        if (
-            decision is None
-            or decision.dtype != low
-            or decision.source not in ("rules", "auto")
-            or bad.node in failed
-        ):
-            break
-        what = bad.message.split(": ", 1)[-1]
-        failed[bad.node] = what
-        found.append(bad)
-        result = relower(dict(failed))
-        decider, out = result[1], result[3]
-    for d in found:
-        diagnostics.record(
-            rep,
-            "no-low-precision-kernel",
-            f"{d.message.split(': ', 1)[0]}: no {dtype_name(low)} kernel on this device "
-            f"({d.message.split(': ', 1)[-1]}): kept in float32",
-            d.node,
-            location=d.location,
-            module=d.module,
-            fix="nothing to do; exclude_ops it to skip the retry",
-        )
-    return result
 
 
 # ---- the device ------------------------------------------------------------------------------------------

@@ -21,13 +21,14 @@ from precast.ir import diagnostics
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.program import Program
 from precast.pipeline.calibrate import calibrate_stage
-from precast.pipeline.latency import example_batch, measure_program, native_note, time_programs
+from precast.pipeline.checks import example_batch
+from precast.pipeline.latency import measure_program, native_note, time_programs
 from precast.pipeline.runner import run_stage
-from precast.pipeline.tolerance import FallbackResult, tolerance_stage
+from precast.pipeline.tolerance import tolerance_stage
 from precast.policy.auto import MARGIN, AutoPolicy
 from precast.policy.rules.measures import Calibration
 from precast.policy.rules.options import RuleOptions
-from precast.policy.rules.tolerance import parse_tolerance
+from precast.policy.rules.tolerance import FallbackResult, parse_tolerance
 
 
 @dataclass

@@ -66,12 +66,15 @@ def verify_stage(
     low: torch.dtype | None,
     original: torch.nn.Module | None = None,
     inputs: tuple[tuple, dict] | None = None,
+    *,
+    ran: Any = None,
 ) -> dict:
     """Run the converted program against the reference semantics, each on private copies of the state it
     writes: neither the caller's module or program nor the returned program changes. ``policy``: "torch"
     (reference: eager autocast), "rules" (the unconverted program; differences are information) or anything
-    else (the unconverted program; differences are warnings). Returns the verification record ({} when it
-    could not run; a diagnostic says why)."""
+    else (the unconverted program; differences are warnings). ``ran``: the converted program's outputs on the
+    example inputs when the device check already ran it there (``checks.device_fallback``): not run again.
+    Returns the verification record ({} when it could not run; a diagnostic says why)."""
     if inputs is None and ep.example_inputs is None:
         diagnostics.record(
             rep,
@@ -98,13 +101,16 @@ def verify_stage(
     if second is not None:
         batches.append(second)  # a dynamic batch dim: a program narrowed to the example size fails here
     results = []
-    for a, k in batches:
+    for i, (a, k) in enumerate(batches):
         # fresh private copies of the written state for each run, on both sides
-        module = private_state(out).module()  # unlifted once per run
-        ok, got = checks.run_checked(module, a, k, rep)
-        if not ok:
-            diagnostics.raise_errors(rep)
-            return {}  # allowed: the program fails on this device, so there is nothing to compare
+        if i == 0 and ran is not None:
+            module, got = None, ran
+        else:
+            module = private_state(out).module()  # unlifted once per run
+            ok, got = checks.run_checked(module, a, k, rep)
+            if not ok:
+                diagnostics.raise_errors(rep)
+                return {}  # allowed: the program fails on this device, so there is nothing to compare
         ref, name = _reference(ep, policy, device, low, original)
         try:
             with torch.no_grad():
