@@ -180,6 +180,13 @@ _CODES = (
         "",
     ),
     Code(
+        "latency-not-measured",
+        "warning",
+        "policy 'auto': an op could not be timed on this device (its kernel failed on inputs of its shapes), so "
+        "it stays float32",
+        "nothing to do; exclude_ops it to skip the attempt",
+    ),
+    Code(
         "device-check-skipped",
         "warning",
         "the run of the converted program on its example inputs could not be made (the reason is given), so "

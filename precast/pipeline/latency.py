@@ -52,24 +52,24 @@ def device_key(device: str) -> str:
     return f"{device} {name} torch={torch.__version__}"
 
 
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line of /proc/cpuinfo (Linux), None where there is none."""
+    path = Path("/proc/cpuinfo")
+    if not path.exists():
+        return None
+    for line in path.read_text().splitlines():
+        if line.startswith(field):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def _cpu_flags() -> set[str] | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        return None
-    return None
+    flags = _cpuinfo("flags")
+    return set(flags.split()) if flags is not None else None
 
 
 def native_note(device: str, low: torch.dtype) -> str:

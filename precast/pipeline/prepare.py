@@ -75,6 +75,14 @@ def prepare_policy(
         prep.bind_kw["latencies"], prep.latency_run = run_stage(
             program, "latency", lambda p: measure_program(p, low, device, policy.cache_dir)
         )
+        nodes = {n.name: n for n in program.graph.nodes}
+        for name, why in (prep.latency_run.skipped or {}).items():
+            diagnostics.record(
+                log,
+                "latency-not-measured",
+                f"{name}: could not be timed on {device} ({why}): kept float32",
+                nodes[name],
+            )
     if tol is not None:
         prep.search = run_stage(
             program, "tolerance", tolerance_stage, ep, policy, opts, cal, tol, log, **prep.bind_kw

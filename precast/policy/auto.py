@@ -183,16 +183,16 @@ class AutoPolicy(RulesPolicy):
         """``latencies``: the measured table (node -> OpLatency); ``all_fp32``: a reason to keep every measured
         op fp32 (the end-to-end confirmation found the converted program slower)."""
         if latencies is None:  # the table given to the policy
-            latencies = {
-                k: replace(OpLatency.of(v), origin="given") for k, v in (self.latencies or {}).items()
-            }
+            table = {k: replace(OpLatency.of(v), origin="given") for k, v in (self.latencies or {}).items()}
+        else:
+            table = {k: OpLatency.of(v) for k, v in latencies.items()}
         return AutoDecider(
             program,
             opts,
             calibration,
             fallback=fallback,
             device_fp32=device_fp32,
-            latencies={k: OpLatency.of(v) for k, v in latencies.items()},
+            latencies=table,
             all_fp32=all_fp32,
         )
 

@@ -132,6 +132,25 @@ def test_measured_once_then_cached(tmp_path, monkeypatch):
     assert [second.report.node(n).dtype for n in LINEARS] == [first.report.node(n).dtype for n in LINEARS]
 
 
+def test_op_that_cannot_be_timed_stays_fp32_and_is_named(tmp_path, monkeypatch):
+    """A kernel that fails while being timed is never a silent skip: the op stays fp32 and a
+    ``latency-not-measured`` warning names it."""
+    monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path))
+    real = latency.measure_node
+
+    def broken_for_first(node, *args, **kwargs):
+        if node.name == LINEARS[0]:
+            raise RuntimeError("no kernel for these shapes")
+        return real(node, *args, **kwargs)
+
+    monkeypatch.setattr(latency, "measure_node", broken_for_first)
+    model, inputs = zoo.plain_mlp()
+    res = precast.convert(model, inputs, policy=AutoPolicy(dtype=torch.bfloat16, confirm=False), verify=False)
+    (d,) = [d for d in res.report.diagnostics if d.code == "latency-not-measured"]
+    assert d.severity == "warning" and d.node == LINEARS[0] and "no kernel for these shapes" in d.message
+    assert res.report.node(LINEARS[0]).dtype == "fp32"
+
+
 def test_cli_policy_auto(tmp_path, monkeypatch, capsys):
     from precast.cli import main
 

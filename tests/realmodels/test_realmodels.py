@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import precast
+from precast.metrics import row_cosine
 from tests.helpers import assert_bitwise, constant_casts
 from tests.realmodels.builders import BATCHES, BUILDERS
 from tests.realmodels.conftest import POLICIES
@@ -58,16 +59,6 @@ RULES_MIN_COSINE = {
 
 def _batches(model):
     return [(b, model.built.inputs[b]) for b in BATCHES]
-
-
-def _rows_cosine(got: torch.Tensor, want: torch.Tensor) -> float:
-    """Lowest cosine similarity over the output's rows (the last dimension), in float64."""
-    g, w = got.detach().double(), want.detach().double()
-    return (
-        torch.nn.functional.cosine_similarity(g.reshape(-1, g.shape[-1]), w.reshape(-1, w.shape[-1]), dim=-1)
-        .min()
-        .item()
-    )
 
 
 def _max_diff(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -174,7 +165,7 @@ def test_policy_rules_finite_and_close_to_fp32(zoo, name, policy_id):
             got, want = got_module(*x), model.module(*x)
             assert got.dtype == want.dtype  # rules keep the program's input/output dtypes
             assert bool(torch.isfinite(got).all()), f"batch {b}: non-finite outputs"
-            worst = min(worst, _rows_cosine(got, want))
+            worst = min(worst, row_cosine(got, want))
     print(f"\n{name} {policy_id}: min row cosine vs fp32 {worst:.7f} (bound {bound})")
     assert worst >= bound
 
