@@ -203,7 +203,8 @@ def convert(
     # verify
     if verify:
         original = program_or_module if isinstance(program_or_module, torch.nn.Module) else None
-        ref_kind = kind if kind in POLICY_NAMES else "custom"
+        # the reference follows the policy's class, not its name (a policy of the user's may call itself "torch")
+        ref_kind = kind if pol is None or isinstance(pol, (TorchPolicy, RulesPolicy)) else "custom"
         with timed("verify"):
             result = verify_stage(out, ep, rep, ref_kind, device, low, original, inputs, ran=ran)
         if result:

@@ -1,6 +1,6 @@
 """The conversion pipeline: one stage per module, each a function over a ``Program`` returning its stats.
 
-In order (``STAGES``; ``precast.api.convert`` runs them, ``precast.pipeline.runner`` times and checks each):
+In order (``STAGES`` has the names the runner reports; ``precast.api.convert`` runs them, ``precast.pipeline.runner`` times and checks each):
 
   capture      module/program -> ExportedProgram (policy torch on a module: traced under torch.autocast)
   program_copy ExportedProgram -> Program (private graph copy, written constants cloned)
@@ -38,18 +38,25 @@ from precast.pipeline.rewrite import insert_casts
 from precast.pipeline.runner import run_stage
 from precast.pipeline.simplify import simplify_casts
 
+# the names ``run_stage`` reports, in the order a conversion runs them (a test observes a rules conversion with
+# tolerance and auto against this list); "check_pass" follows every rewriting stage
 STAGES = (
     "capture",
     "program_copy",
-    "regions",
+    "inline_regions",
     "checks",
     "calibrate",
+    "latency",
     "tolerance",
     "classify",
-    "rewrite",
-    "fold",
-    "simplify",
-    "restore_io",
+    "insert_casts",
+    "fold_constant_casts",
+    "simplify_casts",
+    "restore_output_dtypes",
+    "report",
+    "device_check",
+    "auto_confirm",
+    "tolerance_check",
     "verify",
 )
 

@@ -175,3 +175,39 @@ def test_every_package_folder_is_a_regular_package():
     folders = {p.parent for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
     missing = sorted(str(f.relative_to(PACKAGE.parent)) for f in folders if not (f / "__init__.py").exists())
     assert not missing, f"add __init__.py to: {missing}"
+
+
+def test_stages_run_in_the_documented_order():
+    """``precast.pipeline.STAGES`` is what a conversion runs, in that order: observed on a real conversion
+    (policy auto with a tolerance: every optional stage runs), each stage name is documented and the first
+    appearances follow the list."""
+    import torch
+
+    import precast
+    from precast.pipeline import STAGES
+    from precast.pipeline.runner import observe
+    from tests import models as zoo
+
+    seen: list[str] = []
+
+    def observer(name):
+        seen.append(name)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    model, inputs = zoo.plain_encoder()
+    calib = [(torch.randn_like(inputs[0]),) for _ in range(2)]
+    latencies = {}  # nothing measured: every op keeps the rules' answer, no timing in a test
+    with observe(observer):
+        precast.convert(
+            model,
+            inputs,
+            policy=precast.AutoPolicy(
+                dtype=torch.bfloat16, calibration=calib, tolerance={"cosine": 0.999}, latencies=latencies
+            ),
+        )
+    names = [n for n in dict.fromkeys(seen) if n != "check_pass"]
+    assert set(names) <= set(STAGES), set(names) - set(STAGES)
+    assert names == [s for s in STAGES if s in names]
+    assert {"capture", "calibrate", "tolerance", "classify", "report", "device_check", "verify"} <= set(names)
