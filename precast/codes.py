@@ -38,6 +38,14 @@ _CODES = (
         "cast the activation back with `.float()` where it leaves the autocast region, or move the op inside it",
     ),
     Code(
+        "autocast-category-unknown",
+        "warning",
+        "the installed torch registers an autocast kernel for an op of the program that precast has no category "
+        "for (a torch newer than precast's tables): the op is left as written, where eager autocast may cast it",
+        "upgrade precast, or keep the op out of autocast (exclude it, or run it in an fp32 region); "
+        "`precast.policy.torch_tables.unknown_registrations(device)` lists every such op",
+    ),
+    Code(
         "unused-enabled-input",
         "warning",
         "a bool input has no users in a program with regions: export specialized `autocast(enabled=flag)` to "

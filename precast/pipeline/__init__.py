@@ -37,6 +37,7 @@ from precast.pipeline.restore_io import restore_output_dtypes
 from precast.pipeline.rewrite import insert_casts
 from precast.pipeline.runner import run_stage
 from precast.pipeline.simplify import simplify_casts
+from precast.policy.autocast import UNKNOWN_CATEGORY
 
 # the names ``run_stage`` reports, in the order a conversion runs them (a test observes a rules conversion with
 # tolerance and auto against this list); "check_pass" follows every rewriting stage
@@ -73,6 +74,23 @@ class LowerStats:
     outputs_restored: int = 0
 
 
+def record_unknown_categories(program: Program, log: DiagnosticLog) -> None:
+    """One warning naming the ops eager autocast would handle on this torch that precast has no category for."""
+    nodes = [
+        n for n in program.graph.nodes if getattr(n.meta.get("precast"), "rule", None) == UNKNOWN_CATEGORY
+    ]
+    if not nodes:
+        return
+    ops = sorted({str(n.target) for n in nodes})
+    diagnostics.record(
+        log,
+        "autocast-category-unknown",
+        f"torch {torch.__version__} registers autocast kernels precast has no category for: {', '.join(ops)} "
+        f"({len(nodes)} node(s), first {nodes[0].name}); they run as written",
+        nodes[0],
+    )
+
+
 def lower(
     program: Program,
     policy: Any,
@@ -89,6 +107,7 @@ def lower(
         program, "classify", classify_program, policy, user_rules, checks.classify_error_handler(log)
     )
     stats.decomposed = result.decomposed or []
+    record_unknown_categories(program, log)
     run_stage(program, "insert_casts", insert_casts, check=True)
     fold = run_stage(program, "fold_constant_casts", fold_constant_casts, check=True)
     stats.casts_folded, stats.constants_created, stats.constants_dropped = (

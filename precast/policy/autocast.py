@@ -18,7 +18,16 @@ from precast.dtypes import dtype_name
 from precast.errors import PrecastError, where
 from precast.ir.graph import ArgPath, tensor_args
 from precast.policy.base import Decision
-from precast.policy.torch_tables import APPEND_DTYPE_OVERLOAD, BANNED_MESSAGES, Category, category
+from precast.policy.torch_tables import (
+    APPEND_DTYPE_OVERLOAD,
+    BANNED_MESSAGES,
+    Category,
+    category,
+    unknown_registrations,
+)
+
+# the rule of a Decision for an op the installed torch's autocast registers and precast has no category for
+UNKNOWN_CATEGORY = "unknown-category"
 
 
 def eligible(value: object, device_type: str) -> bool:
@@ -50,6 +59,16 @@ def autocast_decision(
     if not isinstance(op, torch._ops.OpOverload):
         return None
     cat = category(device_type, op)
+    if cat is None and registration(op) in unknown_registrations(device_type):
+        # eager autocast has a kernel for it on this torch, and precast does not know what it does: say so
+        return Decision(
+            None,
+            source,
+            UNKNOWN_CATEGORY,
+            f"{context}: torch {torch.__version__} registers an autocast kernel for {registration(op)} that "
+            "precast has no category for; left as written",
+            region=region,
+        )
     if cat is None or cat == Category.FALLTHROUGH:
         return None
     tensors = tensor_args(args, kwargs)

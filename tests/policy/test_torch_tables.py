@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 import pytest
@@ -9,16 +10,26 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import precast
+from precast.policy import autocast as autocast_policy
 from precast.policy.torch_tables import (
     APPEND_DTYPE_OVERLOAD,
     BANNED_MESSAGES,
+    BASE,
+    CHANGES,
     DISPATCH_KEYS,
-    TABLES,
     Category,
     category,
+    expected_table,
+    known,
     registration_name,
+    table,
     table_drift,
+    torch_release,
+    unknown_registrations,
 )
+
+TABLES = BASE  # torch 2.13's registrations: the counts and lists below are those of autocast_mode.cpp in 2.13
 
 aten = torch.ops.aten
 C = Category
@@ -52,6 +63,31 @@ def test_category_counts() -> None:
         C.PROMOTE: 11,
         C.BANNED: 1,
     }
+
+
+@pytest.mark.parametrize("device", sorted(DISPATCH_KEYS))
+def test_every_registration_has_a_category(device: str) -> None:
+    """On every lane's torch: no autocast registration precast lacks a category for, and the table in use is
+    exactly what the dispatcher registers."""
+    assert unknown_registrations(device) == set(), sorted(unknown_registrations(device))
+    live = set(torch._C._dispatch_get_registrations_for_dispatch_key(DISPATCH_KEYS[device]))
+    assert set(table(device)) == live
+
+
+def test_release_changes() -> None:
+    """The data of later releases, as measured on their dispatchers: 2.14 made the changes 2.15 keeps."""
+    for device in DISPATCH_KEYS:
+        assert expected_table(device, (2, 13), cudnn=False) == BASE[device]
+        assert expected_table(device, (2, 14), cudnn=True) == expected_table(device, (2, 15), cudnn=True)
+    t215 = expected_table("cpu", (2, 15), cudnn=True)
+    assert "aten::cholesky" not in t215 and "aten::qr" not in t215
+    assert t215["aten::linalg_matrix_sqrth"] is C.FP32
+    cuda215 = expected_table("cuda", (2, 15), cudnn=True)
+    assert cuda215["aten::_cudnn_rnn"] is C.LOWER_PRECISION_FP
+    assert "aten::_cudnn_rnn" not in expected_table("cuda", (2, 15), cudnn=False)
+    assert set(known("cpu")) >= set(BASE["cpu"]) | {"aten::linalg_matrix_sqrth"}
+    assert torch_release("2.15.0+cu132") == (2, 15) and torch_release("2.13.0+cpu") == (2, 13)
+    assert all(release > (2, 13) for release in CHANGES)
 
 
 def _names(device: str, cat: Category) -> set[str]:
@@ -96,6 +132,9 @@ def test_lookups() -> None:
     assert category("cpu", aten.linear.default) is C.LOWER_PRECISION_FP
     assert category("cpu", aten.relu.default) is None
     assert category("cpu", aten.binary_cross_entropy.default) is C.FP32  # banned only on CUDA
+    if torch_release() >= (2, 14):  # autocast no longer registers it: eager leaves it alone
+        assert category("cpu", aten.cholesky_solve.default) is C.FP32
+        assert "aten::cholesky" not in table("cpu") and "aten::cholesky" in known("cpu")
     assert category("cuda", aten.softmax.int) is C.FP32_SET_OPT_DTYPE
     assert category("cuda", aten.norm.Scalar) is C.FP32_APPEND_DTYPE
     assert category("cuda", aten.binary_cross_entropy.default) is C.BANNED
@@ -108,8 +147,10 @@ def test_lookups() -> None:
 
 @pytest.mark.parametrize("device", sorted(TABLES))
 def test_every_key_is_a_real_op(device: str) -> None:
+    """Every name of the installed torch's table resolves to an overload of that name (a name a later release
+    dropped, such as aten::qr on 2.15, is out of that release's table)."""
     unresolved = []
-    for name in TABLES[device]:
+    for name in table(device):
         try:
             op = resolve(name)
         except (AttributeError, RuntimeError):
@@ -206,3 +247,146 @@ def test_cuda_eager_matches_table() -> None:
     assert rec.last(APPEND_DTYPE_OVERLOAD["cuda"]["aten::norm.Scalar"]) == ([torch.half], torch.float32)
     assert rec.last("aten::addcmul")[0] == [torch.float32] * 3
     assert BANNED_MESSAGES["aten::binary_cross_entropy"] in str(banned.value)
+
+
+# ---- every category against eager ------------------------------------------------------------------------
+_FILL = {
+    "int": 1,
+    "SymInt": 1,
+    "int[]": [1],
+    "SymInt[]": [1],
+    "int[1]": [1],
+    "float": 1.0,
+    "Scalar": 1,
+    "bool": False,
+}
+
+
+def _drop(record: logging.LogRecord) -> bool:
+    return False  # fake tensor logs every meta that fails on a shape the probe then moves past
+
+
+def _call_args(op: torch._ops.OpOverload, x: torch.Tensor) -> list | None:
+    """Positional arguments for ``op``: ``x`` for every Tensor, a plain value for every other required one."""
+    args = []
+    for a in op._schema.arguments:
+        if a.kwarg_only and a.has_default_value():
+            continue
+        kind = str(a.type)
+        if kind == "Tensor":
+            args.append(x)
+        elif a.has_default_value():
+            break  # keep the defaults from here on
+        elif kind in _FILL:
+            args.append(_FILL[kind])
+        else:
+            return None
+    return args if any(v is x for v in args) else None
+
+
+def _probe(device: str, op: torch._ops.OpOverload, low: torch.dtype) -> Category | None:
+    """What eager autocast does to ``op`` called on float32 tensors and on ``low`` tensors (a matrix, or a 3-D or
+    4-D tensor for ops that need one), seen below the Autocast key: cast fp32 inputs to ``low``
+    (lower_precision_fp), cast ``low`` inputs to fp32 (fp32), pass dtype=float32 (set_opt), redispatch with a
+    dtype (append). None when the op runs on none of those shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode()
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")
+    for shape in ((4, 4), (2, 4, 4), (1, 2, 4, 4)):
+        with fake:
+            f32 = torch.empty(*shape, device=device)
+            lowt = torch.empty(*shape, device=device, dtype=low)
+        seen = []
+        for x in (f32, lowt):
+            args = _call_args(op, x)
+            if args is None:
+                return None
+            rec = _Record()
+            prev = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+            torch.set_autocast_enabled(device, True)
+            torch.set_autocast_dtype(device, low)
+            quiet.addFilter(_drop)
+            try:
+                with fake, rec:
+                    op(*args)
+            except Exception:  # not this shape (or not a plain call at all): the next shape, else not probed
+                break
+            finally:
+                quiet.removeFilter(_drop)
+                torch.set_autocast_enabled(device, prev[0])
+                torch.set_autocast_dtype(device, prev[1])
+            seen.append(rec.calls)
+        if len(seen) == 2:
+            break
+    else:
+        return None
+    name = op.name()
+    for calls in seen:
+        for called, _, dtype_kw in calls:
+            if called != name and called in APPEND_DTYPE_OVERLOAD[device].values():
+                return C.FP32_APPEND_DTYPE
+            if called == name and dtype_kw is torch.float32:
+                return C.FP32_SET_OPT_DTYPE
+    first = [d for n, d, _ in seen[0] if n == name]
+    second = [d for n, d, _ in seen[1] if n == name]
+    if first and first[-1] and set(first[-1]) == {low}:
+        return C.LOWER_PRECISION_FP
+    if second and second[-1] and set(second[-1]) == {torch.float32}:
+        return C.FP32
+    return None
+
+
+@pytest.mark.parametrize("device", sorted(DISPATCH_KEYS))
+def test_every_category_matches_eager(device: str) -> None:
+    """Each op of the installed torch's table that runs on one plain matrix is called under eager autocast on
+    fake tensors, and what eager does must be what the table says (the other ops are checked by PyTorch's own
+    autocast test lists in tests/test_torch_policy.py)."""
+    low = torch.bfloat16 if device == "cpu" else torch.float16
+    probed, wrong = 0, []
+    for name, cat in table(device).items():
+        if cat not in (C.LOWER_PRECISION_FP, C.FP32, C.FP32_SET_OPT_DTYPE, C.FP32_APPEND_DTYPE):
+            continue
+        try:
+            op = resolve(name)
+        except (AttributeError, RuntimeError):
+            continue
+        got = _probe(device, op, low)
+        if got is None:
+            continue
+        probed += 1
+        if got is not cat:
+            wrong.append(f"{name}: table {cat.value}, eager {got.value}")
+    print(f"{device}: {probed} of {len(table(device))} ops probed against eager")
+    assert not wrong, wrong
+    assert probed >= (25 if device == "cpu" else 34), probed  # what the probe reached on 2.13 and 2.15
+
+
+def test_unknown_registration_is_reported_and_left_as_written(monkeypatch) -> None:
+    """A torch newer than the tables: an op its autocast registers and precast cannot place is named once in a
+    warning, left as written (not guessed), and the rest is still eager-exact."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)) + torch.relu(x)
+
+    real = autocast_policy.unknown_registrations
+    monkeypatch.setattr(
+        autocast_policy,
+        "unknown_registrations",
+        lambda d: real(d) | {"aten::relu"} if d == "cpu" else real(d),
+    )
+    m, x = M().eval(), torch.randn(4, 8)
+    res = precast.convert(m, (x,), policy="torch", dtype=torch.bfloat16)
+    warned = [d for d in res.report.diagnostics if d.code == "autocast-category-unknown"]
+    assert len(warned) == 1 and warned[0].severity == "warning" and "aten.relu.default" in warned[0].message
+    relus = [r for r in res.report.nodes if r.op == "aten.relu.default"]
+    assert len(relus) == 2 and all(r.rule == "unknown-category" for r in relus)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = m(x)
+    got = res.program.module()(x)
+    assert torch.equal(got, want)
