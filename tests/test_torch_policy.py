@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -225,3 +226,51 @@ def test_cuda_classifier_matches_eager_dispatcher(low):
         assert got.dtype == want.dtype, f"{name}: precast {got.dtype} vs eager {want.dtype}"
         checked += 1
     assert checked >= 25
+
+
+class _WritesAndEinsums(torch.nn.Module):
+    """The shape of a random program from issue 19: nested einsum, a buffer written with ``copy_`` from a bf16
+    value (before or after it is read), and an ``nn.Parameter`` passed as batch_norm's running_var, which autograd
+    refuses (the module only runs without it)."""
+
+    def __init__(self, write_first: bool, training_bn: bool):
+        super().__init__()
+        self.write_first, self.training_bn = write_first, training_bn
+        self.register_buffer("buf", torch.randn(4, 8))
+        self.register_buffer("rm", torch.zeros(8))
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.rv = torch.nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        h = torch.einsum("bi,ij->bj", torch.einsum("bi,ij->bj", x, self.w), self.w)
+        if self.write_first:
+            self.buf.copy_(h.to(torch.bfloat16))
+        y = torch.nn.functional.batch_norm(h + self.buf @ self.w, self.rm, self.rv, training=self.training_bn)
+        if not self.write_first:
+            self.buf.copy_(h.to(torch.bfloat16))
+        return torch.einsum("bj,jk->bk", y, self.w)
+
+
+@pytest.mark.parametrize("route", ["module", "program"])
+@pytest.mark.parametrize("write_first", [True, False])
+@pytest.mark.parametrize("training_bn", [False, True])
+def test_written_buffers_and_grad_free_parameters_stay_eager_exact_over_calls(route, write_first, training_bn):
+    """Converted with grad mode on (as a user calls convert), the program is bitwise eager autocast on every one
+    of three successive calls, each side starting from its own copy of the state."""
+    torch.manual_seed(0)
+    model, x = _WritesAndEinsums(write_first, training_bn).eval(), torch.randn(4, 8)
+    before = copy.deepcopy(model.state_dict())
+    if route == "program":
+        with torch.no_grad():  # autograd refuses the Parameter running_var: inference export
+            source = torch.export.export(copy.deepcopy(model), (x,))
+    else:
+        source = copy.deepcopy(model)
+    res = precast.convert(source, (x,), policy="torch", dtype=torch.float16)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the caller's state untouched
+    got_module, eager = res.program.module(), copy.deepcopy(model)
+    with torch.no_grad():
+        for _ in range(3):
+            got = got_module(x)
+            with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+                want = eager(x)
+            assert_bitwise(got, want)

@@ -285,7 +285,9 @@ def run_fake(state: FakeState, node: torch.fx.Node, target, args: tuple, kwargs:
         last = state.runs.get(node)
         if last is not None and last[0] is target and _same_args(last[1], (args, kwargs)):
             return last[2]
-    with state.mode, enable_python_dispatcher(), _oblivious_backend_choice(target):
+    # no autograd: a conversion's fake runs compute dtypes and shapes for inference, and an op autograd refuses
+    # (a Parameter passed as batch_norm's running_var) runs without it, as the program itself does
+    with state.mode, enable_python_dispatcher(), _oblivious_backend_choice(target), torch.no_grad():
         out = target(*args, **kwargs)
     check_dynamic(state, node)
     if memo:

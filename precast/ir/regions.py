@@ -1,11 +1,13 @@
 """Autocast regions as data: the region records ``inline_regions`` tags ops with (``node.meta``), and the
 innermost region in force for an op on a device.
 
-Input: a node. Output: its enclosing ``Region`` records.
+Input: a node. Output: its enclosing ``Region`` records, or the autocast state they put it in
+(``region_autocast``: what a forward of the inlined program enters to run the node as the program wrote it).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -50,3 +52,25 @@ def innermost_region(node: torch.fx.Node, device_type: str) -> Region | None:
         if region.device_type == device_type:
             return region
     return None
+
+
+def region_autocast(node: torch.fx.Node) -> contextlib.AbstractContextManager:
+    """The node's regions entered outermost first, as eager runs the op inside them: a forward of the program with
+    its regions inlined (calibration, the tolerance search's reference) computes what the program computes. A
+    region for a device type this process has no backend for changes nothing for the op and is not entered."""
+    regions = [r for r in regions_of(node) if _has_backend(r.device_type)]
+    if not regions:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for r in regions:
+        stack.enter_context(
+            torch.autocast(r.device_type, dtype=r.dtype, enabled=r.enabled, cache_enabled=False)
+        )
+    return stack
+
+
+def _has_backend(device_type: str) -> bool:
+    if device_type == "cpu":
+        return True
+    backend = getattr(torch, device_type, None)
+    return bool(getattr(backend, "is_available", lambda: False)())

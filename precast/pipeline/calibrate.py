@@ -1,7 +1,8 @@
-"""Calibrate: run the fp32 program over user data once, streaming, and keep per-node range statistics.
+"""Calibrate: run the unconverted program over user data once, streaming, and keep per-node range statistics.
 
-The program run is the one classification sees (regions inlined, nothing cast yet), so statistics are keyed by
-the node names the rules and the report use. The data is consumed once and lazily, whatever it is (a list, a
+The program run is the one classification sees (regions inlined, nothing cast yet; each op of a region runs
+inside that region's autocast, as the program wrote it), so statistics are keyed by the node names the rules and
+the report use. The data is consumed once and lazily, whatever it is (a list, a
 generator, a DataLoader), and memory does not grow with the number of batches: each batch's activations are
 freed as the interpreter goes, each node keeps a few numbers, and only the first ``keep`` batches are kept (for
 the tolerance search, which needs several forwards on the same batches).
@@ -27,6 +28,7 @@ from precast.errors import PrecastError
 from precast.ir.diagnostics import Diagnostic, DiagnosticLog
 from precast.ir.inputs import bind_inputs, placeholder_values, user_values
 from precast.ir.program import Program
+from precast.ir.regions import region_autocast
 from precast.policy.rules.measures import TOLERANCE_BATCHES, Calibration, NodeStats
 from precast.progress import ProgressBar
 
@@ -42,10 +44,12 @@ class _StatsInterpreter(torch.fx.Interpreter):
         self.stats, self.low = stats, low
 
     def run_node(self, n: torch.fx.Node) -> Any:
-        # export's dtype checks pin the dtypes of the program's own autocast regions; this fp32 run drops them
+        # export's dtype checks pin the dtypes of the program's own autocast regions, which this run keeps: they
+        # would hold, and cost a check per node
         if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
             return None
-        out = super().run_node(n)
+        with region_autocast(n):  # the program's own regions run as written (a bf16 island stays bf16)
+            out = super().run_node(n)
         if n.op in ("placeholder", "call_function"):
             self.stats.setdefault(n.name, NodeStats()).update(out, self.low)
         return out

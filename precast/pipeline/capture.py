@@ -104,9 +104,21 @@ def capture(
             "semantics"
         )
     module = program_or_module if autocast is None else _in_autocast(program_or_module, *autocast)
-    try:
+
+    def export() -> ExportedProgram:
         with KeepValuesDistinct() if distinct_values else contextlib.nullcontext():
-            ep = torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+
+    try:
+        try:
+            ep = export()
+        except Exception:
+            if not torch.is_grad_enabled():
+                raise
+            # a module that runs only without autograd (a Parameter passed as batch_norm's running_var) traces
+            # as inference runs it; a module that fails under no_grad too reports its first failure
+            with torch.no_grad():
+                ep = export()
     except PrecastError:
         raise
     except Exception as exc:

@@ -43,6 +43,7 @@ from precast.ir.graph import ASSERT_METADATA, CAST_META, output_dtypes
 from precast.ir.inputs import placeholder_values, user_values
 from precast.ir.op_families import GEMM_OPS
 from precast.ir.program import Program, private_state, written_targets
+from precast.ir.regions import region_autocast
 from precast.ir.regions import REGION_META
 from precast.metrics import WorstError
 from precast.pipeline import lower
@@ -240,7 +241,11 @@ def _rounding(t: torch.Tensor, low: torch.dtype) -> torch.Tensor:
 
 
 class _Plain(torch.fx.Interpreter):
-    """The reference program as it is (export's dtype checks hold: nothing is cast)."""
+    """The reference program as it is: its own regions run as written, so export's dtype checks hold."""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        with region_autocast(n):
+            return super().run_node(n)
 
 
 class _Tapping(torch.fx.Interpreter):
@@ -257,7 +262,8 @@ class _Tapping(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         mutates = isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
         if n.name not in self.readers or mutates:  # an op writing an input must get the tensor itself
-            return super().run_node(n)
+            with region_autocast(n):
+                return super().run_node(n)
         tapped: dict[torch.fx.Node, Any] = {}
 
         def tap(a: torch.fx.Node) -> Any:
@@ -275,7 +281,8 @@ class _Tapping(torch.fx.Interpreter):
 
         args = torch.fx.node.map_arg(n.args, tap)
         kwargs = torch.fx.node.map_arg(n.kwargs, tap)
-        return getattr(self, n.op)(n.target, args, kwargs)
+        with region_autocast(n):  # the program's own regions run as written
+            return getattr(self, n.op)(n.target, args, kwargs)
 
 
 def _energies(outs: list, interp: _Tapping, low: torch.dtype, tol: Tolerance) -> dict[tuple[str, str], float]:

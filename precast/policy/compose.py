@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from precast.dtypes import dtype_name
-from precast.ir.graph import op_device_type
+from precast.ir.graph import ArgPath, op_device_type, tensor_args
 from precast.ir.regions import innermost_region
-from precast.policy.autocast import autocast_decision
-from precast.policy.base import Decision, Policy
+from precast.policy.autocast import autocast_decision, eligible
+from precast.policy.base import Decision, Policy, apply_decision
 
 
 def autocast_state_of(node: torch.fx.Node, device: str, policy: Policy | None):
@@ -34,12 +34,7 @@ def decide(node, args, kwargs, policy, user_rules) -> Decision | None:
         return None
     state = autocast_state_of(node, device, policy)
     if state is not None and state[2] == "region":
-        enabled, dtype, source, context, region = state
-        if not enabled:
-            return Decision(None, "region", "disabled", f"{context}: autocast off", region=region)
-        return autocast_decision(
-            node, args, kwargs, device, dtype, source=source, context=context, region=region
-        )
+        return region_decision(node, args, kwargs, device, state, policy)
     for rule in user_rules:
         decision = rule(node, args, kwargs)
         if decision is not None:
@@ -50,3 +45,53 @@ def decide(node, args, kwargs, policy, user_rules) -> Decision | None:
             return autocast_decision(node, args, kwargs, device, dtype, source=source, context=context)
         return None
     return policy.decide(node, args, kwargs) if policy is not None else None
+
+
+def region_decision(node, args: tuple, kwargs: dict, device: str, state: tuple, policy) -> Decision | None:
+    """An op of the program's own region: eager autocast in the region's state, on the inputs the program gives
+    it. Under a policy that lowers ops outside regions without autocast semantics (rules, auto, a user's), a
+    value may reach the region in another dtype than the program gave it (an fp16 activation entering an
+    ``enabled=False`` head): it is cast back at the boundary, so the region runs as written. Policy None changes
+    nothing outside regions, and under policy torch eager itself hands the region the low value."""
+    enabled, dtype, source, context, region = state
+    restore = as_written(node, args, kwargs, device) if lowers_outside_regions(policy, device) else {}
+    if restore:
+        fix = Decision(None, "region", "as-written", "", casts=restore)
+        _, args, kwargs = apply_decision(node.target, args, kwargs, fix, lambda v, d: v.to(d))
+    if not enabled:
+        decision = Decision(None, "region", "disabled", f"{context}: autocast off", region=region)
+    else:
+        decision = autocast_decision(
+            node, args, kwargs, device, dtype, source=source, context=context, region=region
+        )
+    if restore:
+        if decision is None:
+            decision = Decision(None, "region", "as-written", f"{context}: not cast by autocast", region=region)
+        decision.casts = {**restore, **decision.casts}
+        decision.reason += "; inputs cast back at the region's boundary to the dtypes the program gives them"
+    return decision
+
+
+def lowers_outside_regions(policy: Policy | None, device: str) -> bool:
+    """A policy whose decisions outside regions are not eager autocast's (rules, auto, a user's own)."""
+    return policy is not None and policy.autocast_state(device) is None
+
+
+def as_written(node, args: tuple, kwargs: dict, device: str) -> dict[ArgPath, torch.dtype]:
+    """Casts giving each eligible floating argument the dtype it has in the program as exported (its producer's
+    recorded value), where the conversion so far changed it."""
+    restore = {}
+    for path, value in tensor_args(args, kwargs):
+        if not eligible(value, device):
+            continue
+        source = _arg_at(node, path)
+        recorded = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        if isinstance(recorded, torch.Tensor) and recorded.is_floating_point() and recorded.dtype != value.dtype:
+            restore[path] = recorded.dtype
+    return restore
+
+
+def _arg_at(node, path: ArgPath):
+    holder = node.args if path[0] == "args" else node.kwargs
+    value = holder[path[1]]
+    return value[path[2]] if len(path) == 3 else value
