@@ -254,7 +254,9 @@ class _WritesAndEinsums(torch.nn.Module):
 @pytest.mark.parametrize("route", ["module", "program"])
 @pytest.mark.parametrize("write_first", [True, False])
 @pytest.mark.parametrize("training_bn", [False, True])
-def test_written_buffers_and_grad_free_parameters_stay_eager_exact_over_calls(route, write_first, training_bn):
+def test_written_buffers_and_grad_free_parameters_stay_eager_exact_over_calls(
+    route, write_first, training_bn
+):
     """Converted with grad mode on (as a user calls convert), the program is bitwise eager autocast on every one
     of three successive calls, each side starting from its own copy of the state."""
     torch.manual_seed(0)
@@ -266,7 +268,9 @@ def test_written_buffers_and_grad_free_parameters_stay_eager_exact_over_calls(ro
     else:
         source = copy.deepcopy(model)
     res = precast.convert(source, (x,), policy="torch", dtype=torch.float16)
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the caller's state untouched
+    assert all(
+        torch.equal(v, before[k]) for k, v in model.state_dict().items()
+    )  # the caller's state untouched
     got_module, eager = res.program.module(), copy.deepcopy(model)
     with torch.no_grad():
         for _ in range(3):

@@ -43,8 +43,7 @@ from precast.ir.graph import ASSERT_METADATA, CAST_META, output_dtypes
 from precast.ir.inputs import placeholder_values, user_values
 from precast.ir.op_families import GEMM_OPS
 from precast.ir.program import Program, private_state, written_targets
-from precast.ir.regions import region_autocast
-from precast.ir.regions import REGION_META
+from precast.ir.regions import REGION_META, region_autocast
 from precast.metrics import WorstError
 from precast.pipeline import lower
 from precast.pipeline.regions import inline_regions

@@ -66,7 +66,9 @@ def region_decision(node, args: tuple, kwargs: dict, device: str, state: tuple, 
         )
     if restore:
         if decision is None:
-            decision = Decision(None, "region", "as-written", f"{context}: not cast by autocast", region=region)
+            decision = Decision(
+                None, "region", "as-written", f"{context}: not cast by autocast", region=region
+            )
         decision.casts = {**restore, **decision.casts}
         decision.reason += "; inputs cast back at the region's boundary to the dtypes the program gives them"
     return decision
@@ -86,7 +88,11 @@ def as_written(node, args: tuple, kwargs: dict, device: str) -> dict[ArgPath, to
             continue
         source = _arg_at(node, path)
         recorded = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
-        if isinstance(recorded, torch.Tensor) and recorded.is_floating_point() and recorded.dtype != value.dtype:
+        if (
+            isinstance(recorded, torch.Tensor)
+            and recorded.is_floating_point()
+            and recorded.dtype != value.dtype
+        ):
             restore[path] = recorded.dtype
     return restore
 
