@@ -11,8 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import precast
+from precast.dtypes import dtype_name
 from precast.errors import PrecastError
 from precast.ir.graph import cast_dtype, is_cast
+from tests.helpers import constant_casts
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 OFF = math.inf  # turns a range rule off
@@ -426,3 +428,19 @@ def test_scalar_beyond_the_low_range_keeps_the_op_fp32():
     node = res.report.node("masked_fill")
     assert node.dtype == "fp32" and node.rule == "scalar_range"
     torch.testing.assert_close(res.module()(x, mask), model(x, mask), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_weight_norm_keeps_its_weights_fp32_and_casts_none_at_run_time(dtype):
+    """``_weight_norm`` computes its norm in fp32 for low inputs (ATen; torch 2.15's decomposition writes that
+    as an upcast of ``v``): the rules keep it fp32 (``fp32_kernel``), so no stored weight is upcast on every
+    call, after ``run_decompositions()`` too (wav2vec2's positional conv on torch 2.15)."""
+    conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 4, 3, padding=1), dim=2)
+    x = torch.randn(2, 4, 16)
+    res = precast.convert(conv.eval(), (x,), policy="rules", dtype=dtype)
+    (wn,) = [r for r in res.report.nodes if r.op == "aten._weight_norm.default"]
+    assert (wn.dtype, wn.rule) == ("fp32", "fp32_kernel")
+    (cv,) = [r for r in res.report.nodes if r.op.startswith("aten.conv1d")]
+    assert cv.dtype == dtype_name(dtype)  # the conv itself is still low
+    assert constant_casts(res.program) == []
+    assert constant_casts(res.program.run_decompositions()) == []

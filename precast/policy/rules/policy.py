@@ -35,7 +35,7 @@ from precast.policy.base import Decision
 from precast.policy.rules import patterns as sensitive
 from precast.policy.rules.measures import Calibration, _scalar_beyond, reduction_depth
 from precast.policy.rules.options import RuleOptions, match_node, matches_op
-from precast.policy.rules.taxonomy import casts_for, op_kind
+from precast.policy.rules.taxonomy import FP32_KERNEL_OPS, casts_for, op_kind, op_name
 
 # a custom rule: (node, context) -> reason to keep the node in fp32, or None
 CustomRule = Callable[[torch.fx.Node, "RuleContext"], "str | None"]
@@ -221,6 +221,14 @@ class RulesDecider:
                 "rules",
                 "no_low_kernel",
                 f"no low-precision kernel on this device: {self.device_fp32[node.name]}",
+            )
+        if op_name(node.target) in FP32_KERNEL_OPS:
+            return make(
+                fp32,
+                "rules",
+                "fp32_kernel",
+                "fp32_kernel: its kernel computes in float32 for low-precision inputs, so lowering them would "
+                "only add a run-time upcast of the weights it reads",
             )
         consts = None
         if o.custom_rules:

@@ -166,6 +166,11 @@ REDUCE_DIM_OPS = frozenset(
 
 NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"})
 
+# Ops whose kernels compute in float32 whatever low dtype they are given (ATen WeightNorm.cpp keeps the norm in
+# float for half/bf16 on CPU and CUDA, and torch 2.15's decomposition spells that out as an upcast of ``v``):
+# lowering their inputs saves nothing and turns a weight stored low into a run-time upcast on every call.
+FP32_KERNEL_OPS = frozenset({"_weight_norm", "_weight_norm_interface"})
+
 
 MATMUL_INNER = {
     "linear": ("w", 1),
