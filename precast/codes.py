@@ -216,6 +216,14 @@ _CODES = (
         "report it with the program; `precast check` shows per-output errors",
     ),
     Code(
+        "export-differs-from-eager",
+        "info",
+        "policy 'torch': the converted program is bitwise the exported program (the forward as torch.export "
+        "recorded it, under autocast), and that record itself differs from eager autocast (a Linear on a 3-D "
+        "transposed input recorded as `bmm` where eager runs `mm`): the difference is the export's, not precast's",
+        "nothing for precast; the size is in `report.verification['export_baseline']`",
+    ),
+    Code(
         "measured-error",
         "info",
         "policy 'rules': the converted program's difference from the fp32 program on the example inputs "

@@ -278,3 +278,33 @@ def test_written_buffers_and_grad_free_parameters_stay_eager_exact_over_calls(
             with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
                 want = eager(x)
             assert_bitwise(got, want)
+
+
+class _ExportsOtherOps(torch.nn.Module):
+    """Eager runs one computation, torch.export records another that rounds differently in low precision (as it
+    records timm LeViT's Linear on a 3-D transposed input as ``bmm`` where eager runs ``mm``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        if torch.compiler.is_exporting():
+            return torch.mm(x * 3.0, self.w.t())
+        return torch.mm(x, self.w.t()) * 3.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_difference_of_the_export_itself_is_reported_as_the_exports(dtype):
+    torch.manual_seed(0)
+    m, x = _ExportsOtherOps().eval(), torch.randn(8, 64)
+    res = precast.convert(m, (x,), policy="torch", dtype=dtype)
+    v = res.report.verification
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype, cache_enabled=False):
+        eager = m(x)
+    got = res.program.module()(x)
+    gap = (got.double() - eager.double()).abs().max().item()
+    assert gap > 0 and not v["bitwise"]  # the premise: the export's record rounds otherwise than eager
+    assert v["export_baseline"]["bitwise"] and v["export_baseline"]["export_vs_eager"] == pytest.approx(gap)
+    codes = {d.code: d.severity for d in res.report.diagnostics}
+    assert codes.get("export-differs-from-eager") == "info" and "not-bitwise" not in codes
