@@ -67,7 +67,8 @@ def test_zoo_bitwise_equal_to_eager_autocast(name, dtype):
     except RuntimeError as exc:
         if LSTM_ONEDNN in str(exc):
             pytest.skip(
-                "eager autocast fails here too: oneDNN has no low-precision LSTM primitive on this CPU (AVX2)"
+                f"eager autocast fails here too: oneDNN has no {dtype} LSTM primitive on this CPU (none on AVX2; "
+                "none for fp16 on AVX512-BF16)"
             )
         raise
     res = precast.convert(model, inputs, policy="torch", dtype=DTYPES[dtype])
