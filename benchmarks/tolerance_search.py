@@ -116,7 +116,7 @@ def _old_search(program: Any, ep: Any, policy: Any, opts: Any, cal: Any, tol: An
     from precast.policy.base import apply_decision
     from precast.policy.compose import decide
     from precast.policy.rules.taxonomy import op_name
-    from precast.policy.rules.tolerance import FallbackResult
+    from precast.policy.rules.tolerance import ToleranceResult
 
     class MixedInterpreter(torch.fx.Interpreter):
         def __init__(self, gm: torch.fx.GraphModule, pol: Any):
@@ -157,7 +157,7 @@ def _old_search(program: Any, ep: Any, policy: Any, opts: Any, cal: Any, tol: An
         return errs.m
 
     base = measure()
-    result = FallbackResult(
+    result = ToleranceResult(
         tol, all_low=base, refs=refs, achieved=base, ranked_by="one forward per candidate"
     )
     if not tol.met(base):
@@ -206,14 +206,14 @@ def _old_search(program: Any, ep: Any, policy: Any, opts: Any, cal: Any, tol: An
 @contextlib.contextmanager
 def old_search() -> Iterator[None]:
     """Within the block, ``precast.convert`` runs the old tolerance search."""
-    import precast.api as api
+    import precast.pipeline.prepare as prepare
 
-    saved = api.tolerance_stage
-    api.tolerance_stage = _old_search
+    saved = prepare.tolerance_stage
+    prepare.tolerance_stage = _old_search
     try:
         yield
     finally:
-        api.tolerance_stage = saved
+        prepare.tolerance_stage = saved
 
 
 def main() -> None:

@@ -1,18 +1,24 @@
 """The conversion pipeline: one stage per module, each a function over a ``Program`` returning its stats.
 
-In order (``STAGES`` has the names the runner reports; ``precast.api.convert`` runs them, ``precast.pipeline.runner`` times and checks each):
+In order (``STAGES`` has the names the runner reports; ``precast.api.convert`` drives them over a typed state,
+``precast.pipeline.conversion.Conversion``; ``precast.pipeline.runner`` times and checks each):
 
   capture      module/program -> ExportedProgram (policy torch on a module: traced under torch.autocast)
   program_copy ExportedProgram -> Program (private graph copy, written constants cloned)
   regions      autocast regions inlined, their ops tagged (``inline_regions``)
   checks       control flow, unused regions, no-op regions: diagnostics before any decision
-  calibrate    rules: value statistics from the calibration data (one streaming pass)
-  tolerance    rules with ``tolerance=``: the ops to keep fp32, found by simulating with ``lower``
+  calibrate    policies that bind (rules, auto, yours): value statistics from the calibration data
+  latency      auto: per matmul/conv/attention op, fp32 vs low latency on the device
+  tolerance    the tolerance search (``tolerance=``): the ops to keep fp32, found by simulating with ``lower``
   classify     a Decision per op in ``node.meta["precast"]``; composites decomposed as eager autocast would
   rewrite      one cast per (producer, dtype, version) (``insert_casts``)
   fold         casts of read-only constants computed once (``fold_constant_casts``)
   simplify     exact cast rewrites to a fixed point (``simplify_casts``)
   restore_io   keep_io_types: outputs cast back to the input program's dtypes
+  export       the Program as a standard ExportedProgram
+  after        the policy's after-lowering checks: the device fallback (ops without a low-precision kernel
+               on the device kept fp32, converted again), auto's end-to-end confirmation
+  report       the report filled from the final program (``precast.report.build``)
   verify       converted vs reference, on private copies of the state each writes
 
 ``lower`` runs classify through restore_io: the conversion and the tolerance search's simulation use it alike.
@@ -23,7 +29,6 @@ Input: a Program, a policy (decider), a diagnostic log. Output: ``LowerStats`` f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -38,6 +43,7 @@ from precast.pipeline.rewrite import insert_casts
 from precast.pipeline.runner import run_stage
 from precast.pipeline.simplify import simplify_casts
 from precast.policy.autocast import UNKNOWN_CATEGORY
+from precast.policy.base import Policy
 
 # the names ``run_stage`` reports, in the order a conversion runs them (a test observes a rules conversion with
 # tolerance and auto against this list); "check_pass" follows every rewriting stage
@@ -54,9 +60,10 @@ STAGES = (
     "fold_constant_casts",
     "simplify_casts",
     "restore_output_dtypes",
-    "report",
+    "export",
     "device_check",
     "auto_confirm",
+    "report",
     "tolerance_check",
     "verify",
 )
@@ -93,19 +100,16 @@ def record_unknown_categories(program: Program, log: DiagnosticLog) -> None:
 
 def lower(
     program: Program,
-    policy: Any,
+    policy: Policy | None,
     log: DiagnosticLog,
     *,
-    user_rules: tuple = (),
     restore: list[torch.dtype | None] | None = None,
     keep_io: bool = False,
 ) -> LowerStats:
     """classify -> insert casts -> fold -> simplify (-> restore output dtypes when ``restore`` is given: the
     input program's output dtypes), each checked by the runner. Diagnostics go to ``log``."""
     stats = LowerStats()
-    result = run_stage(
-        program, "classify", classify_program, policy, user_rules, checks.classify_error_handler(log)
-    )
+    result = run_stage(program, "classify", classify_program, policy, checks.classify_error_handler(log))
     stats.decomposed = result.decomposed or []
     record_unknown_categories(program, log)
     run_stage(program, "insert_casts", insert_casts, check=True)

@@ -6,12 +6,14 @@ node and names the op that fails on the device (``device-unsupported``), or says
 Errors stop the conversion unless the user allowed their code (``precast.ir.diagnostics``).
 
 Input: the program and its inlined regions (before classify), or the converted program and example inputs
-(the device check). Output: diagnostics in the log; the device check also returns the run's outputs.
+(the device check). Output: diagnostics in the log; the device check also returns its run: the outputs, or
+the op that failed as data (``DeviceFailure``), which the device fallback (``pipeline/device_fallback.py``) reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,11 +22,10 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from precast import codes
-from precast.dtypes import dtype_name, long_name
+from precast.dtypes import long_name
 from precast.errors import PrecastError, first_line, where
-from precast.ir.diagnostics import Diagnostic, DiagnosticLog, add, from_error, raise_errors, record
+from precast.ir.diagnostics import DiagnosticLog, add, from_error, raise_errors, record
 from precast.ir.inputs import normalize_inputs
-from precast.ir.program import private_state
 
 # every registered code (kept under this name for callers that list them)
 CODES = tuple(codes.CODES)
@@ -168,12 +169,47 @@ def check_runs(ep: ExportedProgram | torch.nn.Module, args: tuple, kwargs: dict,
     return run_checked(ep, args, kwargs, rep)[0]
 
 
+@dataclass(frozen=True)
+class DeviceFailure:
+    """An op of the converted program that failed on the device: the node, what it raised, the device it ran
+    on and its inputs' dtypes (data for the device fallback, not a message to parse)."""
+
+    node: torch.fx.Node
+    error: Exception
+    device: str
+    dtypes: tuple[str, ...]
+
+    @property
+    def what(self) -> str:
+        """``aten.x.default fails on cpu with inputs float16: <the error's first line>``"""
+        return f"{_op(self.node)} fails on {self.device} with inputs {', '.join(self.dtypes) or '-'}: {first_line(self.error)}"
+
+
+@dataclass
+class DeviceRun:
+    """One run of the converted program on the device: its outputs (None when it did not run through), and the
+    op that failed, if one did."""
+
+    ok: bool
+    outputs: Any = None
+    failure: DeviceFailure | None = None
+
+
 def run_checked(
     program: ExportedProgram | torch.nn.Module, args: tuple, kwargs: dict, rep: DiagnosticLog
 ) -> tuple[bool, Any]:
     """``check_runs`` that also returns the outputs of its run (None when it could not run), so verification
     compares them instead of running the converted program a second time. ``program``: a program, or the
     module ``program.module()`` built (unlifting is costly: build it once)."""
+    run = run_on_device(program, args, kwargs, rep)
+    return run.ok, run.outputs
+
+
+def run_on_device(
+    program: ExportedProgram | torch.nn.Module, args: tuple, kwargs: dict, rep: DiagnosticLog
+) -> DeviceRun:
+    """Run the converted program once, node by node: the outputs, or the op that failed (recorded as a
+    ``device-unsupported`` diagnostic too); ``device-check-skipped`` when it could not run at all."""
     module = program.module() if isinstance(program, ExportedProgram) else program
     try:
         flat = _flat_inputs(module, args, kwargs)
@@ -185,7 +221,7 @@ def run_checked(
             f"({first_line(exc)})",
             fix="pass example inputs shaped as the program's forward takes them",
         )
-        return True, None
+        return DeviceRun(True)
     interp = _NodeInterpreter(module)
     try:
         with torch.no_grad():
@@ -194,13 +230,21 @@ def run_checked(
         node = interp.current
         if node is None or node.op != "call_function":
             _record_skipped_run(rep, node, exc)
-            return True, None
-        _record_unsupported(rep, node, exc)
-        return False, None
+            return DeviceRun(True)
+        failure = _failure(node, exc)
+        record(
+            rep,
+            "device-unsupported",
+            f"{where(node)}: {failure.what}",
+            node,
+            fix="keep this op in float32 (policy='rules' with exclude_nodes/exclude_ops, or take it out of the "
+            "autocast region)",
+        )
+        return DeviceRun(False, failure=failure)
     spec = getattr(module, "_out_spec", None)
     if spec is None:
-        return True, out
-    return True, torch.utils._pytree.tree_unflatten(torch.utils._pytree.tree_leaves(out), spec)
+        return DeviceRun(True, out)
+    return DeviceRun(True, torch.utils._pytree.tree_unflatten(torch.utils._pytree.tree_leaves(out), spec))
 
 
 def _record_skipped_run(rep: DiagnosticLog, node: torch.fx.Node | None, exc: Exception) -> None:
@@ -213,22 +257,14 @@ def _record_skipped_run(rep: DiagnosticLog, node: torch.fx.Node | None, exc: Exc
     )
 
 
-def _record_unsupported(rep: DiagnosticLog, node: torch.fx.Node, exc: Exception) -> None:
+def _failure(node: torch.fx.Node, exc: Exception) -> DeviceFailure:
     values = [
         v.meta["val"]
         for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs))
         if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)
     ]
     device = values[0].device.type if values else "cpu"  # the device the failing op ran on
-    dtypes = sorted({long_name(v.dtype) for v in values})
-    record(
-        rep,
-        "device-unsupported",
-        f"{where(node)}: {_op(node)} fails on {device} with inputs {', '.join(dtypes) or '-'}: {first_line(exc)}",
-        node,
-        fix="keep this op in float32 (policy='rules' with exclude_nodes/exclude_ops, or take it out of the "
-        "autocast region)",
-    )
+    return DeviceFailure(node, exc, device, tuple(sorted({long_name(v.dtype) for v in values})))
 
 
 def _op(node: torch.fx.Node) -> str:
@@ -252,13 +288,6 @@ class _NodeInterpreter(torch.fx.Interpreter):
         return super().run_node(n)
 
 
-# ---- ambient autocast at call time ----------------------------------------------------------------------
-
-
-MAX_FALLBACK_ROUNDS = 8
-
-
-# ---- device fallback --------------------------------------------------------------------------------------
 def example_batch(ep: ExportedProgram, inputs: tuple[tuple, dict] | None) -> tuple[tuple, dict] | None:
     """The inputs to run the program on here: the given ones, else the program's example inputs; None when
     there are none or they are on a device this machine lacks."""
@@ -270,60 +299,3 @@ def example_batch(ep: ExportedProgram, inputs: tuple[tuple, dict] | None) -> tup
         if isinstance(t, torch.Tensor) and t.device.type == "cuda" and not torch.cuda.is_available():
             return None
     return inputs
-
-
-def device_fallback(
-    out: ExportedProgram,
-    ep: ExportedProgram,
-    inputs: tuple[tuple, dict] | None,
-    decider: Any,
-    rep: DiagnosticLog,
-    relower: Callable[[dict[str, str]], tuple],
-) -> tuple[tuple | None, Any]:
-    """Rules/auto: run ``out`` once on the example inputs; while an op the policy put in the low dtype by
-    default fails (``device-unsupported``: no low-precision kernel on this device), keep it fp32 and convert
-    again with ``relower(device_fp32) -> (program, decider, stats, out)``, at most MAX_FALLBACK_ROUNDS times.
-    Returns (the last ``relower`` result or None when nothing fell back, the outputs of the run that
-    succeeded or None): verification compares those outputs instead of running the program again. A failure
-    that is not the policy's own choice (a region, ``include_ops``, an op outside the decisions) is left to
-    the verification, which reports it as before."""
-    batch = example_batch(ep, inputs)
-    if batch is None:
-        return None, None
-    low = decider.opts.low
-    ran = None
-    failed: dict[str, str] = {}
-    found: list[Diagnostic] = []
-    result = None
-    for _ in range(MAX_FALLBACK_ROUNDS):
-        probe = DiagnosticLog()
-        ok, outputs = run_checked(private_state(out).module(), batch[0], batch[1], probe)
-        if ok:
-            ran = outputs
-            break
-        bad = next((d for d in probe.diagnostics if d.code == "device-unsupported"), None)
-        decision = decider.decided.get(bad.node) if bad is not None else None
-        if (
-            decision is None
-            or decision.dtype != low
-            or decision.source not in ("rules", "auto")
-            or bad.node in failed
-        ):
-            break
-        what = bad.message.split(": ", 1)[-1]
-        failed[bad.node] = what
-        found.append(bad)
-        result = relower(dict(failed))
-        decider, out = result[1], result[3]
-    for d in found:
-        record(
-            rep,
-            "no-low-precision-kernel",
-            f"{d.message.split(': ', 1)[0]}: no {dtype_name(low)} kernel on this device "
-            f"({d.message.split(': ', 1)[-1]}): kept in float32",
-            d.node,
-            location=d.location,
-            module=d.module,
-            fix="nothing to do; exclude_ops it to skip the retry",
-        )
-    return result, ran

@@ -3,14 +3,14 @@
 Decisions depend on the dtypes that reach an op, which depend on the decisions upstream (autocast casts only
 eligible arguments, ``promote`` looks at the actual dtypes), so classification propagates fake values as it
 goes, as eager autocast would see them at run time. Order of authority: the program's own autocast regions,
-then user rules (exclude/include), then the policy.
+then the policy (``precast.policy.compose``).
 
 Composite ops that eager autocast would decompose (a CompositeImplicitAutograd op with no autocast kernel, such
 as ``einsum`` or ``lstm``, runs its decomposition *under* autocast, so the ``bmm`` inside it is cast) are
 decomposed here one level at a time, only when their decomposition reaches an op that autocast casts. Ops that
 autocast leaves alone stay as the user wrote them.
 
-Input: a Program with regions inlined, a policy (decider), user rules. Output: ``node.meta["precast"]``
+Input: a Program with regions inlined, a policy (decider). Output: ``node.meta["precast"]``
 Decisions, fake values for every node, ``ClassifyResult`` (decided, decomposed).
 """
 
@@ -50,8 +50,6 @@ from precast.policy.compose import decide
 # FakeTensor does not check this, so a low-precision activation meeting an fp32 weight would only fail at run
 # time; precast checks it at conversion.
 SAME_DTYPE_OPS = frozenset(f"aten::{name}" for name in op_families.SAME_DTYPE_OPS)
-# a user rule: (node, args, kwargs) -> Decision | None; rules.py builds these from exclude/include options
-UserRule = Callable[[torch.fx.Node, tuple, dict], "Decision | None"]
 
 
 @dataclass
@@ -63,7 +61,6 @@ class ClassifyResult:
 def classify(
     program: Program,
     policy: Policy | None,
-    user_rules: tuple[UserRule, ...] = (),
     on_error: Callable | None = None,
 ) -> ClassifyResult:
     """``on_error(err, node)``, when given, receives the ``dtype-mismatch`` and ``composite-not-traced`` errors
@@ -95,9 +92,7 @@ def classify(
                     continue
             traced = node.meta.get(TRACED_META)
             # nodes traced under autocast already hold eager's casts: deciding again would cast twice
-            decision = (
-                copy.copy(traced) if traced is not None else decide(node, args, kwargs, policy, user_rules)
-            )
+            decision = copy.copy(traced) if traced is not None else decide(node, args, kwargs, policy)
             # export's runtime check of a `.to()` input: keep it true for the dtype that now flows
             if (
                 node.target is ASSERT_METADATA

@@ -2,7 +2,7 @@
 tolerance on the calibration sample, then measure the converted program against it.
 
 Input: the Program (regions inlined, nothing decided yet), the input ExportedProgram, the RulesPolicy and its
-checked options, the calibration (its kept sample), the parsed tolerance. Output: a ``FallbackResult`` whose
+checked options, the calibration (its kept sample), the parsed tolerance. Output: a ``ToleranceResult`` whose
 ``kept`` maps node -> score: the overrides the conversion binds into the rules decider
 (``policy.bind(..., fallback=kept)``); neither the policy object nor the program is changed.
 
@@ -50,7 +50,7 @@ from precast.pipeline.regions import inline_regions
 from precast.policy.rules.measures import Calibration
 from precast.policy.rules.options import RuleOptions
 from precast.policy.rules.taxonomy import op_name
-from precast.policy.rules.tolerance import FallbackResult, Source, Tolerance, meet_tolerance
+from precast.policy.rules.tolerance import Source, Tolerance, ToleranceResult, meet_tolerance
 
 PROBES = 2  # random-sign backward passes of the instrumented reference forward
 
@@ -64,7 +64,7 @@ def tolerance_stage(
     tol: Tolerance,
     log: DiagnosticLog,
     **bind_kw: Any,
-) -> FallbackResult:
+) -> ToleranceResult:
     """Search with programs of its own (each converted as the conversion will): returns the overrides.
     ``bind_kw``: what else the conversion passes to ``policy.bind`` (the auto policy's latency table), so each
     try binds its decider exactly as the conversion will."""
@@ -348,7 +348,7 @@ def check_program(program: ExportedProgram, batches: Sequence[Any], refs: list) 
     return errs.m
 
 
-def tolerance_check(out: ExportedProgram, result: FallbackResult, cal: Calibration, log: Any) -> None:
+def tolerance_check(out: ExportedProgram, result: ToleranceResult, cal: Calibration, log: Any) -> None:
     """The converted program measured on the search's sample (private copies of the buffers it writes: the
     program handed back has seen no forward); recorded in ``log.verification["tolerance"]`` (with what the
     search measured for its choice, ``searched``, and its cost), with a ``tolerance-not-met`` warning when

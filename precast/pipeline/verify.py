@@ -30,6 +30,9 @@ from precast.ir.inputs import normalize_inputs
 from precast.ir.program import private_state, strip_dtype_asserts, written_targets
 from precast.metrics import compare_outputs
 from precast.pipeline import checks
+from precast.pipeline.conversion import Conversion
+from precast.pipeline.runner import timed
+from precast.policy.hooks import hook
 
 
 def compare(
@@ -61,7 +64,7 @@ def verify_stage(
     out: ExportedProgram,
     ep: ExportedProgram,
     rep: DiagnosticLog,
-    policy: str | None,
+    reference: str,
     device: str,
     low: torch.dtype | None,
     original: torch.nn.Module | None = None,
@@ -70,10 +73,12 @@ def verify_stage(
     ran: Any = None,
 ) -> dict:
     """Run the converted program against the reference semantics, each on private copies of the state it
-    writes: neither the caller's module or program nor the returned program changes. ``policy``: "torch"
-    (reference: eager autocast), "rules" (the unconverted program; differences are information) or anything
-    else (the unconverted program; differences are warnings). ``ran``: the converted program's outputs on the
-    example inputs when the device check already ran it there (``checks.device_fallback``): not run again.
+    writes: neither the caller's module or program nor the returned program changes. ``reference``:
+    "autocast" (eager autocast, promised bitwise: a difference is a warning), "program" (the unconverted
+    program, promised bitwise) or "measured" (the unconverted program; the difference is information: rules,
+    auto, a policy of the user's; ``precast.policy.hooks.PolicyHooks.reference``). ``ran``: the converted program's outputs on the
+    example inputs when the device check already ran it there (``after_lowering.device_fallback``): not run
+    again.
     Returns the verification record ({} when it could not run; a diagnostic says why)."""
     if inputs is None and ep.example_inputs is None:
         diagnostics.record(
@@ -111,7 +116,7 @@ def verify_stage(
             if not ok:
                 diagnostics.raise_errors(rep)
                 return {}  # allowed: the program fails on this device, so there is nothing to compare
-        ref, name = _reference(ep, policy, device, low, original)
+        ref, name = _reference(ep, reference, device, low, original)
         try:
             with torch.no_grad():
                 want = ref(*a, **k)
@@ -134,7 +139,9 @@ def verify_stage(
             verification["verdict"] = f"at batch {size}: {results[1]['verdict']}"
     if verification["bitwise"]:
         return verification
-    baseline = _export_baseline(out, ep, batches) if policy == "torch" and original is not None else None
+    baseline = (
+        _export_baseline(out, ep, batches) if reference == "autocast" and original is not None else None
+    )
     if baseline is not None:
         baseline["export_vs_eager"] = max(r["max_abs"] for r in results)
         verification["export_baseline"] = baseline
@@ -144,7 +151,7 @@ def verify_stage(
             f"outputs are bitwise the exported program; torch.export's record of the forward itself differs from "
             f"{name} by {baseline['export_vs_eager']:.3g} ({verification['verdict']} here)",
         )
-    elif policy in (None, "torch"):
+    elif reference in ("program", "autocast"):
         diagnostics.record(rep, "not-bitwise", f"outputs differ from {name}: {verification['verdict']}")
     else:
         # nobody promised rules (or a policy of the user's) are bitwise: the measured difference is information
@@ -166,9 +173,10 @@ def _export_baseline(out: ExportedProgram, ep: ExportedProgram, batches: list) -
     return {"reference": "the exported program (torch.export's record under autocast)", "bitwise": True}
 
 
-def _reference(ep: ExportedProgram, policy, device, low, original) -> tuple[Any, str]:
-    """The reference semantics as a callable on private copies of the state it writes, and its name."""
-    if policy != "torch":
+def _reference(ep: ExportedProgram, kind: str, device, low, original) -> tuple[Any, str]:
+    """The reference semantics (``kind``: "autocast" or the unconverted program) as a callable on private copies
+    of the state it writes, and its name."""
+    if kind != "autocast":
         return private_state(ep).module(), "the unconverted program"
     if original is not None:
         reference = _with_private_buffers(original, written_targets(ep))
@@ -249,3 +257,23 @@ def _with_private_buffers(module: torch.nn.Module, written: set[str]) -> Any:
         return torch.func.functional_call(module, copies, args, kwargs, strict=False)
 
     return call
+
+
+def verify_conversion(state: Conversion, verification: dict[str, Any]) -> dict[str, Any]:
+    """The verify stage of a conversion: the final program against the policy's reference
+    (``reference`` hook; "program" without a policy). Returns ``verification`` with the record first."""
+    original = state.source if isinstance(state.source, torch.nn.Module) else None
+    reference = hook(state.policy, "reference") if state.policy is not None else "program"
+    with timed("verify"):
+        result = verify_stage(
+            state.lowered.exported,  # type: ignore[union-attr]
+            state.ep,
+            state.log,
+            reference,
+            state.device,
+            state.low,
+            original,
+            state.inputs,
+            ran=state.ran,
+        )
+    return {**result, **verification} if result else verification

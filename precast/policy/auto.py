@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.fx
@@ -29,7 +29,8 @@ from precast.policy.base import Decision
 from precast.policy.rules.measures import Calibration
 from precast.policy.rules.options import RuleOptions
 from precast.policy.rules.policy import RulesDecider, RulesPolicy
-from precast.policy.rules.taxonomy import casts_for, op_name
+from precast.policy.rules.table import Rule, RuleCall, keep_rules, rule
+from precast.policy.rules.taxonomy import op_kind, op_name
 
 # the families auto measures (precast.ir.op_families); other ops follow their inputs
 MEASURED_OPS = MATMUL_OPS | CONV_OPS | ATTENTION_OPS
@@ -169,6 +170,9 @@ class AutoPolicy(RulesPolicy):
     cache_dir: str | None = None
     confirm: bool = True
     name: str = field(default="auto", init=False)
+    # hooks: the latency step before the tolerance search, the end-to-end confirmation after the device fallback
+    prepare_steps: ClassVar[tuple[str, ...]] = ("calibrate", "latency", "tolerance")
+    after_lowering: ClassVar[tuple[str, ...]] = ("device_fallback", "auto_confirm")
 
     def bind(
         self,
@@ -214,6 +218,9 @@ class AutoDecider(RulesDecider):
         all_fp32: str | None = None,
     ):
         super().__init__(program, opts, calibration, fallback=fallback, device_fp32=device_fp32)
+        # the rules of policy "rules" but its default, then auto's own: the measured choice, else follow
+        self.keep: tuple[Rule, ...] = keep_rules(opts)
+        self.rules = (*self.keep, *AUTO_RULES)
         self.latencies = dict(latencies or {})
         self.all_fp32 = all_fp32
         constants = {n.name for n in program.input_spec if program.constant_target(n) is not None}
@@ -231,54 +238,11 @@ class AutoDecider(RulesDecider):
         self.choices = choose(known, up, down, allowed=allowed)
 
     def _rules_default(self, node: torch.fx.Node) -> bool:
+        """Whether no rule of policy "rules" keeps this compute op fp32 (or forces it low): auto may choose."""
         val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
         args = torch.fx.node.map_aggregate(node.args, val)
         kwargs = torch.fx.node.map_aggregate(node.kwargs, val)
-        d = RulesDecider._decide(self, node, args, kwargs)
-        return d is not None and d.rule == "default"
-
-    def _decide(self, node, args, kwargs) -> Decision | None:
-        d = super()._decide(node, args, kwargs)
-        if d is None or d.rule != "default":
-            return d
-        low, fp32 = self.opts.low, torch.float32
-        lname = dtype_name(low)
-        if node.name in self.measured:
-            c = self.choices.get(node.name)
-            if c is None:
-                return self._make(
-                    node, args, kwargs, fp32, "auto:unmeasured", "auto: not measured: kept fp32"
-                )
-            lat = c.latency
-            casts = f" + {c.casts:.1f} µs casts" if c.casts else ""
-            where = lat.origin or ("from the cache" if lat.cached else "measured here")
-            if c.low:
-                reason = (
-                    f"auto: {lname} {lat.low:.1f} µs{casts} vs fp32 {lat.fp32:.1f} µs ({where}): "
-                    f"{lat.fp32 / c.cost_low:.2f}x faster"
-                )
-                return self._make(node, args, kwargs, low, "auto:faster", reason, c.cost_low, lat.fp32)
-            why = self.all_fp32 or "low precision does not pay here"
-            reason = f"auto: {lname} {lat.low:.1f} µs{casts} vs fp32 {lat.fp32:.1f} µs ({where}): {why}"
-            return self._make(node, args, kwargs, fp32, "auto:slower", reason, c.cost_low, lat.fp32)
-        if any(
-            isinstance(t, torch.Tensor) and t.dtype == low
-            for t in torch.utils._pytree.tree_leaves((args, kwargs))
-        ):
-            return self._make(node, args, kwargs, low, "auto:follow", f"auto: {lname}, as its inputs")
-        return self._make(node, args, kwargs, fp32, "auto:follow", "auto: fp32, as its inputs")
-
-    @staticmethod
-    def _make(node, args, kwargs, dtype, rule, reason, measured=None, limit=None) -> Decision:
-        return Decision(
-            dtype,
-            "auto",
-            rule,
-            reason,
-            casts=casts_for(node, args, kwargs, dtype),
-            measured=measured,
-            limit=limit,
-        )
+        return op_kind(node, args, kwargs) == "compute" and self.ask(self.keep, node, args, kwargs) is None
 
     # ---- the report's summary ---------------------------------------------------------------------------
     def summary(
@@ -323,3 +287,48 @@ class AutoDecider(RulesDecider):
             if note:
                 text += f": {note}"
         return text, est
+
+
+@rule("auto:measured")
+def auto_measured(call: RuleCall) -> Decision | None:
+    """A matmul / convolution / attention op runs low only where that is faster on the device, casts included
+    (``choose``); one auto could not time stays fp32."""
+    auto = call.decider
+    if call.node.name not in auto.measured:
+        return None
+    low, fp32 = call.low, torch.float32
+    lname = dtype_name(low)
+    c = auto.choices.get(call.node.name)
+    if c is None:
+        return _auto(call, fp32, "auto:unmeasured", "auto: not measured: kept fp32")
+    lat = c.latency
+    casts = f" + {c.casts:.1f} µs casts" if c.casts else ""
+    where = lat.origin or ("from the cache" if lat.cached else "measured here")
+    if c.low:
+        reason = (
+            f"auto: {lname} {lat.low:.1f} µs{casts} vs fp32 {lat.fp32:.1f} µs ({where}): "
+            f"{lat.fp32 / c.cost_low:.2f}x faster"
+        )
+        return _auto(call, low, "auto:faster", reason, c.cost_low, lat.fp32)
+    why = auto.all_fp32 or "low precision does not pay here"
+    reason = f"auto: {lname} {lat.low:.1f} µs{casts} vs fp32 {lat.fp32:.1f} µs ({where}): {why}"
+    return _auto(call, fp32, "auto:slower", reason, c.cost_low, lat.fp32)
+
+
+@rule("auto:follow")
+def auto_follow(call: RuleCall) -> Decision | None:
+    """Every other compute op follows its inputs: low when one of its floating inputs is low, else fp32."""
+    low = call.low
+    if any(
+        isinstance(t, torch.Tensor) and t.dtype == low
+        for t in torch.utils._pytree.tree_leaves((call.args, call.kwargs))
+    ):
+        return _auto(call, low, "auto:follow", f"auto: {dtype_name(low)}, as its inputs")
+    return _auto(call, torch.float32, "auto:follow", "auto: fp32, as its inputs")
+
+
+def _auto(call: RuleCall, dtype, rule_name, reason, measured=None, limit=None) -> Decision:
+    return call.decision(dtype, "auto", rule_name, reason, measured, limit)
+
+
+AUTO_RULES = (auto_measured, auto_follow)

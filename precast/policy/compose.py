@@ -1,7 +1,8 @@
 """Authority by composition: who decides an op's precision. The program's own autocast regions first, then the
-user's rules (include/exclude, custom rules), then the policy: the first decision wins.
+policy (whose own table puts the user's include/exclude options and custom rules first, ``precast.policy.rules``):
+the first decision wins.
 
-Input: an op node with its (fake) argument values, the policy, the user rules. Output: a ``Decision`` or None.
+Input: an op node with its (fake) argument values, the policy. Output: a ``Decision`` or None.
 """
 
 from __future__ import annotations
@@ -28,17 +29,13 @@ def autocast_state_of(node: torch.fx.Node, device: str, policy: Policy | None):
     return None
 
 
-def decide(node, args, kwargs, policy, user_rules) -> Decision | None:
+def decide(node: torch.fx.Node, args: tuple, kwargs: dict, policy: Policy | None) -> Decision | None:
     device = op_device_type(args, kwargs)
     if device is None:
         return None
     state = autocast_state_of(node, device, policy)
     if state is not None and state[2] == "region":
         return region_decision(node, args, kwargs, device, state, policy)
-    for rule in user_rules:
-        decision = rule(node, args, kwargs)
-        if decision is not None:
-            return decision
     if state is not None:
         enabled, dtype, source, context, region = state
         if enabled:

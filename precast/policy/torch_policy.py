@@ -5,7 +5,8 @@ Input: device type and dtype. Output: the autocast state classify applies to eve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 import torch.fx
@@ -21,6 +22,15 @@ class TorchPolicy:
     device_type: str | None = None  # None: the program's device type
     dtype: torch.dtype | None = None  # None: that device's autocast dtype
     name: str = "torch"
+    # hooks (precast.policy.hooks.PolicyHooks): traced under autocast on a module, verified bitwise against
+    # eager autocast, no preparation, no after-lowering checks
+    capture_under_autocast: ClassVar[bool] = True
+    reference: ClassVar[str] = "autocast"
+    prepare_steps: ClassVar[tuple[str, ...]] = ()
+
+    def for_device(self, device_type: str, dtype: torch.dtype | None) -> TorchPolicy:
+        """This policy for the program's device type and low dtype (a subclass stays its class)."""
+        return replace(self, device_type=device_type, dtype=dtype)
 
     def autocast_state(self, device_type: str) -> tuple[bool, torch.dtype] | None:
         return (True, self.dtype) if device_type == self.device_type else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from collections.abc import Iterable
 from dataclasses import asdict
 
 import torch
@@ -21,9 +22,12 @@ from precast.ir import diagnostics
 from precast.ir.diagnostics import Diagnostic
 from precast.ir.graph import constant_bytes, is_cast
 from precast.ir.program import META_KEY, Program
+from precast.pipeline.conversion import Conversion
+from precast.pipeline.runner import timed
+from precast.pipeline.tolerance import tolerance_check
 from precast.policy.rules.measures import Calibration
 from precast.policy.rules.options import RuleOptions
-from precast.report.model import CastRecord, NodeRecord, Report, _finite
+from precast.report.model import CastRecord, NodeRecord, Report, json_finite
 
 # export's run-time checks: no precision of their own, not worth a row in the report
 BOOKKEEPING = (torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default)
@@ -106,7 +110,7 @@ def write_program_info(ep: ExportedProgram, rep: Report) -> None:
     info["diagnostics"] = [asdict(d) for d in rep.diagnostics]
     info["allowed"] = list(rep.allowed)
     if rep.verification:
-        info["verification"] = _finite(rep.verification)
+        info["verification"] = json_finite(rep.verification)
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -156,13 +160,45 @@ def report(ep: ExportedProgram) -> Report:
     return rep
 
 
-def finish(program: Program, rep: Report) -> ExportedProgram:
-    rep.nodes = record_decisions(program.graph)
-    rep.casts = runtime_casts(program.graph)
-    rep.casts_runtime = len(rep.casts)
-    rep.weight_bytes_after = constant_bytes(program)
-    _record_program_info(program, rep)
-    return program.to_exported_program()
+def new_report(state: Conversion, allow: Iterable[str]) -> Report:
+    """The report of a conversion once its program is captured: policy, dtype, device, regions, allowed codes,
+    the weight bytes before conversion."""
+    policy = None if state.policy is None else str(state.policy.name)
+    rep = Report(policy=policy, dtype=dtype_name(state.low) if policy else None, device_type=state.device)
+    rep.regions = [region_dict(r) for r in state.regions]
+    rep.allowed = diagnostics.parse_allow(allow)
+    rep.weight_bytes_before = constant_bytes(state.program)
+    return rep
+
+
+def unchanged_report(rep: Report) -> Report:
+    """Nothing converted: the weights are as they were."""
+    rep.weight_bytes_after = dict(rep.weight_bytes_before)
+    return rep
+
+
+def fill_report(state: Conversion, rep: Report) -> None:
+    """The report stage: per-op records, run-time casts, weight bytes and what ``lower`` did, from the final
+    lowering; program-level fields saved with the program; then, for a policy with rules options, the ops the
+    rules kept fp32 and the tolerance search's check of the converted program."""
+    lowered = state.lowered
+    st = lowered.stats
+    rep.decomposed = st.decomposed
+    rep.casts_folded, rep.casts_simplified = st.casts_folded, st.casts_simplified
+    rep.constants_created, rep.constants_dropped = st.constants_created, st.constants_dropped
+    rep.verification = {**rep.verification, **state.verification}
+    with timed("report"):
+        rep.nodes = record_decisions(lowered.program.graph)
+        rep.casts = runtime_casts(lowered.program.graph)
+        rep.casts_runtime = len(rep.casts)
+        rep.weight_bytes_after = constant_bytes(lowered.program)
+        _record_program_info(lowered.program, rep)
+    binding = state.binding
+    if binding is not None and isinstance(binding.options, RuleOptions):
+        rules_notes(rep, binding.calibration, binding.options)
+    if binding is not None and binding.search is not None:
+        with timed("tolerance_check"):
+            tolerance_check(lowered.exported, binding.search, binding.calibration, rep)
 
 
 def _record_program_info(program: Program, rep: Report) -> None:

@@ -87,7 +87,7 @@ class Report(DiagnosticLog):
         d["schema_version"] = SCHEMA_VERSION
         d["nodes_by_dtype"] = self.nodes_by_dtype()
         d["cast_bytes"] = self.cast_bytes
-        return _finite(d)
+        return json_finite(d)
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
@@ -122,14 +122,14 @@ class Report(DiagnosticLog):
         return "\n".join(lines)
 
 
-def _finite(obj):
+def json_finite(obj: object) -> object:
     """JSON has no NaN/Infinity: non-finite floats become null."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: json_finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
+        return [json_finite(v) for v in obj]
     return obj
 
 

@@ -89,7 +89,7 @@ def reduction_depth(node: torch.fx.Node, args: tuple, kwargs: dict) -> tuple[int
     return None
 
 
-def _scalar_beyond(
+def scalar_beyond(
     node: torch.fx.Node, args: tuple, kwargs: dict, low: torch.dtype
 ) -> tuple[str, float] | None:
     """A finite Scalar argument the low dtype cannot hold (``masked_fill(mask, finfo(float32).min)``, baked in

@@ -160,7 +160,7 @@ def rank(candidates: Sequence[str], sources: Sequence[Source]) -> Ranking:
 
 
 @dataclass
-class FallbackResult:
+class ToleranceResult:
     tolerance: Tolerance
     all_low: dict  # errors with no fallback
     floor: dict | None = None  # errors with every candidate in fp32 (when the search measured it)
@@ -222,13 +222,15 @@ def meet_tolerance(
     *,
     tries: int = TRIES,
     ranked_by: str = "first-order sensitivity",
-) -> FallbackResult:
+) -> ToleranceResult:
     """The fewest top-ranked ``candidates`` to keep in fp32 for ``tol``. ``measure(kept)`` converts and runs the
     program with ``kept`` (node -> score) in fp32 and returns its errors (``WorstError.m``); it is called first
     with ``{}`` (the all-low program), then once per try. After ``tries`` tries the shortest prefix found that
     meets the tolerance is returned once the bracket is within a quarter of it (more are taken until then)."""
     base = measure({})
-    result = FallbackResult(tol, all_low=base, achieved=base, candidates=len(candidates), ranked_by=ranked_by)
+    result = ToleranceResult(
+        tol, all_low=base, achieved=base, candidates=len(candidates), ranked_by=ranked_by
+    )
     result.measured[0] = base
     if tol.met(base):
         return result

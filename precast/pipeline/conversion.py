@@ -1,0 +1,144 @@
+"""The state of one conversion, typed: what ``precast.convert`` threads from stage to stage, and the steps
+that start it (capture, program copy, regions, checks) and lower it (classify .. restore_io, then the
+ExportedProgram), again when an after-lowering check asks.
+
+Input: what the user gave (a module + inputs or a program), the resolved policy and low dtype. Output: a
+``Conversion`` whose ``lowered`` is the current ``Lowered`` (program, decider, stats, ExportedProgram).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from precast.errors import PrecastError
+from precast.ir import diagnostics
+from precast.ir.diagnostics import DiagnosticLog
+from precast.ir.graph import output_dtypes
+from precast.ir.inputs import check_example_inputs
+from precast.ir.program import Program, program_device_type
+from precast.ir.regions import Region
+from precast.pipeline import LowerStats, checks, lower
+from precast.pipeline.capture import capture, policy_region
+from precast.pipeline.regions import inline_regions
+from precast.pipeline.runner import run_stage, timed
+from precast.policy.base import Policy
+from precast.policy.hooks import Binding, hook
+
+Inputs = tuple[tuple, dict]  # (args, kwargs)
+
+
+@dataclass
+class Lowered:
+    """One lowering of the program: the rewritten Program, the decider that decided it, what ``lower`` did,
+    and the ExportedProgram made from it."""
+
+    program: Program
+    decider: Policy | None
+    stats: LowerStats
+    exported: ExportedProgram
+
+
+@dataclass
+class Conversion:
+    """Everything one conversion knows, stage after stage."""
+
+    source: ExportedProgram | torch.nn.Module  # what the caller gave (never changed)
+    ep: ExportedProgram  # the input program
+    policy: Policy | None
+    low: torch.dtype | None
+    device: str
+    inputs: Inputs | None  # the example inputs, bound to the program's signature (None: the program's own)
+    program: Program  # the private copy the checks ran on; the first lowering rewrites it
+    regions: list[Region]
+    restore: list[torch.dtype | None]  # the input program's output dtypes, restored with keep_io_types
+    keep_io: bool
+    log: DiagnosticLog = field(default_factory=DiagnosticLog)  # the report, as the stages see it
+    verification: dict[str, Any] = field(default_factory=dict)  # what after-lowering checks measured
+    binding: Binding | None = None  # what the policy's decider is bound with (None: the policy decides)
+    lowered: Lowered | None = None
+    ran: Any = None  # the converted program's outputs on the example inputs, when the device check ran it
+    lowering_mark: int = 0  # where the current lowering's diagnostics start in the log
+
+    @property
+    def unchanged(self) -> bool:
+        """Policy None on a program without autocast regions: nothing to convert."""
+        return self.policy is None and not self.regions
+
+    def decider_for(self, program: Program, **more: Any) -> Policy | None:
+        """The decider classify asks for ``program``: the bound one, or the policy itself."""
+        if self.binding is None:
+            return self.policy
+        return self.binding.bind(self.policy, program, **more)  # type: ignore[arg-type]
+
+    def relower(self, **more: Any) -> Lowered:
+        """Convert a fresh copy of the input program again, the decider bound with ``more`` as well
+        (``device_fp32=``, ``all_fp32=``); the previous lowering's diagnostics are recorded afresh."""
+        del self.log.diagnostics[self.lowering_mark :]
+        fresh = run_stage(None, "program_copy", lambda _: Program(self.ep))
+        run_stage(fresh, "inline_regions", lambda p: inline_regions(p.gm))
+        return self._lower(fresh, self.decider_for(fresh, **more))
+
+    def lower_program(self) -> Lowered:
+        """The first lowering, of the program the checks ran on."""
+        self.lowering_mark = len(self.log.diagnostics)
+        return self._lower(self.program, self.decider_for(self.program))
+
+    def _lower(self, program: Program, decider: Policy | None) -> Lowered:
+        stats = lower(program, decider, self.log, restore=self.restore, keep_io=self.keep_io)
+        exported = run_stage(program, "export", lambda p: p.to_exported_program())
+        self.lowered = Lowered(program, decider, stats, exported)
+        return self.lowered
+
+
+def begin(
+    source: ExportedProgram | torch.nn.Module,
+    example_inputs: Any,
+    policy: Policy | None,
+    low: torch.dtype | None,
+    device_type: str | None,
+    dynamic_shapes: Any,
+    keep_io_types: bool | None,
+) -> Conversion:
+    """capture -> program copy -> regions: the conversion's state before the checks."""
+    if keep_io_types is not None and not isinstance(keep_io_types, bool):
+        raise PrecastError(
+            f"keep_io_types={keep_io_types!r}: give True, False or None (the policy's default)"
+        )
+    device_type = device_type or (hook(policy, "device_type") if policy is not None else None)
+    under_autocast = policy is not None and hook(policy, "capture_under_autocast")
+    region = policy_region(source, "torch" if under_autocast else None, device_type, low)
+    with timed("capture"):
+        ep = capture(source, example_inputs, dynamic_shapes, distinct_values=under_autocast, autocast=region)
+    device = device_type or program_device_type(ep)
+    if device not in ("cpu", "cuda"):
+        raise PrecastError(f"device_type={device!r}: precast has autocast tables for 'cpu' and 'cuda'")
+    if policy is not None:
+        low = low if low is not None else torch.get_autocast_dtype(device)
+        policy = hook(policy, "for_device")(device, low)
+    inputs = check_example_inputs(ep, example_inputs) if source is ep else None
+    program = run_stage(None, "program_copy", lambda _: Program(ep))
+    regions = run_stage(program, "inline_regions", lambda p: inline_regions(p.gm))
+    keep_io = keep_io_types if keep_io_types is not None else bool(policy and hook(policy, "keep_io_types"))
+    restore = output_dtypes(program.graph)
+    if region is not None and keep_io:
+        # traced under autocast, the program's outputs are already low: the types to keep are the module's own
+        restore = output_dtypes(capture(source, example_inputs, dynamic_shapes, distinct_values=True).graph)
+    return Conversion(source, ep, policy, low, device, inputs, program, regions, restore, keep_io)
+
+
+def run_checks(state: Conversion) -> None:
+    """Control flow, unused and no-op regions: diagnostics before any decision (raises on an error)."""
+    run_stage(
+        state.program, "checks", lambda p: checks.check_program(state.ep, p.gm, state.regions, state.log)
+    )
+    if state.unchanged:
+        diagnostics.record(
+            state.log,
+            "no-regions",
+            "the program has no autocast regions: returned unchanged "
+            "(use policy='torch' or 'rules' to add mixed precision)",
+        )
