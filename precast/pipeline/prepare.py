@@ -69,16 +69,10 @@ def prepare(state: Conversion) -> None:
                 nodes[name],
             )
     if tol is not None:
+        opts, cal, extra = binding.options, binding.calibration, binding.extra
         binding.search = run_stage(
             program,
             "tolerance",
-            tolerance_stage,
-            state.ep,
-            policy,
-            binding.options,
-            binding.calibration,
-            tol,
-            log,
-            **binding.extra,
+            lambda p: tolerance_stage(p, state.ep, policy, opts, cal, tol, log, low=low, **extra),
         )
     state.binding = binding

@@ -47,8 +47,9 @@ from precast.ir.regions import REGION_META, region_autocast
 from precast.metrics import WorstError
 from precast.pipeline import lower
 from precast.pipeline.regions import inline_regions
+from precast.policy.base import Policy
+from precast.policy.hooks import hook
 from precast.policy.rules.measures import Calibration
-from precast.policy.rules.options import RuleOptions
 from precast.policy.rules.taxonomy import op_name
 from precast.policy.rules.tolerance import Source, Tolerance, ToleranceResult, meet_tolerance
 
@@ -58,18 +59,21 @@ PROBES = 2  # random-sign backward passes of the instrumented reference forward
 def tolerance_stage(
     program: Program,
     ep: ExportedProgram,
-    policy: Any,
-    opts: RuleOptions,
+    policy: Policy,
+    opts: object,
     cal: Calibration,
     tol: Tolerance,
     log: DiagnosticLog,
+    *,
+    low: torch.dtype | None = None,
     **bind_kw: Any,
 ) -> ToleranceResult:
     """Search with programs of its own (each converted as the conversion will): returns the overrides.
     ``bind_kw``: what else the conversion passes to ``policy.bind`` (the auto policy's latency table), so each
     try binds its decider exactly as the conversion will."""
     start = time.perf_counter()
-    search = _Search(program, ep, policy, opts, cal, tol, log, bind_kw)
+    low = low if low is not None else opts.low  # type: ignore[attr-defined]  # RuleOptions carry theirs
+    search = _Search(program, ep, policy, opts, cal, tol, log, low, bind_kw)
     result = meet_tolerance(
         tol, search.candidates, search.sources, search.measure, ranked_by=search.ranked_by
     )
@@ -89,20 +93,21 @@ class _Search:
         self,
         program: Program,
         ep: ExportedProgram,
-        policy: Any,
-        opts: RuleOptions,
+        policy: Policy,
+        opts: object,
         cal: Calibration,
         tol: Tolerance,
         log: DiagnosticLog,
+        low: torch.dtype,
         bind_kw: dict[str, Any],
     ):
-        self.ep, self.policy, self.opts, self.cal, self.tol = ep, policy, opts, cal, tol
+        self.ep, self.policy, self.opts, self.cal, self.tol, self.low = ep, policy, opts, cal, tol, low
         self.bind_kw = bind_kw
         self.allowed = list(getattr(log, "allowed", []))
         self.restore = output_dtypes(program.graph)
         self.batches = cal.sample
         self.forwards = self.backwards = 0
-        low = opts.low
+        candidate = hook(policy, "tolerance_candidate")
         # the all-low program: its decisions say which ops are candidates and how every op computes
         self.all_low = self._lower({})
         ops = [n for n in self.all_low.graph.nodes if n.op == "call_function"]
@@ -111,7 +116,7 @@ class _Search:
             n.name
             for n in ops
             if (d := decisions[n.name]) is not None
-            and d.rule == "default"
+            and candidate(d)
             and d.dtype == low
             and op_name(n.target) not in GEMM_OPS
         ]
@@ -147,7 +152,7 @@ class _Search:
         refs: list = []
         sources: list[Source] = []
         ranked_by = "first-order sensitivity"
-        low = self.opts.low
+        low = self.low
         readers = {n.name for n in ref.graph.nodes if roles.get(n.name) in ("cand", "low", "fp32")}
         readers.add(ref.graph.output_node().name)
         interp = _Tapping(ref.gm, readers)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 
 from precast.ir.program import Program
-from precast.policy.base import Policy
+from precast.policy.base import Decision, Policy
 from precast.policy.rules.measures import Calibration
 from precast.policy.rules.tolerance import ToleranceResult
 
@@ -39,6 +39,8 @@ class PolicyHooks:
       matmul/conv/attention op unless ``latencies`` gives the table (cached in ``cache_dir``), ``tolerance``
       searches the ops to keep fp32 for ``tolerance`` (a dict of bounds).
     - ``options(low)``: the policy's checked options, handed to ``bind`` (default None).
+    - ``tolerance_candidate(decision)``: whether the tolerance search may keep that (low) op fp32; default:
+      the policy decided it (``decision.source == name``); rules: no rule but the default did.
     - ``bind(program, options, calibration, fallback=..., device_fp32=..., **extra)``: the decider for one
       program (no default: a policy without ``bind`` decides itself). ``fallback``: node -> score, the ops the
       tolerance search keeps fp32; ``device_fp32``: node -> what failed, the ops the device fallback keeps fp32.
@@ -63,6 +65,10 @@ class PolicyHooks:
 
     def options(self, low: torch.dtype) -> object:
         return None
+
+    def tolerance_candidate(self, decision: Decision) -> bool:
+        """Whether the tolerance search may keep this low op fp32: by default, the policy's own decisions."""
+        return decision.source == self.name  # type: ignore[attr-defined]
 
 
 REFERENCES = ("autocast", "measured")

@@ -36,7 +36,7 @@ from precast.policy.base import Decision
 from precast.policy.rules import patterns as sensitive
 from precast.policy.rules.measures import Calibration
 from precast.policy.rules.options import RuleOptions
-from precast.policy.rules.table import Rule, RuleCall, rules_table
+from precast.policy.rules.table import Rule, RuleCall, is_default, rules_table
 from precast.policy.rules.taxonomy import op_kind
 
 # a custom rule: (node, context) -> reason to keep the node in fp32, or None
@@ -85,6 +85,10 @@ class RulesPolicy:
     reference: ClassVar[str] = "measured"
     prepare_steps: ClassVar[tuple[str, ...]] = ("calibrate", "tolerance")
     after_lowering: ClassVar[tuple[str, ...]] = ("device_fallback",)
+
+    def tolerance_candidate(self, decision: Decision) -> bool:
+        """The tolerance search may keep fp32 the ops no rule but the default put low."""
+        return is_default(decision)
 
     def options(self, low: torch.dtype) -> RuleOptions:
         """The checked options for one conversion to ``low`` (one clear error per bad option)."""
