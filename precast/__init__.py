@@ -35,7 +35,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # compile pulls in torch._inductor: import it only when asked for (the module is precast.aoti, so the
+    # compile pulls in torch._inductor: import it only when asked for (the module is precast.backends.aoti, so the
     # function precast.compile is never shadowed by a submodule of the same name)
     if name in ("compile", "CompiledModel"):
         from precast.backends import aoti

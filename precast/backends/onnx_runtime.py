@@ -1,21 +1,14 @@
 """ONNX Runtime (CPU) for exported .onnx files: sessions with one-line errors naming the op ONNX Runtime lacks a
-low-precision kernel for (and the route that works), runs, and the benchmark measurements ``precast bench``
-uses (median latency, file size, resident memory of a fresh process).
+low-precision kernel for (and the route that works), and runs. (Measuring them is ``precast.bench.ort``'s.)
 
-Input: an .onnx path (``precast.backends.onnx.export_onnx``) and inputs. Output: sessions, torch tensors, stats.
+Input: an .onnx path (``precast.backends.onnx.export_onnx``) and inputs. Output: sessions, torch tensors.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import statistics
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,7 +98,8 @@ def ort_can_run(path: str | os.PathLike) -> bool:
     return True
 
 
-def _feed(session: Any, inputs: Sequence[Any]) -> dict[str, Any]:
+def ort_feed(session: Any, inputs: Sequence[Any]) -> dict[str, Any]:
+    """The session's input feed: numpy arrays by input name (one clear error for a wrong count or bf16)."""
     leaves = [x for x in torch.utils._pytree.tree_leaves(tuple(inputs)) if isinstance(x, torch.Tensor)]
     names = [i.name for i in session.get_inputs()]
     if len(leaves) != len(names):
@@ -129,7 +123,7 @@ def _to_torch(a: Any) -> torch.Tensor:
 def run_onnx(model: str | os.PathLike | Any, inputs: Sequence[Any]) -> list[torch.Tensor]:
     """Run an ``.onnx`` file (or an ``ort_session``) on ONNX Runtime's CPU provider; outputs as torch tensors."""
     session = model if hasattr(model, "get_inputs") else ort_session(model)
-    feed = _feed(session, inputs)
+    feed = ort_feed(session, inputs)
     try:
         outs = session.run(None, feed)
     except Exception as exc:  # onnxruntime's InvalidArgument / Fail: wrong shapes or dtypes for this model
@@ -140,90 +134,5 @@ def run_onnx(model: str | os.PathLike | Any, inputs: Sequence[Any]) -> list[torc
 def ort_runner(model: str | os.PathLike | Any, inputs: Sequence[Any]) -> Callable[[], list[Any]]:
     """A zero-argument callable running one forward (inputs converted once), for latency timing."""
     session = model if hasattr(model, "get_inputs") else ort_session(model)
-    feed = _feed(session, inputs)
+    feed = ort_feed(session, inputs)
     return lambda: session.run(None, feed)
-
-
-# ---- benchmark ----------------------------------------------------------------------------------------------
-_RSS_SCRIPT = r"""
-import json, sys
-import numpy as np
-def rss():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-import onnxruntime as ort
-feed = dict(np.load(sys.argv[2]))
-before = rss()
-options = ort.SessionOptions()
-options.log_severity_level = 3
-s = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
-s.run(None, feed)
-print(json.dumps({"before": before, "after": rss()}))
-"""
-
-
-def ort_load_rss_mb(
-    path: str | os.PathLike, inputs: Sequence[Any], workdir: str | os.PathLike
-) -> float | None:
-    """Resident memory (MiB) a fresh process (onnxruntime + numpy only) gains by creating the session and
-    running one forward: the same measure ``precast bench`` takes for AOTInductor packages."""
-    if not Path("/proc/self/status").exists():
-        return None
-    import numpy as np
-
-    session = ort_session(path)
-    feed_path = Path(workdir) / "ort_rss_inputs.npz"
-    np.savez(feed_path, **_feed(session, inputs))
-    proc = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT, str(path), str(feed_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if proc.returncode != 0:
-        raise PrecastError(
-            f"ort_load_rss_mb: the fresh process failed: {first_line(proc.stderr or 'no output')}"
-        )
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
-    return round(data["after"] - data["before"], 1)
-
-
-def bench_ort(
-    path: str | os.PathLike,
-    inputs: Sequence[Any],
-    repeats: int = 20,
-    *,
-    workdir: str | os.PathLike | None = None,
-    measure_rss: bool = True,
-) -> dict[str, Any]:
-    """Median latency (ms) over ``repeats`` samples, file size (MB), and RSS (MB) of a fresh process.
-
-    Each sample times enough back-to-back calls to last ~20 ms (``precast.bench.interleaved_latency``'s rule),
-    after 3 warm-up calls. To interleave with other variants, time ``ort_runner(path, inputs)`` in
-    ``precast.bench.interleaved_latency`` instead.
-    """
-    import tempfile
-
-    run = ort_runner(path, inputs)
-    for _ in range(3):
-        run()
-    t = time.perf_counter()
-    run()
-    inner = max(1, min(1000, int(0.02 / max(time.perf_counter() - t, 1e-6))))
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for _ in range(inner):
-            run()
-        samples.append((time.perf_counter() - t) * 1e3 / inner)
-    rss = None
-    if measure_rss:
-        with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-            rss = ort_load_rss_mb(path, inputs, tmp)
-    return {
-        "latency_ms": round(statistics.median(samples), 4),
-        "samples_ms": [round(s, 4) for s in samples],
-        "file_mb": round(os.path.getsize(path) / 2**20, 3),
-        "rss_mb": rss,
-    }

@@ -103,6 +103,16 @@ print(json.dumps({"before": before, "after": rss()}))
 """
 
 
+def fresh_process_rss_mb(script: str, *args: str) -> float:
+    """Resident memory (MiB) ``script`` gains in a fresh interpreter (it prints ``{"before": MiB, "after": MiB}``
+    as its last line); raises ``RuntimeError`` with the subprocess's error output when it fails."""
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr or "no output")
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    return round(data["after"] - data["before"], 1)
+
+
 def load_rss_mb(package: str | os.PathLike, inputs: tuple, workdir: Path) -> float | None:
     """Resident memory (MiB) a fresh process gains by loading ``package`` and running one forward; None where
     /proc is missing or the subprocess fails."""
@@ -110,16 +120,10 @@ def load_rss_mb(package: str | os.PathLike, inputs: tuple, workdir: Path) -> flo
         return None
     args_path = workdir / "rss_inputs.pt"
     torch.save(to_device(inputs, "cpu"), args_path)
-    proc = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT, str(package), str(args_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if proc.returncode != 0:
-        return None
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
-    return round(data["after"] - data["before"], 1)
+    try:
+        return fresh_process_rss_mb(_RSS_SCRIPT, str(package), str(args_path))
+    except RuntimeError:
+        return None  # the table shows no figure for this variant
 
 
 # ---- timing -----------------------------------------------------------------------------------------------

@@ -9,17 +9,24 @@ ONNX Runtime's CPU provider has no bfloat16 kernels for Gemm/MatMul/Conv: with `
 docs/backends.md. Needs ``pip install 'precast[onnx]'``; without it both rows say so.
 
 Input: the model, its inputs, a work folder. Output: a forward callable and the row's facts (file size, Cast
-nodes, export time, the .onnx path for the fresh-process memory measurement).
+nodes, export time, the .onnx path for the fresh-process memory measurement); ``ort_load_rss_mb`` and
+``bench_ort`` measure an .onnx file with the timers and the fresh-process memory of ``precast.bench.measure``.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from precast.bench.measure import fresh_process_rss_mb, interleaved_latency
+from precast.errors import PrecastError, first_line
 
 ORT_VARIANTS = ("ort_fp32", "ort_precast")
 
@@ -47,3 +54,69 @@ def build_ort_variant(
     res.casts_per_forward = info.casts
     res.onnx_path = str(path)
     return lambda s=session, x=inputs: run_onnx(s, x)
+
+
+# the fresh process imports onnxruntime and numpy only, as a deployment would
+_ORT_RSS_SCRIPT = r"""
+import json, sys
+import numpy as np
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+import onnxruntime as ort
+feed = dict(np.load(sys.argv[2]))
+before = rss()
+options = ort.SessionOptions()
+options.log_severity_level = 3
+s = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
+s.run(None, feed)
+print(json.dumps({"before": before, "after": rss()}))
+"""
+
+
+def ort_load_rss_mb(
+    path: str | os.PathLike, inputs: Sequence[Any], workdir: str | os.PathLike
+) -> float | None:
+    """Resident memory (MiB) a fresh process (onnxruntime + numpy only) gains by creating the session and
+    running one forward: the same measure ``precast bench`` takes for AOTInductor packages."""
+    if not Path("/proc/self/status").exists():
+        return None
+    import numpy as np
+
+    from precast.backends.onnx_runtime import ort_feed, ort_session
+
+    feed_path = Path(workdir) / "ort_rss_inputs.npz"
+    np.savez(feed_path, **ort_feed(ort_session(path), inputs))
+    try:
+        return fresh_process_rss_mb(_ORT_RSS_SCRIPT, str(path), str(feed_path))
+    except RuntimeError as exc:
+        raise PrecastError(f"ort_load_rss_mb: the fresh process failed: {first_line(exc)}") from exc
+
+
+def bench_ort(
+    path: str | os.PathLike,
+    inputs: Sequence[Any],
+    repeats: int = 20,
+    *,
+    workdir: str | os.PathLike | None = None,
+    measure_rss: bool = True,
+) -> dict[str, Any]:
+    """Median latency (ms) over ``repeats`` samples, file size (MB), and RSS (MB) of a fresh process.
+
+    Each sample times enough back-to-back calls to last ~20 ms, after 3 warm-up calls
+    (``precast.bench.measure.interleaved_latency``, which also interleaves it with other variants).
+    """
+    from precast.backends.onnx_runtime import ort_runner
+
+    samples = interleaved_latency({"ort": ort_runner(path, inputs)}, repeats)["ort"]
+    rss = None
+    if measure_rss:
+        with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+            rss = ort_load_rss_mb(path, inputs, tmp)
+    return {
+        "latency_ms": round(statistics.median(samples), 4),
+        "samples_ms": [round(s, 4) for s in samples],
+        "file_mb": round(os.path.getsize(path) / 2**20, 3),
+        "rss_mb": rss,
+    }

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from precast.backends.onnx_runtime import ort_load_rss_mb
 from precast.bench.factories import (
     build,
     check_specs,
@@ -47,7 +46,7 @@ from precast.bench.measure import (
     load_rss_mb,
     to_device,
 )
-from precast.bench.ort import ORT_VARIANTS, build_ort_variant
+from precast.bench.ort import ORT_VARIANTS, build_ort_variant, ort_load_rss_mb
 from precast.dtypes import ALIASES
 from precast.errors import PrecastError, first_line
 from precast.metrics import flat_error

@@ -16,6 +16,7 @@ import torch
 from precast.errors import PrecastError
 from precast.io import atomic_path, check_writable
 from precast.pipeline.capture import check_program_file
+from precast.policy.resolve import RULE_OPTIONS
 
 
 def add_parser(sub) -> None:
@@ -86,16 +87,12 @@ def _is_factory(source: str) -> bool:
     return ":" in source and not Path(source).exists() and not source.endswith(".pt2")
 
 
-# RuleOptions.build's keyword -> the flag a user typed, for error messages
+# the rules keywords the CLI takes as flags (precast.policy.resolve.RULE_OPTIONS, defined once as RulesPolicy's
+# fields) -> the flag a user types; calibration is a file here, tolerance and custom_rules are Python-only
 FLAGS = {
-    "exclude_nodes": "--exclude-nodes",
-    "exclude_ops": "--exclude-ops",
-    "include_nodes": "--include-nodes",
-    "include_ops": "--include-ops",
-    "data_max": "--data-max",
-    "init_max": "--init-max",
-    "max_reduction_depth": "--max-reduction-depth",
-    "patterns": "--patterns",
+    name: "--" + name.replace("_", "-")
+    for name in RULE_OPTIONS
+    if name not in ("calibration", "tolerance", "custom_rules")
 }
 
 

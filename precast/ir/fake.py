@@ -132,17 +132,17 @@ def adopt_vals(state: FakeState, nodes: Iterable[torch.fx.Node]) -> None:
     memo: dict[int, tuple[object, object]] = {}
     for node in nodes:
         val = node.meta.get("val")
-        if val is not None and _foreign(val, state.mode):
+        if val is not None and foreign(val, state.mode):
             node.meta["val"] = _rebind(val, state.mode, memo)
 
 
-def _foreign(value: object, mode: FakeTensorMode) -> bool:
+def foreign(value: object, mode: FakeTensorMode) -> bool:
     if isinstance(value, FakeTensor):
         return value.fake_mode is not mode
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return mode.shape_env is not None and value.node.shape_env is not mode.shape_env
     if isinstance(value, (list, tuple, dict)):
-        return any(_foreign(v, mode) for v in (value.values() if isinstance(value, dict) else value))
+        return any(foreign(v, mode) for v in (value.values() if isinstance(value, dict) else value))
     return False
 
 
@@ -275,7 +275,7 @@ def _oblivious_backend_choice(target: object) -> contextlib.AbstractContextManag
 def run_fake(state: FakeState, node: torch.fx.Node, target, args: tuple, kwargs: dict) -> object:
     """Run ``target`` on fake values as export does (Python dispatcher on: symbolic-aware decompositions, no
     C++ composite reading concrete sizes), then check that no dynamic dimension was specialized. A node run
-    again on inputs no op can tell from its last run's (same objects, or ``_same_fake``) returns that run's
+    again on inputs no op can tell from its last run's (same objects, or ``same_fake``) returns that run's
     result (``FakeState.runs``): the checks after insert_casts and fold recompute on the cast values classify
     used, or on folded constants of the same metadata."""
     if target is operator.getitem:
@@ -311,7 +311,7 @@ def _memoizable(target: object) -> bool:
 
 def _same_args(a: object, b: object) -> bool:
     """Arguments an op cannot tell apart: same structure (lists and tuples alike: FX hands them over as
-    immutable lists), fake values by ``_same_fake``, real tensors (constants) by identity, anything else by
+    immutable lists), fake values by ``same_fake``, real tensors (constants) by identity, anything else by
     type and value."""
     if a is b:
         return True
@@ -321,22 +321,22 @@ def _same_args(a: object, b: object) -> bool:
         return list(a) == list(b) and all(_same_args(a[k], b[k]) for k in a)
     sym = (FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool)
     if isinstance(a, sym) or isinstance(b, sym):  # `==` on symbolic values would add a guard
-        return _same_fake(a, b)
+        return same_fake(a, b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
         return False
     return bool(a == b)
 
 
-_MISSING = object()
+MISSING = object()  # "no value recorded" (None is a value)
 
 
-def _same_fake(a: object, b: object) -> bool:
+def same_fake(a: object, b: object) -> bool:
     """The same object, or fake values an op that writes nothing computes the same metadata from: same
     structure, and tensors of the same dtype, device, sizes, strides, storage offset and layout (symbolic sizes
     by expression: ``==`` on SymInts would add a guard). ``requires_grad`` is not compared: it does not change
     an output's metadata, and export records values without it."""
     if a is b:
-        return a is not _MISSING
+        return a is not MISSING
     if isinstance(a, FakeTensor) and isinstance(b, FakeTensor):
         return (
             a.dtype == b.dtype
@@ -350,7 +350,7 @@ def _same_fake(a: object, b: object) -> bool:
             and a.is_neg() == b.is_neg()
         )
     if isinstance(a, (tuple, list)) and type(a) is type(b) and len(a) == len(b):
-        return all(_same_fake(x, y) for x, y in zip(a, b, strict=True))
+        return all(same_fake(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)):
         return not isinstance(a, bool) and not isinstance(b, bool) and _same_int(a, b)
     return False
@@ -383,7 +383,7 @@ def fake_run_error(node: torch.fx.Node, target, args: tuple, kwargs: dict, exc: 
     )
 
 
-def _arg_name(node: torch.fx.Node, path: tuple) -> str:
+def arg_name(node: torch.fx.Node, path: tuple) -> str:
     if path[0] == "kwargs":
         return str(path[1])
     schema_args = getattr(node.target, "_schema", None)
@@ -395,6 +395,3 @@ def _arg_name(node: torch.fx.Node, path: tuple) -> str:
 
 def _dtypes(args, kwargs) -> str:
     return "(" + ", ".join(dtype_name(t.dtype) or "?" for _, t in tensor_args(args, kwargs)) + ")"
-
-
-_MISSING = object()

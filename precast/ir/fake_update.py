@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 
 from precast.errors import PrecastError, first_line, where
 from precast.ir.fake import (
-    _MISSING,
+    MISSING,
     FakeState,
     adopt_vals,
     fake_run_error,
@@ -91,8 +91,8 @@ def update_vals(program: Program, nodes: Iterable[torch.fx.Node]) -> int:
             dirty.update(node.users)
         elif node.op == "call_function":
             new = _compute(state, program, node)
-            old = node.meta.get("val", _MISSING)
-            if old is _MISSING or not same_meta(old, new):
+            old = node.meta.get("val", MISSING)
+            if old is MISSING or not same_meta(old, new):
                 node.meta["val"] = new
                 dirty.update(node.users)
                 changed += 1

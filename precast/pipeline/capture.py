@@ -249,10 +249,16 @@ def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
     return made
 
 
-def policy_region(module: Any, policy: str | None, device_type: str | None, low) -> tuple | None:
-    """For policy "torch" on a module: the autocast (device, dtype) to export its forward in (see capture), when
-    that autocast can run here (a CUDA autocast needs a GPU; without one the policy applies to the plain export)."""
-    if policy != "torch" or not isinstance(module, torch.nn.Module):
+def policy_region(
+    module: ExportedProgram | torch.nn.Module,
+    under_autocast: bool,
+    device_type: str | None,
+    low: torch.dtype | None,
+) -> tuple[str, torch.dtype] | None:
+    """For a policy that captures under autocast (policy torch) on a module: the autocast (device, dtype) to export
+    its forward in (see capture), when that autocast can run here (a CUDA autocast needs a GPU; without one the
+    policy applies to the plain export)."""
+    if not under_autocast or not isinstance(module, torch.nn.Module):
         return None
     floats = [t for t in list(module.parameters()) + list(module.buffers()) if t.is_floating_point()]
     device = device_type or (floats[0].device.type if floats else "cpu")

@@ -20,6 +20,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
+from torch.utils._pytree import PyTree
 
 from precast import codes
 from precast.dtypes import long_name
@@ -29,7 +30,7 @@ from precast.ir.inputs import normalize_inputs
 
 # every registered code (kept under this name for callers that list them)
 CODES = tuple(codes.CODES)
-# higher-order ops that carry autocast meaning and are inlined by precast.regions; every other HOP with
+# higher-order ops that carry autocast meaning and are inlined by precast.pipeline.regions; every other HOP with
 # subgraph arguments is control flow that precast does not look inside
 REGION_HOPS = {"wrap_with_autocast", "wrap_with_set_grad_enabled"}
 
@@ -191,13 +192,13 @@ class DeviceRun:
     op that failed, if one did."""
 
     ok: bool
-    outputs: Any = None
+    outputs: PyTree = None
     failure: DeviceFailure | None = None
 
 
 def run_checked(
     program: ExportedProgram | torch.nn.Module, args: tuple, kwargs: dict, rep: DiagnosticLog
-) -> tuple[bool, Any]:
+) -> tuple[bool, PyTree]:
     """``check_runs`` that also returns the outputs of its run (None when it could not run), so verification
     compares them instead of running the converted program a second time. ``program``: a program, or the
     module ``program.module()`` built (unlifting is costly: build it once)."""

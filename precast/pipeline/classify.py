@@ -28,21 +28,21 @@ from precast.dtypes import dtype_name
 from precast.errors import PrecastError, where
 from precast.ir import op_families
 from precast.ir.fake import (
-    _MISSING,
+    MISSING,
     FakeState,
-    _arg_name,
-    _foreign,
-    _same_fake,
+    arg_name,
     fake_cast,
     fake_run_error,
     fake_state,
+    foreign,
     node_signature,
     remember_run,
     run_fake,
+    same_fake,
 )
 from precast.ir.graph import ASSERT_METADATA, tensor_args
 from precast.ir.program import Program
-from precast.pipeline.decompose import TRACED_META, _should_decompose, _splice_decomposition
+from precast.pipeline.decompose import TRACED_META, should_decompose, splice_decomposition
 from precast.policy.base import Decision, Policy, apply_decision
 from precast.policy.compose import decide
 
@@ -64,7 +64,7 @@ def classify(
     on_error: Callable | None = None,
 ) -> ClassifyResult:
     """``on_error(err, node)``, when given, receives the ``dtype-mismatch`` and ``composite-not-traced`` errors
-    instead of raising them here (precast.diagnostics records them, and re-raises unless the user allowed the
+    instead of raising them here (precast.ir.diagnostics records them, and re-raises unless the user allowed the
     code; an allowed ``composite-not-traced`` keeps the composite op as written)."""
     graph = program.graph
     state = fake_state(program)
@@ -83,9 +83,9 @@ def classify(
         elif node.op == "call_function":
             args = torch.fx.node.map_aggregate(node.args, load)
             kwargs = torch.fx.node.map_aggregate(node.kwargs, load)
-            decompose = _should_decompose(node, args, kwargs, policy)
+            decompose = should_decompose(node, args, kwargs, policy)
             if decompose:
-                first = _splice_decomposition(program, node, args, kwargs, state, policy, on_error)
+                first = splice_decomposition(program, node, args, kwargs, state, policy, on_error)
                 if first is not None:
                     result.decomposed.append(f"{node.name} ({node.target})")
                     node = first
@@ -103,8 +103,8 @@ def classify(
                 decision.kwarg_updates = {"dtype": args[0].dtype}
             # a composite kept as written (the trace changed nothing, or failed and the user allowed it): export
             # recorded its value as autocast computed it, which need not be what it computes as written
-            recorded = _recorded(node, decision, env, state) if traced is None and not decompose else _MISSING
-            if recorded is _MISSING:
+            recorded = _recorded(node, decision, env, state) if traced is None and not decompose else MISSING
+            if recorded is MISSING:
                 env[node] = _run(node, args, kwargs, decision, state, on_error)
             else:
                 _check_dtypes(node, node.target, args, kwargs, on_error)
@@ -128,32 +128,32 @@ def _store_vals(graph: torch.fx.Graph, env: dict) -> None:
     everything downstream of a cast. Done after the walk: ``_recorded`` compares inputs with the values export
     recorded."""
     for node in graph.nodes:
-        if node.op == "call_function" and node in env and node.meta.get("val", _MISSING) is not env[node]:
+        if node.op == "call_function" and node in env and node.meta.get("val", MISSING) is not env[node]:
             node.meta["val"] = env[node]
 
 
 def _recorded(node: torch.fx.Node, decision: Decision | None, env: dict, state: FakeState) -> object:
-    """The node's own fake value when running it again would only recompute it, else ``_MISSING``.
+    """The node's own fake value when running it again would only recompute it, else ``MISSING``.
 
     That holds when the decision changes nothing (no casts, dtype kwargs or redispatch), every input's value is
-    the value recorded for that input or has its exact metadata (``_same_fake``: an op's fake output depends
+    the value recorded for that input or has its exact metadata (``same_fake``: an op's fake output depends
     on nothing else), and the node's value was computed from its current arguments (unchanged signature).
     Most of a program outside autocast regions is so, and so is most of a region export traced under
     autocast; a fake run (symbolic sizes rebuilt through sympy) is the main cost of classify. In-place ops
     still run: they may change their input's metadata."""
     if decision is not None and (decision.casts or decision.kwarg_updates or decision.new_target is not None):
-        return _MISSING
+        return MISSING
     target = node.target
     if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
-        return _MISSING
-    val = node.meta.get("val", _MISSING)
-    if val is _MISSING or _foreign(val, state.mode):
-        return _MISSING
+        return MISSING
+    val = node.meta.get("val", MISSING)
+    if val is MISSING or foreign(val, state.mode):
+        return MISSING
     for a in node.all_input_nodes:
-        if a.op != "get_attr" and not _same_fake(env.get(a, _MISSING), a.meta.get("val", _MISSING)):
-            return _MISSING
+        if a.op != "get_attr" and not same_fake(env.get(a, MISSING), a.meta.get("val", MISSING)):
+            return MISSING
     if state.signatures.get(node) != node_signature(node):
-        return _MISSING
+        return MISSING
     return val
 
 
@@ -197,7 +197,7 @@ def check_same_dtype(node: torch.fx.Node, args: tuple, kwargs: dict) -> None:
     dtypes = {t.dtype for _, t in floats}
     if len(dtypes) <= 1:
         return
-    inputs = ", ".join(f"{_arg_name(node, p)} {dtype_name(t.dtype)}" for p, t in floats)
+    inputs = ", ".join(f"{arg_name(node, p)} {dtype_name(t.dtype)}" for p, t in floats)
     low = sorted((d for d in dtypes if d != torch.float32), key=str)
     fix = (
         "cast the activation back with `.float()` where it leaves the autocast region, or move this op inside "

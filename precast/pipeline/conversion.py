@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.utils._pytree import PyTree
 
 from precast.errors import PrecastError
 from precast.ir import diagnostics
@@ -57,10 +58,10 @@ class Conversion:
     restore: list[torch.dtype | None]  # the input program's output dtypes, restored with keep_io_types
     keep_io: bool
     log: DiagnosticLog = field(default_factory=DiagnosticLog)  # the report, as the stages see it
-    verification: dict[str, Any] = field(default_factory=dict)  # what after-lowering checks measured
+    verification: dict[str, dict] = field(default_factory=dict)  # what after-lowering checks measured
     binding: Binding | None = None  # what the policy's decider is bound with (None: the policy decides)
     lowered: Lowered | None = None
-    ran: Any = None  # the converted program's outputs on the example inputs, when the device check ran it
+    ran: PyTree = None  # the converted program's outputs on the example inputs, when the device check ran it
     lowering_mark: int = 0  # where the current lowering's diagnostics start in the log
 
     @property
@@ -96,7 +97,7 @@ class Conversion:
 
 def begin(
     source: ExportedProgram | torch.nn.Module,
-    example_inputs: Any,
+    example_inputs: PyTree,
     policy: Policy | None,
     low: torch.dtype | None,
     device_type: str | None,
@@ -110,7 +111,7 @@ def begin(
         )
     device_type = device_type or (hook(policy, "device_type") if policy is not None else None)
     under_autocast = policy is not None and hook(policy, "capture_under_autocast")
-    region = policy_region(source, "torch" if under_autocast else None, device_type, low)
+    region = policy_region(source, under_autocast, device_type, low)
     with timed("capture"):
         ep = capture(source, example_inputs, dynamic_shapes, distinct_values=under_autocast, autocast=region)
     device = device_type or program_device_type(ep)

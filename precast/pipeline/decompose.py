@@ -106,7 +106,7 @@ def _is_composite(op: object) -> bool:
     )
 
 
-def _should_decompose(node, args, kwargs, policy) -> bool:
+def should_decompose(node, args, kwargs, policy) -> bool:
     op = node.target
     if node.meta.get(TRACED_META) or not _is_composite(op) or op._schema.name in NEVER_CASTS:
         return False
@@ -177,7 +177,7 @@ def _not_traced(node: torch.fx.Node, why: str, on_error, exc: Exception | None =
     on_error(err, node)
 
 
-def _splice_decomposition(
+def splice_decomposition(
     program: Program, node, args, kwargs, state: FakeState, policy, on_error=None
 ) -> torch.fx.Node | None:
     """Replace ``node`` by its decomposition traced under the autocast state eager runs it in, when autocast

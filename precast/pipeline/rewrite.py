@@ -2,7 +2,7 @@
 
 A cast is shared by the readers of a producer only while they see the same version of its storage: an
 in-place write to the producer or to any view of it between two readers gives the second reader a cast of its
-own, made after the write (``precast/mutation.py``).
+own, made after the write (``precast/ir/mutation.py``).
 
 Input: a classified Program. Output: the number of cast nodes inserted.
 """

@@ -13,14 +13,15 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 from precast.errors import PrecastError, first_line
 from precast.ir.fake import fake_state
 from precast.ir.fake_update import check_pass
 from precast.ir.program import Program
 
-StageObserver = Callable[[str], ContextManager[Any]]
+StageObserver = Callable[[str], ContextManager[object]]
+T = TypeVar("T")
 _OBSERVER: contextvars.ContextVar[StageObserver | None] = contextvars.ContextVar(
     "precast_stage_observer", default=None
 )
@@ -38,13 +39,13 @@ def observe(observer: StageObserver) -> Iterator[None]:
         _OBSERVER.reset(token)
 
 
-def timed(name: str) -> ContextManager[Any]:
+def timed(name: str) -> ContextManager[object]:
     """The observer's context for ``name`` (a no-op without one): for work a driver does between stages."""
     observer = _OBSERVER.get()
     return observer(name) if observer is not None else contextlib.nullcontext()
 
 
-def run_stage(program: Program, name: str, fn: Callable[..., Any], *args: Any, check: bool = False) -> Any:
+def run_stage(program: Program | None, name: str, fn: Callable[..., T], *args: Any, check: bool = False) -> T:
     """Run ``fn(program, *args)``; with ``check``, then check the graph it leaves (lint + incremental fake
     propagation) and turn an internal failure into a ``PrecastError`` naming the stage."""
     with timed(name):

@@ -8,7 +8,7 @@
 
 A narrowing cast is never removed: fp32 -> bf16 -> fp32 is not the identity. A cast is a copy, so a rule never
 replaces it by its input when the copy is written in place, or when the input is written while the copy is
-still read (``precast/mutation.py``). Each rule reads the graph as it is (use lists are recomputed, nothing is
+still read (``precast/ir/mutation.py``). Each rule reads the graph as it is (use lists are recomputed, nothing is
 cached across an erase), so bookkeeping cannot point at a deleted node.
 
 Input: the graph (and signature specs). Output: ``SimplifyResult`` (casts removed, per rule).

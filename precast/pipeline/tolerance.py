@@ -353,9 +353,15 @@ def check_program(program: ExportedProgram, batches: Sequence[Any], refs: list) 
     return errs.m
 
 
-def tolerance_check(out: ExportedProgram, result: ToleranceResult, cal: Calibration, log: Any) -> None:
+def tolerance_check(
+    out: ExportedProgram,
+    result: ToleranceResult,
+    cal: Calibration,
+    log: DiagnosticLog,
+    verification: dict[str, dict],
+) -> None:
     """The converted program measured on the search's sample (private copies of the buffers it writes: the
-    program handed back has seen no forward); recorded in ``log.verification["tolerance"]`` (with what the
+    program handed back has seen no forward); recorded in ``verification["tolerance"]`` (with what the
     search measured for its choice, ``searched``, and its cost), with a ``tolerance-not-met`` warning when
     outside the target."""
     tol = result.tolerance
@@ -364,7 +370,7 @@ def tolerance_check(out: ExportedProgram, result: ToleranceResult, cal: Calibrat
     result.forwards += 1
     result.seconds += time.perf_counter() - start
     result.final = final
-    log.verification["tolerance"] = {
+    verification["tolerance"] = {
         "target": tol.spec,
         "achieved": final,
         "searched": result.achieved,

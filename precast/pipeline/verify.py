@@ -21,6 +21,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
+from torch.utils._pytree import PyTree
 
 from precast.dtypes import dtype_name
 from precast.errors import PrecastError, first_line
@@ -70,7 +71,7 @@ def verify_stage(
     original: torch.nn.Module | None = None,
     inputs: tuple[tuple, dict] | None = None,
     *,
-    ran: Any = None,
+    ran: PyTree = None,
 ) -> dict:
     """Run the converted program against the reference semantics, each on private copies of the state it
     writes: neither the caller's module or program nor the returned program changes. ``reference``:
@@ -259,7 +260,7 @@ def _with_private_buffers(module: torch.nn.Module, written: set[str]) -> Any:
     return call
 
 
-def verify_conversion(state: Conversion, verification: dict[str, Any]) -> dict[str, Any]:
+def verify_conversion(state: Conversion, verification: dict[str, dict]) -> dict[str, object]:
     """The verify stage of a conversion: the final program against the policy's reference
     (``reference`` hook; "program" without a policy). Returns ``verification`` with the record first."""
     original = state.source if isinstance(state.source, torch.nn.Module) else None

@@ -198,7 +198,7 @@ def fill_report(state: Conversion, rep: Report) -> None:
         rules_notes(rep, binding.calibration, binding.options)
     if binding is not None and binding.search is not None:
         with timed("tolerance_check"):
-            tolerance_check(lowered.exported, binding.search, binding.calibration, rep)
+            tolerance_check(lowered.exported, binding.search, binding.calibration, rep, rep.verification)
 
 
 def _record_program_info(program: Program, rep: Report) -> None:

@@ -198,7 +198,7 @@ def test_bert_rules_fp16(tmp_path):
 
 
 def test_bench_ort(tmp_path):
-    from precast.backends.onnx_runtime import bench_ort
+    from precast.bench.ort import bench_ort
 
     model, inputs = zoo.plain_mlp()
     res = precast.convert(model, inputs, policy="torch", dtype=FP16)

@@ -88,7 +88,7 @@ def test_auto_keeps_the_rules_accuracy_limits():
 
 
 def test_auto_op_without_low_kernel_falls_back():
-    from tests.policy.test_device_fallback import WithFp32Only, _inputs
+    from tests.pipeline.test_device_fallback import WithFp32Only, _inputs
 
     model, inputs = WithFp32Only().eval(), _inputs()
     lat = {"linear": OpLatency(10.0, 1.0), "linear_1": OpLatency(10.0, 1.0)}

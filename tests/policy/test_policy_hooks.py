@@ -11,7 +11,7 @@ from precast.policy.base import Decision
 from precast.policy.hooks import PolicyHooks, hook
 from precast.policy.rules.measures import Calibration
 from precast.policy.rules.taxonomy import casts_for, op_kind
-from tests.policy.test_device_fallback import WithFp32Only, _inputs
+from tests.pipeline.test_device_fallback import WithFp32Only, _inputs
 
 BF16 = torch.bfloat16
 
@@ -120,3 +120,14 @@ def test_subclass_of_torch_policy_keeps_its_override():
     assert ASKED and set(ASKED) == {"cpu"}
     assert res.report.policy == "torch"
     assert [n.dtype for n in res.report.nodes if n.op == "aten.linear.default"] == ["bf16"]
+
+
+def test_rules_options_are_defined_once():
+    """RulesPolicy's fields are the rules keywords: convert takes each, the CLI's flags are derived from them."""
+    import inspect
+
+    from precast.cli.convert import FLAGS
+    from precast.policy.resolve import RULE_OPTIONS
+
+    assert set(RULE_OPTIONS) <= set(inspect.signature(precast.convert).parameters)
+    assert set(FLAGS) == set(RULE_OPTIONS) - {"calibration", "tolerance", "custom_rules"}

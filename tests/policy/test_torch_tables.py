@@ -341,7 +341,7 @@ def _probe(device: str, op: torch._ops.OpOverload, low: torch.dtype) -> Category
 def test_every_category_matches_eager(device: str) -> None:
     """Each op of the installed torch's table that runs on one plain matrix is called under eager autocast on
     fake tensors, and what eager does must be what the table says (the other ops are checked by PyTorch's own
-    autocast test lists in tests/test_torch_policy.py)."""
+    autocast test lists in tests/policy/test_torch_policy.py)."""
     low = torch.bfloat16 if device == "cpu" else torch.float16
     probed, wrong = 0, []
     for name, cat in table(device).items():

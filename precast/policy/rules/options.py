@@ -99,7 +99,7 @@ class RuleOptions:
     data_min: float | None = None  # flush_to_zero: values whose absmax stays below this underflow in `low`
     max_reduction_depth: int | None = None
     custom_rules: tuple = ()
-    # precision-sensitive patterns kept in fp32 (precast.policy.patterns.PATTERNS); all by default
+    # precision-sensitive patterns kept in fp32 (precast.policy.rules.patterns.PATTERNS); all by default
     patterns: frozenset = frozenset(sensitive.PATTERNS)
 
     @classmethod
@@ -118,7 +118,7 @@ class RuleOptions:
         patterns=None,
     ) -> RuleOptions:
         """Checked options; ``patterns``: None (every precision-sensitive pattern), () (none), or names from
-        ``precast.policy.patterns.PATTERNS``."""
+        ``precast.policy.rules.patterns.PATTERNS``."""
         if data_max is None and low == torch.float16:
             data_max = FP16_DATA_MAX
         if init_max is None:

@@ -127,13 +127,13 @@ def learned(g: Graph, node: torch.fx.Node) -> bool:
     return name in LEARNED and any(source(a).name in g.parameters for a in node.all_input_nodes)
 
 
-def _scalar_operand(g: Graph, node: torch.fx.Node) -> bool:
+def scalar_operand(g: Graph, node: torch.fx.Node) -> bool:
     """``x + c``, ``clamp(x, min=c)``, ``max(x, c)`` with a constant number c."""
     others = list(node.args[1:]) + [node.kwargs.get("min"), node.kwargs.get("other")]
     return any(scalar(g, a) is not None for a in others if a is not None)
 
 
-def _operand_index(user: torch.fx.Node, value: torch.fx.Node) -> int | None:
+def operand_index(user: torch.fx.Node, value: torch.fx.Node) -> int | None:
     """Which operand of ``user`` is ``value`` (through views), or None."""
     for i, a in enumerate(user.args[:2]):
         if isinstance(a, torch.fx.Node) and (a is value or source(a) is value):

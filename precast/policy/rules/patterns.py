@@ -36,14 +36,14 @@ from precast.policy.rules.pattern_graph import (
     EPS_MAX,
     TRANSPARENT,
     Graph,
-    _operand_index,
-    _scalar_operand,
     consumers,
     floating,
     is_constant,
     learned,
     op,
+    operand_index,
     scalar,
+    scalar_operand,
     small,
     source,
 )
@@ -314,7 +314,7 @@ def _applied(g: Graph, red: torch.fx.Node, *, root_needed: bool) -> list[torch.f
     rsqrt/sqrt/reciprocal/``pow(-z)`` (required after a mean of squares or a variance), then the mul (by an
     inverse) or div (by a magnitude) using it. None when the reduction is not applied as a normaliser."""
     nodes, cur = [], red
-    guard = next((u for u in consumers(cur) if op(u) in GUARDS and _scalar_operand(g, u)), None)
+    guard = next((u for u in consumers(cur) if op(u) in GUARDS and scalar_operand(g, u)), None)
     if guard is not None:
         nodes.append(guard)
         cur = guard
@@ -328,8 +328,8 @@ def _applied(g: Graph, red: torch.fx.Node, *, root_needed: bool) -> list[torch.f
     apply = [
         u
         for u in consumers(cur)
-        if (op(u) == "div" and _operand_index(u, cur) == 1)
-        or (inverse and op(u) == "mul" and _operand_index(u, cur) is not None)
+        if (op(u) == "div" and operand_index(u, cur) == 1)
+        or (inverse and op(u) == "mul" and operand_index(u, cur) is not None)
     ]
     return nodes + apply if apply else None
 

@@ -5,7 +5,7 @@ name, the value it measured and its limit go on the Decision, so the report read
 
 Order of authority (first answer wins): the program's autocast regions (classify), ``include_nodes`` /
 ``include_ops`` (force low), ``exclude_nodes``, ``exclude_ops``, ``custom_rules``, the precision-sensitive
-``patterns`` (``precast.policy.patterns``), ``init_max``, ``data_max``, ``flush_to_zero`` (``data_min``),
+``patterns`` (``precast.policy.rules.patterns``), ``init_max``, ``data_max``, ``flush_to_zero`` (``data_min``),
 ``max_reduction_depth``, the tolerance search's choice (``tolerance``), then the default: low precision.
 Before the custom rules: ``scalar_range`` and ``no_low_kernel`` (the device fallback's ops).
 

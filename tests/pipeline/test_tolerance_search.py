@@ -1,4 +1,4 @@
-"""Accuracy fallback: the fewest ops back to fp32 until the tolerance holds; clear errors otherwise. The search
+"""The tolerance search: the fewest ops back to fp32 until the tolerance holds; clear errors otherwise. The search
 hands back overrides (never changing the policy or a decider), measures exactly the program the conversion
 builds (its error for the choice is the converted program's, bit for bit, composites in regions included), and
 takes few forwards (MiniLM: <= 8, no more ops kept than the one-at-a-time search kept)."""
@@ -74,9 +74,9 @@ def test_errors_metrics():
     assert e.m["max_abs"] == float("inf")
 
 
-def test_fallback_keeps_fewest_ops_and_reports_them():
+def test_tolerance_search_keeps_fewest_ops_and_reports_them():
     model, inputs = model_inputs()
-    # patterns=(): exp feeding a sum is a pattern rules keeps in fp32; this test measures the fallback alone
+    # patterns=(): exp feeding a sum is a pattern rules keeps in fp32; this test measures the search alone
     plain = precast.convert(
         model, inputs, policy="rules", dtype=torch.bfloat16, calibration=cal(), patterns=()
     )
@@ -104,7 +104,7 @@ def test_fallback_keeps_fewest_ops_and_reports_them():
     assert any(d.code == "tolerance" and "kept" in d.message for d in res.report.diagnostics)
 
 
-def test_met_without_fallback():
+def test_met_without_keeping_any_op_fp32():
     model, inputs = model_inputs()
     res = precast.convert(
         model, inputs, policy="rules", dtype=torch.bfloat16, calibration=cal(), tolerance={"max_abs": 10.0}

@@ -1,4 +1,4 @@
-"""Precision-sensitive patterns (``precast.policy.patterns``): each matches its shape and only it, keeps it in fp32
+"""Precision-sensitive patterns (``precast.policy.rules.patterns``): each matches its shape and only it, keeps it in fp32
 under policy "rules" (bitwise the fp32 computation where the whole pattern reads fp32 inputs), is named in the
 report, and can be switched off."""
 

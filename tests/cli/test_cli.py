@@ -22,7 +22,7 @@ import precast
 from precast.cli import main
 from tests import models as zoo
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,10 @@ BAD = {
     "convert-missing": (["convert", "{d}/nope.pt2", "-o", "{d}/out1.pt2"], "out1.pt2"),
     "convert-corrupt": (["convert", "{d}/corrupt.pt2", "-o", "{d}/out4.pt2"], "out4.pt2"),
     "convert-bad-factory": (["convert", "no_such_pkg.models:make", "-o", "{d}/out5.pt2"], "out5.pt2"),
-    "convert-dtype-mismatch": (["convert", "tests.test_cli:broken_seed", "-o", "{d}/out7.pt2"], "out7.pt2"),
+    "convert-dtype-mismatch": (
+        ["convert", "tests.cli.test_cli:broken_seed", "-o", "{d}/out7.pt2"],
+        "out7.pt2",
+    ),
 }
 # run in-process through precast.cli.main (same code path, no interpreter start-up)
 BAD_INPROCESS = {
@@ -125,7 +128,15 @@ def test_dtype_mismatch_line_names_node_and_fix(bad_runs):
 def test_convert_allow_flag(files, capsys):
     out = files / "allowed.pt2"
     rc = main(
-        ["convert", "tests.test_cli:broken_seed", "-o", str(out), "--allow", "dtype-mismatch", "--no-verify"]
+        [
+            "convert",
+            "tests.cli.test_cli:broken_seed",
+            "-o",
+            str(out),
+            "--allow",
+            "dtype-mismatch",
+            "--no-verify",
+        ]
     )
     assert rc == 0 and out.exists()
     assert "warning" in capsys.readouterr().out

@@ -129,7 +129,7 @@ class Counted:
 
 
 def sensitive():
-    from tests.policy.test_fallback import model_inputs
+    from tests.pipeline.test_tolerance_search import model_inputs
 
     return model_inputs()
 
