@@ -151,3 +151,23 @@ def test_rules_recurrent_models_run(factory, dtype):
     assert not _no_kernel(res)
     with torch.no_grad():
         torch.testing.assert_close(res.program.module()(*inputs), model(*inputs), atol=0.02, rtol=0.05)
+
+
+def test_device_check_returns_the_failing_op_as_data():
+    """The device fallback reads (node, exception, device, dtypes), not a message it would have to split."""
+    from precast.ir.diagnostics import DiagnosticLog
+    from precast.pipeline.checks import run_on_device
+
+    class LowInput(nn.Module):
+        def forward(self, x):
+            return fp32_only(x.to(BF16))
+
+    ep = torch.export.export(LowInput(), _inputs())
+    log = DiagnosticLog()
+    run = run_on_device(ep, _inputs(), {}, log)
+    f = run.failure
+    assert not run.ok and run.outputs is None
+    assert f.node.name == "fp32_only" and f.device == "cpu" and isinstance(f.error, RuntimeError)
+    assert f.dtypes == ("bfloat16",) and str(f.error).startswith("fp32_only: no torch.bfloat16 kernel")
+    (d,) = log.diagnostics
+    assert d.code == "device-unsupported" and d.node == "fp32_only" and d.message.endswith(f.what)
