@@ -7,7 +7,7 @@ calibration batch), as ``tests/test_minilm.py`` runs it.
 Before (the search as it was before the overrides/fast-search rework: a ``MixedInterpreter`` applying the
 decisions op by op, each candidate ranked by one forward with it alone in low precision, then doubling and
 bisection), measured before the change with this model, data and target on the same 2-core CPU machine, bf16,
-by a script that wrapped ``MixedInterpreter.run`` and ``check_program`` in ``precast.policy.rules.tolerance`` /
+by a script that wrapped ``MixedInterpreter.run`` and ``check_program`` in ``precast.policy.rules.tolerance_search`` /
 ``precast.pipeline.tolerance`` with call counters and ran ``run()``'s conversion under ``time``::
 
     forwards 49 (reference 1, all-low 1, every candidate in fp32 1, 37 rankings, 8 tries, check 1)
@@ -116,7 +116,7 @@ def _old_search(program: Any, ep: Any, policy: Any, opts: Any, cal: Any, tol: An
     from precast.policy.base import apply_decision
     from precast.policy.compose import decide
     from precast.policy.rules.taxonomy import op_name
-    from precast.policy.rules.tolerance import ToleranceResult
+    from precast.policy.rules.tolerance_search import ToleranceResult
 
     class MixedInterpreter(torch.fx.Interpreter):
         def __init__(self, gm: torch.fx.GraphModule, pol: Any):

@@ -20,7 +20,7 @@ from precast.pipeline.runner import run_stage
 from precast.pipeline.tolerance import tolerance_stage
 from precast.policy.hooks import Binding, binds, hook
 from precast.policy.rules.options import RuleOptions
-from precast.policy.rules.tolerance import parse_tolerance
+from precast.policy.rules.tolerance_search import parse_tolerance
 
 # the steps a policy may ask for, in the order they run
 PREPARE_STEPS = ("calibrate", "latency", "tolerance")

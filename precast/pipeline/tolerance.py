@@ -12,7 +12,7 @@ composite decomposition, casts, folding, simplification, restored output dtypes)
 on private copies of the state it writes. So the error the search measures for its choice is, bit for bit,
 the error of the converted program (``tolerance_check`` measures that one again).
 
-The ranking (``precast.policy.rules.tolerance.rank``) needs, for each value an op reads that the low dtype
+The ranking (``precast.policy.rules.tolerance_search.rank``) needs, for each value an op reads that the low dtype
 would round, how much output error that rounding causes. One instrumented forward of the reference program
 answers it for all of them: each computing op (and the output) reads each fp32 input through
 ``t + (-0.0)`` with the zero a leaf that requires grad (bitwise the same value), the rounding error
@@ -51,7 +51,7 @@ from precast.policy.base import Policy
 from precast.policy.hooks import hook
 from precast.policy.rules.measures import Calibration
 from precast.policy.rules.taxonomy import op_name
-from precast.policy.rules.tolerance import Source, Tolerance, ToleranceResult, meet_tolerance
+from precast.policy.rules.tolerance_search import Source, Tolerance, ToleranceResult, meet_tolerance
 
 PROBES = 2  # random-sign backward passes of the instrumented reference forward
 

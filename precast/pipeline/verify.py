@@ -225,10 +225,10 @@ def _second_batch(ep: ExportedProgram, args: tuple, kwargs: dict) -> tuple[tuple
         return None  # static, or a derived size: leave it to the example batch
     size = _batch_size((args, kwargs))
     bounds = ep.range_constraints.get(expr)
-    lower = int(bounds.lower) if bounds is not None else 2
+    smallest = int(bounds.lower) if bounds is not None else 2
     upper = bounds.upper if bounds is not None else size + 1
     new = size + 1 if size + 1 <= upper else size - 1
-    if size is None or new < max(lower, 1) or new == size:
+    if size is None or new < max(smallest, 1) or new == size:
         return None
 
     def resize(t):

@@ -20,7 +20,7 @@ import torch
 from precast.ir.program import Program
 from precast.policy.base import Decision, Policy
 from precast.policy.rules.measures import Calibration
-from precast.policy.rules.tolerance import ToleranceResult
+from precast.policy.rules.tolerance_search import ToleranceResult
 
 
 class PolicyHooks:

@@ -22,7 +22,7 @@ from precast.pipeline.calibrate import calibrate
 from precast.pipeline.regions import inline_regions
 from precast.pipeline.tolerance import tolerance_stage
 from precast.policy.rules.policy import RulesDecider, RulesPolicy
-from precast.policy.rules.tolerance import Source, meet_tolerance, parse_tolerance, rank
+from precast.policy.rules.tolerance_search import Source, meet_tolerance, parse_tolerance, rank
 from precast.report.model import Report
 
 

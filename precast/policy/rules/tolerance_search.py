@@ -1,4 +1,4 @@
-"""Accuracy-driven fallback, the search logic: which ops to keep in fp32 so the outputs meet a tolerance.
+"""The tolerance search, its logic: which ops to keep in fp32 so the outputs meet a tolerance.
 
 ``tolerance`` is a dict of one or more bounds, all of which must hold on every batch the search uses (the first
 ``TOLERANCE_BATCHES`` calibration batches, kept from the single streaming pass) and every user output (compared
