@@ -22,6 +22,7 @@ whose ``decide(node, args, kwargs)`` returns a Decision naming its rule.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -91,22 +92,19 @@ class RulesPolicy:
         return is_default(decision)
 
     def options(self, low: torch.dtype) -> RuleOptions:
-        """The checked options for one conversion to ``low`` (one clear error per bad option)."""
-        as_tuple = lambda v: (v,) if isinstance(v, str) else tuple(v)  # noqa: E731
-        return RuleOptions.build(
-            low,
-            exclude_nodes=as_tuple(self.exclude_nodes),
-            exclude_ops=as_tuple(self.exclude_ops),
-            include_nodes=as_tuple(self.include_nodes),
-            include_ops=as_tuple(self.include_ops),
-            data_max=self.data_max,
-            init_max=self.init_max,
-            max_reduction_depth=self.max_reduction_depth,
-            custom_rules=tuple(self.custom_rules),
-            patterns=self.patterns
-            if self.patterns is None or isinstance(self.patterns, str)
-            else tuple(self.patterns),
-        )
+        """The checked options for one conversion to ``low`` (one clear error per bad option): this policy's
+        fields, but the data (calibration, tolerance), as ``RuleOptions.build`` takes them."""
+        given = {}
+        for f in dataclasses.fields(RulesPolicy):  # the rules fields only (a subclass adds its own)
+            if not f.init or f.name in ("dtype", "calibration", "tolerance"):
+                continue
+            value = getattr(self, f.name)
+            if f.default == ():  # a sequence; one pattern or op name alone is one entry
+                value = (value,) if isinstance(value, str) and f.name != "custom_rules" else tuple(value)
+            elif f.name == "patterns" and value is not None and not isinstance(value, str):
+                value = tuple(value)
+            given[f.name] = value
+        return RuleOptions.build(low, **given)
 
     def bind(
         self,
