@@ -129,15 +129,16 @@ def test_default_and_custom_rules_are_rules_of_the_same_kind():
 def test_the_table_order_and_auto_composes_it():
     calls = _calls(policy=RulesPolicy(custom_rules=(lambda node, ctx: None,)))
     names = [r.name for r in calls["relu"].decider.rules]
-    assert names[:6] == [
+    assert names[:7] == [
         "include_nodes",
         "include_ops",
         "exclude_nodes",
         "exclude_ops",
         "scalar_range",
         "no_low_kernel",
+        "fp32_kernel",
     ]
-    assert names[6] == "custom:<lambda>" and names[-1] == "default"
+    assert names[7] == "custom:<lambda>" and names[-1] == "default"
     assert all(r.doc for r in calls["relu"].decider.rules if not r.name.startswith("custom:"))
     auto = _calls(policy=AutoPolicy(latencies={}))["relu"].decider
     assert auto.rules[-2:] == AUTO_RULES and table.DEFAULT not in auto.rules
