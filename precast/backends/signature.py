@@ -1,0 +1,309 @@
+"""What a compiled program accepts, checked before native code runs (engine-independent).
+
+A compiled engine (AOTInductor, OpenVINO, ...) does not check its inputs by default: a program taking
+``(B, 128)`` called with ``(4, 16)`` reads past its buffers and returns NaN or a plausible number. A
+``ProgramSignature`` holds what each user input must be -- tensor or not, dtype, device type, rank, static sizes,
+the symbols of dynamic sizes and their ranges (``range_constraints``) -- precomputed once from the program's input
+specs, so ``check`` costs a few attribute reads per input on the hot path.
+
+    sig = ProgramSignature.from_program(ep)    # once, when the engine's callable is built
+    flat = sig.check(args, kwargs)             # every call: the user inputs in the program's order, or PrecastError
+
+Input: an ExportedProgram (or the dict ``to_dict`` wrote, e.g. in a cache manifest). Output: the checked, flat
+user inputs, or a one-line PrecastError naming the argument, the expected and the actual shape.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import ConstantArgument, InputKind, SymIntArgument, TensorArgument
+from torch.utils import _pytree as pytree
+
+from precast.errors import PrecastError, first_line
+
+# a compound size expression as ``str(sympy expr)`` writes it (``2*s0``, ``s0 + s1``): only size symbols, integers
+# and arithmetic, so evaluating one read from a manifest cannot run anything else
+_EXPR = re.compile(r"^(?:[su]\d+|\d+|\s|[-+*/()]|Mod|FloorDiv|,)+$")
+
+
+@dataclass(frozen=True)
+class _Input:
+    """One user input: what it must be. ``dims``: an int (static), a symbol name, or a compound expression."""
+
+    name: str  # the placeholder's name (the forward's parameter name for a plain argument)
+    where: str  # how the caller passes it: args[0], kwargs['mask']
+    kind: str  # "tensor", "symint", "constant" or "other" (not checked)
+    dtype: torch.dtype | None = None
+    device: str | None = None
+    dims: tuple[int | str, ...] = ()
+    value: Any = None  # a constant input's value
+
+    def shape_text(self) -> str:
+        return "(" + ", ".join(str(d) for d in self.dims) + ("," if len(self.dims) == 1 else "") + ")"
+
+
+class ProgramSignature:
+    """The user inputs a program takes, checked on every call of a compiled engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        inputs: list[_Input],
+        in_spec: pytree.TreeSpec,
+        ranges: dict[str, tuple[int, int | None]],
+    ):
+        self.inputs = tuple(inputs)
+        self.in_spec = in_spec
+        self.ranges = dict(ranges)
+        self._positional = in_spec == pytree.tree_flatten((tuple(range(len(inputs))), {}))[1]
+        # the hot path, precomputed: per tensor input (position, dtype, device type, rank, static, symbolic)
+        self._tensor_checks = []
+        self._compound: list[tuple[int, int, Any]] = []
+        for pos, spec in enumerate(self.inputs):
+            if spec.kind != "tensor":
+                continue
+            static = tuple((i, d) for i, d in enumerate(spec.dims) if isinstance(d, int))
+            # range_constraints also lists derived sizes (2*s0): those are compared to their value once bound
+            symbolic = tuple((i, d) for i, d in enumerate(spec.dims) if _is_symbol(d) and d in self.ranges)
+            for i, d in enumerate(spec.dims):
+                if isinstance(d, str) and (i, d) not in symbolic:
+                    self._compound.append((pos, i, _parse_expr(d)))
+            self._tensor_checks.append((pos, spec.dtype, spec.device, len(spec.dims), static, symbolic))
+        self._others = [
+            (pos, spec) for pos, spec in enumerate(self.inputs) if spec.kind in ("symint", "constant")
+        ]
+
+    # ---- construction ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_program(cls, ep: ExportedProgram) -> ProgramSignature:
+        """The user inputs of ``ep`` as its input specs, placeholder metadata and range constraints describe them."""
+        in_spec = ep.call_spec.in_spec
+        if in_spec is None:
+            raise PrecastError(
+                "ProgramSignature: the program has no call spec (not from torch.export.export?)"
+            )
+        vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
+        user = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+        where = _paths(in_spec)
+        if len(where) != len(user):
+            raise PrecastError(
+                f"ProgramSignature: the call spec has {len(where)} leaves but the program {len(user)} user inputs"
+            )
+        inputs = []
+        for spec, path in zip(user, where, strict=True):
+            arg = spec.arg
+            if isinstance(arg, TensorArgument) and isinstance(vals.get(arg.name), torch.Tensor):
+                val = vals[arg.name]
+                dims = tuple(_dim(d) for d in val.shape)
+                inputs.append(_Input(arg.name, path, "tensor", val.dtype, val.device.type, dims))
+            elif isinstance(arg, SymIntArgument):
+                inputs.append(_Input(arg.name, path, "symint", dims=(_dim(vals.get(arg.name)),)))
+            elif isinstance(arg, ConstantArgument) and isinstance(
+                arg.value, (int, float, bool, str, type(None))
+            ):
+                inputs.append(_Input(arg.name, path, "constant", value=arg.value))
+            else:
+                inputs.append(_Input(getattr(arg, "name", "?"), path, "other"))
+        ranges = {}
+        for sym, vr in ep.range_constraints.items():
+            ranges[str(sym)] = (_finite(vr.lower) or 0, _finite(vr.upper))
+        return cls(inputs, in_spec, ranges)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (for a cache manifest); ``from_dict`` reads it back."""
+        return {
+            "in_spec": pytree.treespec_dumps(self.in_spec),
+            "ranges": {k: list(v) for k, v in self.ranges.items()},
+            "inputs": [
+                {
+                    "name": s.name,
+                    "where": s.where,
+                    "kind": s.kind,
+                    "dtype": str(s.dtype).removeprefix("torch.") if s.dtype is not None else None,
+                    "device": s.device,
+                    "dims": list(s.dims),
+                    "value": s.value,
+                }
+                for s in self.inputs
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProgramSignature:
+        """The inverse of ``to_dict``; a malformed dict is a PrecastError (a cache entry to rebuild)."""
+        try:
+            inputs = []
+            for d in data["inputs"]:
+                dtype = getattr(torch, d["dtype"]) if d["dtype"] is not None else None
+                if dtype is not None and not isinstance(dtype, torch.dtype):
+                    raise ValueError(f"not a dtype: {d['dtype']}")
+                dims = tuple(x if isinstance(x, int) else str(x) for x in d["dims"])
+                inputs.append(
+                    _Input(
+                        str(d["name"]), str(d["where"]), str(d["kind"]), dtype, d["device"], dims, d["value"]
+                    )
+                )
+            ranges = {
+                str(k): (int(v[0]), None if v[1] is None else int(v[1])) for k, v in data["ranges"].items()
+            }
+            return cls(inputs, pytree.treespec_loads(data["in_spec"]), ranges)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise PrecastError(
+                f"ProgramSignature: malformed signature data ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    # ---- the check --------------------------------------------------------------------------------------------
+    def check(self, args: tuple, kwargs: dict) -> list[Any]:
+        """The user inputs in the order the program takes them, after checking each against its spec.
+
+        Raises a one-line PrecastError naming the first argument that does not fit (count, dtype, device, rank,
+        a static size, a dynamic size out of its range or disagreeing with another input's same dimension).
+        """
+        if not kwargs and self._positional and len(args) == len(self.inputs):
+            flat = args
+        else:
+            flat = self._flatten(args, kwargs)
+        bound: dict[str, int] = {}
+        for pos, dtype, device, rank, static, symbolic in self._tensor_checks:
+            t = flat[pos]
+            if not isinstance(t, torch.Tensor):
+                self._fail(pos, f"expected a tensor, got {type(t).__name__}")
+            if t.dtype != dtype or t.device.type != device or t.dim() != rank:
+                self._fail(pos, self._got(t))
+            shape = t.shape
+            for i, size in static:
+                if shape[i] != size:
+                    self._fail(pos, self._got(t))
+            for i, sym in symbolic:
+                size = shape[i]
+                seen = bound.setdefault(sym, size)
+                if seen != size:
+                    self._fail(pos, f"{self._got(t)}: dim {i} is {sym}, which another input gives as {seen}")
+                lo, hi = self.ranges[sym]
+                if size < lo or (hi is not None and size > hi):
+                    top = "inf" if hi is None else hi
+                    self._fail(pos, f"{self._got(t)}: dim {i} ({sym}) must be in [{lo}, {top}]")
+        for pos, i, expr in self._compound:
+            want = _evaluate(expr, bound)
+            if want is not None and flat[pos].shape[i] != want:
+                self._fail(
+                    pos, f"{self._got(flat[pos])}: dim {i} must be {self.inputs[pos].dims[i]} = {want}"
+                )
+        for pos, spec in self._others:
+            self._check_other(pos, spec, flat[pos], bound)
+        return list(flat)
+
+    def _flatten(self, args: tuple, kwargs: dict) -> list[Any]:
+        from torch.export._tree_utils import reorder_kwargs
+
+        want = ", ".join(f"{s.name} ({s.where})" for s in self.inputs) or "no inputs"
+        try:
+            flat, spec = pytree.tree_flatten((tuple(args), reorder_kwargs(dict(kwargs), self.in_spec)))
+        except (ValueError, KeyError, TypeError, AssertionError, RuntimeError) as exc:
+            raise PrecastError(
+                f"compiled program: takes {want}; got {len(args)} positional argument(s) and "
+                f"keywords {sorted(kwargs)} ({first_line(exc)})"
+            ) from None
+        if spec != self.in_spec:
+            raise PrecastError(
+                f"compiled program: takes {want}; got {len(args)} positional argument(s) and keywords "
+                f"{sorted(kwargs)}"
+            )
+        return flat
+
+    def _check_other(self, pos: int, spec: _Input, value: Any, bound: dict[str, int]) -> None:
+        if spec.kind == "constant":
+            if value != spec.value:
+                self._fail(pos, f"the program was exported with the constant {spec.value!r}, got {value!r}")
+            return
+        if not isinstance(value, int) or isinstance(value, bool):
+            self._fail(pos, f"expected an int, got {type(value).__name__}")
+        sym = spec.dims[0]
+        if isinstance(sym, int):
+            if value != sym:
+                self._fail(pos, f"expected {sym}, got {value}")
+        elif sym in self.ranges:
+            lo, hi = self.ranges[sym]
+            if value < lo or (hi is not None and value > hi):
+                self._fail(pos, f"{value} is out of its range [{lo}, {'inf' if hi is None else hi}]")
+            if bound.setdefault(sym, value) != value:
+                self._fail(pos, f"{value} disagrees with {sym} = {bound[sym]} from another input")
+
+    def _got(self, t: torch.Tensor) -> str:
+        return f"got shape {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device.type}"
+
+    def _fail(self, pos: int, detail: str) -> None:
+        spec = self.inputs[pos]
+        if spec.kind == "tensor":
+            dtype = str(spec.dtype).removeprefix("torch.")
+            want = f"expected shape {spec.shape_text()} {dtype} on {spec.device}"
+        else:
+            want = f"expected {spec.kind} {spec.dims[0] if spec.dims else spec.value!r}"
+        raise PrecastError(
+            f"compiled program: input {spec.name!r} ({spec.where}): {want}, {detail}; pass inputs shaped like "
+            "the program's example inputs"
+        )
+
+    def __repr__(self) -> str:
+        parts = [
+            f"{s.name}: {s.shape_text()} {s.dtype}" if s.kind == "tensor" else s.name for s in self.inputs
+        ]
+        return f"ProgramSignature({', '.join(parts)})"
+
+
+def _paths(in_spec: pytree.TreeSpec) -> list[str]:
+    """``args[0]``, ``kwargs['mask']``: how the caller passes each leaf of the program's call spec."""
+    leaves = pytree.tree_unflatten(list(range(in_spec.num_leaves)), in_spec)
+    out = []
+    for path, _ in pytree.tree_flatten_with_path(leaves)[0]:
+        head, rest = path[0], path[1:]
+        root = "args" if getattr(head, "idx", 1) == 0 else "kwargs"
+        out.append(root + pytree.keystr(rest))
+    return out
+
+
+def _finite(bound: Any) -> int | None:
+    """A range bound as an int; None for an infinite one (torch's ``int_oo``, sympy's ``oo``)."""
+    # int_oo claims is_finite; sympy.Integer is exactly the finite integers
+    return int(bound) if isinstance(bound, int) or getattr(bound, "is_Integer", False) else None
+
+
+def _dim(size: Any) -> int | str:
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        expr = size.node.expr
+        if expr.is_number:
+            return int(expr)
+        return str(expr)
+    return str(size)
+
+
+def _is_symbol(dim: int | str) -> bool:
+    return isinstance(dim, str) and dim.isidentifier()
+
+
+def _parse_expr(text: str) -> Any:
+    """A compound size expression (``2*s0``) as sympy; None when it is not one precast can evaluate safely."""
+    if not _EXPR.fullmatch(text):
+        return None
+    import sympy
+
+    try:
+        return sympy.sympify(text, locals={n: sympy.Symbol(n) for n in re.findall(r"[su]\d+", text)})
+    except (sympy.SympifyError, TypeError, SyntaxError):
+        return None
+
+
+def _evaluate(expr: Any, bound: dict[str, int]) -> int | None:
+    if expr is None:
+        return None
+    names = {str(s) for s in expr.free_symbols}
+    if not names <= bound.keys():
+        return None  # a symbol no input binds: nothing to compare against
+    value = expr.subs({s: bound[str(s)] for s in expr.free_symbols})
+    return int(value) if value.is_number else None
