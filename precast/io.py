@@ -1,22 +1,55 @@
-"""File output that never leaves a partial file behind: write to a temporary file, then rename.
+"""Files precast writes and folders it keeps: nothing partial, never the input, private caches, bounded locks.
 
-Input: a destination path. Output: a temporary path to write, renamed into place on success.
+- ``check_writable(out, inputs=...)``: fail early (before long work) if ``out`` cannot be written or IS an input.
+- ``atomic_path(out)``: a temporary file beside ``out`` (created ``O_EXCL`` with mode 0666 minus the umask: the
+  process umask is never changed), renamed into place only if the block succeeds, removed otherwise -- on an
+  exception, Ctrl-C, or SIGTERM once the CLI turned it into an exception.
+- ``write_bytes(out, data)``: the free space checked first, then written through Python (a full disk is an
+  OSError here, not an abort inside a C++ stream writer's destructor).
+- ``private_dir(path)``: a cache folder created 0700; one owned by another user or writable by group/others is
+  refused (anyone who can write it can make precast load their native code).
+- ``file_lock(path)``: an inter-process lock that says which lock it waits for after a few seconds and gives up
+  after ``$PRECAST_LOCK_TIMEOUT`` seconds (default 600) with one line.
+
+Input: destination paths, bytes. Output: files written whole or not at all; PrecastError on user error.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
-import tempfile
+import secrets
+import shutil
+import stat
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from precast.errors import PrecastError
 
+CACHE_ENV = "PRECAST_CACHE_DIR"
+LOCK_TIMEOUT_ENV = "PRECAST_LOCK_TIMEOUT"
+LOCK_TIMEOUT_S = 600.0  # a compile takes ~30 s on a small CPU; ten minutes is a holder that is stuck
+LOCK_NOTICE_S = 5.0  # say what we wait for after this long
+SPACE_MARGIN = 16 << 20  # keep this much free beyond what a write needs
 
-def check_writable(path: str | Path) -> Path:
-    """Fail early, before any long work, if ``path`` cannot be written."""
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """True if ``a`` and ``b`` name one file (``os.path.samefile`` when both exist, else the resolved paths)."""
+    pa, pb = Path(a), Path(b)
+    with contextlib.suppress(OSError):
+        return os.path.samefile(pa, pb)
+    return pa.expanduser().resolve() == pb.expanduser().resolve()
+
+
+def check_writable(path: str | Path, inputs: tuple[str | os.PathLike | None, ...] = ()) -> Path:
+    """Fail early, before any long work, if ``path`` cannot be written or is one of ``inputs``."""
     p = Path(path)
+    for source in inputs:
+        if source is not None and same_file(p, source):
+            raise PrecastError(f"{p}: is also the input {source}; write the output to another file")
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
         raise PrecastError(f"{p}: is a directory; give a file name such as {p / 'model.pt2'}")
@@ -24,25 +57,40 @@ def check_writable(path: str | Path) -> Path:
         raise PrecastError(f"{p}: directory {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK):
         raise PrecastError(f"{p}: directory {parent} is not writable; choose another output path")
+    try:  # a real probe: a read-only file system or a pseudo-fs (/proc) passes os.access for root
+        _create_temp(p).unlink()
+    except OSError as exc:
+        raise PrecastError(
+            f"{p}: cannot write in {parent} ({exc.strerror}); choose another output path"
+        ) from exc
     return p
 
 
+def _create_temp(p: Path) -> Path:
+    """A new empty file beside ``p``; mode 0666 minus the umask (the kernel applies it: no umask read)."""
+    folder = p.parent if str(p.parent) else Path(".")
+    for _ in range(100):
+        # keep the real suffix last: torch.export.save warns about a file not ending in .pt2
+        tmp = folder / f".{p.stem}.tmp-{secrets.token_hex(6)}{p.suffix}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+    raise PrecastError(f"{p}: cannot create a temporary file beside it")
+
+
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, inputs: tuple[str | os.PathLike | None, ...] = ()) -> Iterator[Path]:
     """Yields a temporary path beside ``path``; renamed onto ``path`` only if the block succeeds."""
-    p = check_writable(path)
-    # keep the real suffix last: torch.export.save warns about a file not ending in .pt2
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{p.stem}.tmp-", suffix=p.suffix, dir=p.parent if str(p.parent) else "."
-    )
-    os.close(fd)
-    tmp_path = Path(tmp)
+    p = check_writable(path, inputs)
+    try:
+        tmp_path = _create_temp(p)
+    except OSError as exc:
+        raise PrecastError(f"{p}: cannot write there ({exc.strerror})") from exc
     try:
         yield tmp_path
-        # mkstemp makes the file 0600; an output file gets the permissions the user's umask gives new files
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_path, 0o666 & ~umask)
         os.replace(tmp_path, p)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -50,15 +98,153 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         raise
 
 
-CACHE_ENV = "PRECAST_CACHE_DIR"
+def check_space(folder: str | Path, need: int, what: str) -> None:
+    """PrecastError if ``folder``'s file system has less than ``need`` bytes (plus a margin) free."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return  # a file system that cannot say: the write itself reports a full disk
+    if free < need + SPACE_MARGIN:
+        raise PrecastError(
+            f"{what}: {free / 2**20:.0f} MiB free in {folder}, {(need + SPACE_MARGIN) / 2**20:.0f} MiB needed; "
+            "free some space or write elsewhere"
+        )
+
+
+def write_bytes(path: str | Path, data: bytes, inputs: tuple[str | os.PathLike | None, ...] = ()) -> None:
+    """Write ``data`` to ``path`` whole or not at all, after checking the free space; one-line errors."""
+    p = check_writable(path, inputs)
+    folder = p.parent if str(p.parent) else Path(".")
+    check_space(folder, len(data), str(p))
+    try:
+        if not _write_unnamed(folder, p, data):
+            with atomic_path(p, inputs) as tmp, open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError as exc:
+        full = " (disk full)" if exc.errno == errno.ENOSPC else ""
+        raise PrecastError(f"{p}: could not write it: {exc.strerror}{full}; nothing was written") from exc
+
+
+def _write_unnamed(folder: Path, p: Path, data: bytes) -> bool:
+    """Linux: write into an unnamed file (``O_TMPFILE``), give it a name only once complete, rename it into
+    place. Even ``kill -9`` mid-write leaves nothing behind. False where the file system cannot (the caller
+    falls back to ``atomic_path``)."""
+    flag = getattr(os, "O_TMPFILE", 0)
+    if not flag or not Path("/proc/self/fd").is_dir():
+        return False
+    try:
+        fd = os.open(folder, flag | os.O_WRONLY | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+            return False
+        raise
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        for _ in range(100):
+            tmp = folder / f".{p.stem}.tmp-{secrets.token_hex(6)}{p.suffix}"
+            # linkat(AT_SYMLINK_FOLLOW) on /proc/self/fd/N: Python calls plain link() (which would link the
+            # /proc symlink itself) unless a dir fd is given
+            proc = os.open("/proc", os.O_RDONLY)
+            try:
+                os.link(f"self/fd/{fd}", tmp, src_dir_fd=proc, follow_symlinks=True)
+            except FileExistsError:
+                continue
+            finally:
+                os.close(proc)
+            try:
+                os.replace(tmp, p)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+                raise
+            return True
+        raise PrecastError(f"{p}: cannot name a temporary file beside it")
+    finally:
+        os.close(fd)
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """precast's cache folder (AOTInductor packages, op latencies): the argument, else ``$PRECAST_CACHE_DIR``,
-    else the platform's user cache dir for precast. Not created here."""
+    else the platform's user cache dir for precast. Not created here (``private_dir`` does)."""
     root = cache_dir or os.environ.get(CACHE_ENV) or None
     if root is None:
         from platformdirs import user_cache_dir
 
         root = user_cache_dir("precast")
     return Path(root).expanduser()
+
+
+def private_dir(path: str | Path) -> Path:
+    """``path`` created 0700 if absent; refused (one line) if another user owns it or group/others may write it.
+
+    Entries in precast's cache are native code and measurements it trusts: whoever can write the folder could
+    replace a package and its manifest hash together. An existing folder is never chmod-ed behind the user's back.
+    """
+    p = Path(path)
+    try:
+        p.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = p.stat()
+    except OSError as exc:
+        raise PrecastError(
+            f"cache dir {p}: cannot create it ({exc.strerror}); pass cache_dir= or set {CACHE_ENV}"
+        ) from exc
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise PrecastError(
+            f"cache dir {p}: owned by uid {st.st_uid}, not you; precast loads native code from its cache, "
+            f"so use a folder you own (set {CACHE_ENV})"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PrecastError(
+            f"cache dir {p}: writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); precast loads native "
+            f"code from its cache: run 'chmod go-w {p}' or set {CACHE_ENV} to a private folder"
+        )
+    return p
+
+
+def lock_timeout() -> float:
+    """``$PRECAST_LOCK_TIMEOUT`` seconds (default 600); a bad value is a one-line error."""
+    raw = os.environ.get(LOCK_TIMEOUT_ENV)
+    if raw is None:
+        return LOCK_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise PrecastError(f"{LOCK_TIMEOUT_ENV}={raw}: expected a positive number of seconds")
+    return value
+
+
+@contextlib.contextmanager
+def file_lock(path: str | Path, what: str, timeout: float | None = None) -> Iterator[None]:
+    """Hold the inter-process lock ``path`` (for ``what``). After ``LOCK_NOTICE_S`` a line on stderr names the
+    lock; after ``timeout`` (default ``lock_timeout()``) a one-line PrecastError says how to clear a stuck one."""
+    from filelock import FileLock, Timeout
+
+    limit = lock_timeout() if timeout is None else timeout
+    lock = FileLock(str(path))
+    started = time.monotonic()
+    try:
+        lock.acquire(timeout=min(LOCK_NOTICE_S, limit))
+    except Timeout:
+        print(
+            f"precast: waiting for {path} ({what}; another process holds it), up to {limit:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            lock.acquire(timeout=max(0.0, limit - (time.monotonic() - started)))
+        except Timeout:
+            raise PrecastError(
+                f"{path}: still locked after {limit:.0f} s ({what}); if no precast process is running, delete "
+                f"the lock file, or raise {LOCK_TIMEOUT_ENV}"
+            ) from None
+    try:
+        yield
+    finally:
+        lock.release()
