@@ -3,6 +3,8 @@ compiled package gets it from here, compiled once per session into a session-wid
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -38,6 +40,39 @@ def run_python(
         cwd=ROOT,
         env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
     )
+
+
+# the compile observer's record, one JSON line per compile, in the cache folder the compile used: written by the
+# tests (in this process and in the children they start), never by precast
+COMPILES = "test-compiles.jsonl"
+
+
+def _append_compile(event: dict) -> None:
+    with open(Path(event["cache_dir"]) / COMPILES, "a") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+@contextlib.contextmanager
+def record_compiles():
+    """Record every AOTInductor compile of this process in ``<cache dir>/test-compiles.jsonl``."""
+    from precast.backends.cache import observe_compiles
+
+    with observe_compiles(_append_compile):
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compiles_recorded():
+    with record_compiles():
+        yield
+
+
+def compiles(cache: Path, key: str) -> int:
+    """How many compiles of ``key`` into ``cache`` the tests' observers recorded."""
+    log = Path(cache) / COMPILES
+    if not log.exists():
+        return 0
+    return sum(1 for line in log.read_text().splitlines() if json.loads(line)["key"] == key)
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,13 @@
     cm.load_weights(model.state_dict())         # new fp32 weights by original name, cast on load
 
 Cache entries live in ``<cache_dir>/aoti/<key>/`` (``model.pt2`` + ``manifest.json``). The key hashes the
-graph, the weights, the inductor configs, the torch version and the CPU/CUDA capability. An entry is built in a
-temporary folder and renamed into place after its manifest (sha256 of every file) is written, under a file lock,
-so concurrent processes compile a key once and a killed compile never leaves a loadable entry. An entry whose
-files do not match its manifest is rebuilt, never loaded: it is native code.
+graph, the weights, the compile options, inductor's config and environment, the C++ compiler and its version, the
+CPU's ISA, torch's version and git commit, precast's version and the device. An entry is built in a temporary
+folder and renamed into place after its manifest (sha256 of every file, the compiled program's input signature)
+is written, under a file lock, so concurrent processes compile a key once and a killed compile never leaves a
+loadable entry. An entry whose files do not match its manifest is rebuilt, never loaded: it is native code.
+Every call's inputs are checked against the compiled program's signature (``backends/signature.py``) before
+the native code runs: AOTInductor itself reads past its buffers on a wrong shape.
 
 Input: an ExportedProgram (converted or not) and compile options. Output: a ``CompiledModel`` (callable,
 ``load_weights`` by original names) backed by a cached AOTInductor package (``backends/cache.py``).
@@ -22,6 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import warnings
 import weakref
@@ -31,28 +35,35 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.utils import _pytree as pytree
 
 from precast.backends.cache import (
-    COMPILE_LOG,
     FORMAT,
     MANIFEST,
     PACKAGE,
-    _fsync_dir,
-    _remove,
-    _sha256,
-    _Stored,
-    _stored_constants,
-    _valid_entry,
-    _write_text,
+    StoredConstant,
     cache_key,
+    fsync_dir,
+    notify_compiled,
+    read_entry,
+    remove_entry,
     resolve_cache_dir,
+    sha256_file,
+    stored_constants,
+    warn_rebuilding,
+    write_durable,
 )
+from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError, first_line
+from precast.io import check_space, file_lock
+from precast.threads import TORCH_LOCK
 
 MODES = ("default", "max-autotune")
 
-# program -> {options key: CompiledModel}; weak so a cached model never keeps a program's weights alive
+# program -> {options key: CompiledModel}; weak so a cached model never keeps a program's weights alive. A hit
+# counts only if the model's key is the program's key now: weights changed in place give a new key
 _MEMO: weakref.WeakKeyDictionary[ExportedProgram, dict[str, CompiledModel]] = weakref.WeakKeyDictionary()
+_MEMO_LOCK = threading.Lock()
 
 
 class CompiledModel:
@@ -63,7 +74,8 @@ class CompiledModel:
         runner: Any,
         package_path: Path,
         key: str,
-        stored: dict[str, _Stored],
+        stored: dict[str, StoredConstant],
+        signature: ProgramSignature,
         *,
         from_cache: bool,
         compile_seconds: float,
@@ -73,12 +85,24 @@ class CompiledModel:
         self.package_path = Path(package_path)
         self.key = key
         self._stored = stored
+        self.signature = signature
+        # call the loader directly: AOTICompiledModel.__call__ re-parses its call spec on every call
+        loader = getattr(runner, "loader", None)
+        self._boxed_run = getattr(loader, "boxed_run", None)
+        self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1]) if self._boxed_run else None
+        self._all_tensors = all(s.kind == "tensor" for s in signature.inputs)
         self.from_cache = from_cache
         self.compile_seconds = compile_seconds
         self.load_seconds = load_seconds
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._runner(*args, **kwargs)
+        flat = self.signature.check(
+            args, kwargs
+        )  # a one-line PrecastError before native code sees a bad input
+        if self._boxed_run is None:
+            return self._runner(*args, **kwargs)
+        tensors = list(flat) if self._all_tensors else [t for t in flat if isinstance(t, torch.Tensor)]
+        return pytree.tree_unflatten(self._boxed_run(tensors), self._out_spec)
 
     def __repr__(self) -> str:
         how = "from cache" if self.from_cache else f"compiled in {self.compile_seconds:.1f}s"
@@ -97,7 +121,7 @@ class CompiledModel:
         are swapped when given by name and otherwise keep the value the program baked. Returns
         ``{"loaded": [...], "kept": [...]}``: the original names swapped, and those left as they were.
         """
-        by_original: dict[str, list[_Stored]] = {}
+        by_original: dict[str, list[StoredConstant]] = {}
         for st in self._stored.values():
             by_original.setdefault(st.source.original, []).append(st)
         swappable = set(self._runner.get_constant_fqns())
@@ -161,12 +185,15 @@ def compile(
     dynamic: bool = True,
     inductor_configs: Mapping[str, Any] | None = None,
     progress: bool | None = None,
+    lock_timeout: float | None = None,
 ) -> CompiledModel:
     """Compile ``program`` (an ExportedProgram or a ConvertResult) with AOTInductor, cached; returns a loaded model.
 
     ``dynamic``: re-export with a dynamic dim 0 (batch) on every tensor input, as PyTorch's benchmark harness does.
     ``cache_dir``: default ``$PRECAST_CACHE_DIR`` or the user cache dir. ``progress``: a spinner on stderr
-    (default: only when stderr is a terminal and ``CI`` is unset).
+    (default: only when stderr is a terminal and ``CI`` is unset). ``lock_timeout``: seconds to wait for another
+    process compiling the same key (default ``$PRECAST_LOCK_TIMEOUT`` or 600); a line on stderr after 5 s.
+    Safe to call from several threads (torch's compile and load are serialized; see precast/threads.py).
     """
     ep = getattr(program, "program", program)  # a ConvertResult
     if not isinstance(ep, ExportedProgram):
@@ -183,29 +210,36 @@ def compile(
     options = json.dumps(
         {"configs": configs, "dynamic": dynamic, "root": str(root)}, sort_keys=True, default=str
     )
-    memo = _MEMO.get(ep)
-    if memo is not None and options in memo:
-        return memo[options]
+    key = cache_key(ep, configs, dynamic)  # by content: weights changed in place give another key
+    with _MEMO_LOCK:
+        model = _MEMO.get(ep, {}).get(options)
+    if model is not None and model.key == key:
+        return model
 
-    key = cache_key(ep, configs, dynamic)
-    stored = _stored_constants(ep)
+    stored = stored_constants(ep)
     entry = root / "aoti" / key
     started = time.perf_counter()
     compile_seconds = 0.0
-    if _valid_entry(entry, key) is not None:
-        compile_seconds = _build_locked(ep, root, key, configs, dynamic, stored, progress)
+    manifest, _ = read_entry(entry, key)
+    if manifest is None:
+        compile_seconds, manifest = _build_locked(
+            ep, root, key, configs, dynamic, stored, progress, lock_timeout
+        )
     from_cache = compile_seconds == 0.0  # published by an earlier run or by a process we waited for
-    runner = _load(entry / PACKAGE)
+    with TORCH_LOCK:
+        runner = _load(entry / PACKAGE)
     model = CompiledModel(
         runner,
         entry / PACKAGE,
         key,
         stored,
+        ProgramSignature.from_dict(manifest["signature"]),
         from_cache=from_cache,
         compile_seconds=compile_seconds,
         load_seconds=time.perf_counter() - started - compile_seconds,
     )
-    _MEMO.setdefault(ep, {})[options] = model
+    with _MEMO_LOCK:
+        _MEMO.setdefault(ep, {})[options] = model
     return model
 
 
@@ -215,37 +249,46 @@ def _build_locked(
     key: str,
     configs: dict[str, Any],
     dynamic: bool,
-    stored: dict[str, _Stored],
+    stored: dict[str, StoredConstant],
     progress: bool | None,
-) -> float:
+    lock_timeout: float | None,
+) -> tuple[float, dict[str, Any]]:
     """Compile and publish the entry for ``key`` unless another process did it while we waited for the lock.
 
-    Returns the seconds spent compiling (0.0 if another process published the entry first)."""
-    from filelock import FileLock
-
-    (root / "locks").mkdir(parents=True, exist_ok=True)
-    (root / "tmp").mkdir(parents=True, exist_ok=True)
+    Returns the seconds spent compiling (0.0 if another process published the entry first) and the manifest."""
     entry = root / "aoti" / key
-    with FileLock(str(root / "locks" / f"{key}.lock")):
-        why = _valid_entry(entry, key)
-        if why is None:
-            return 0.0
+    with file_lock(root / "locks" / f"{key}.lock", f"compiling cache entry {key[:12]}", lock_timeout):
+        manifest, why = read_entry(entry, key)
+        if manifest is not None:
+            return 0.0, manifest
         if why != "absent":
-            _remove(entry, root)
+            warn_rebuilding(entry, why)
+            remove_entry(entry, root)
         for stale in (root / "tmp").glob(f"{key}.*"):  # left by a killed compile: we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
+        weights = sum(
+            v.numel() * v.element_size()
+            for v in {**ep.state_dict, **ep.constants}.values()
+            if isinstance(v, torch.Tensor)
+        )
+        # the package holds the weights and the compiler writes intermediates: refuse early, not mid-write
+        check_space(root / "tmp", 2 * weights + (64 << 20), f"precast.compile: cache dir {root}")
         build = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=root / "tmp"))
         try:
             started = time.perf_counter()
-            with _progress(
-                progress, f"precast: compiling with AOTInductor ({key[:12]}, ~30 s on a small CPU)"
+            with (
+                _progress(
+                    progress, f"precast: compiling with AOTInductor ({key[:12]}, ~30 s on a small CPU)"
+                ),
+                TORCH_LOCK,
             ):
-                _aoti_compile(ep, build / PACKAGE, configs, dynamic)
+                compiled = _aoti_compile(ep, build / PACKAGE, configs, dynamic)
             seconds = time.perf_counter() - started
             manifest = {
                 "format": FORMAT,
                 "key": key,
-                "files": {PACKAGE: _sha256(build / PACKAGE)},
+                "files": {PACKAGE: sha256_file(build / PACKAGE)},
+                "signature": ProgramSignature.from_program(compiled).to_dict(),
                 "torch": torch.__version__,
                 "inductor_configs": configs,
                 "dynamic": dynamic,
@@ -256,16 +299,15 @@ def _build_locked(
                     for name, st in stored.items()
                 },
             }
-            _write_text(build / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-            _fsync_dir(build)
+            write_durable(build / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=str))
+            fsync_dir(build)
             os.rename(build, entry)  # atomic publish: the entry appears whole or not at all
-            _fsync_dir(entry.parent)
+            fsync_dir(entry.parent)
         except BaseException:
             shutil.rmtree(build, ignore_errors=True)
             raise
-        with open(root / COMPILE_LOG, "a") as log:
-            log.write(json.dumps({"key": key, "pid": os.getpid(), "seconds": round(seconds, 3)}) + "\n")
-        return seconds
+        notify_compiled(key, seconds, root)
+        return seconds, manifest
 
 
 @contextlib.contextmanager
@@ -326,7 +368,10 @@ def dynamic_batch(ep: ExportedProgram) -> ExportedProgram:
     return ep
 
 
-def _aoti_compile(ep: ExportedProgram, package: Path, configs: dict[str, Any], dynamic: bool) -> None:
+def _aoti_compile(
+    ep: ExportedProgram, package: Path, configs: dict[str, Any], dynamic: bool
+) -> ExportedProgram:
+    """Compile ``ep`` (made batch-dynamic if asked) into ``package``; returns the program actually compiled."""
     import torch._inductor
 
     with torch.no_grad():
@@ -340,6 +385,7 @@ def _aoti_compile(ep: ExportedProgram, package: Path, configs: dict[str, Any], d
                 f"precast.compile: AOTInductor failed: {type(exc).__name__}: {first_line(exc)[:300]}; "
                 "run with TORCH_LOGS=output_code for details, or try dynamic=False"
             ) from exc
+    return program
 
 
 def _load(package: Path) -> Any:

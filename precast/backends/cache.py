@@ -1,19 +1,25 @@
-"""The AOTInductor package cache: keys, crash-safe entries, integrity checks.
+"""The AOTInductor package cache: keys, crash-safe entries, integrity checks, compile observers.
 
 Input: a program and compile options. Output: the cache key, and entries ``<cache>/aoti/<key>/{model.pt2,
 manifest.json}`` built in ``<cache>/tmp/`` and renamed into place; a package is loaded only if its manifest's
-sha256 matches (it is native code). See docs/compile.md.
+sha256 matches. The cache folder is private (0700, ``precast.io.private_dir``): the sha256 catches a torn or
+corrupted file, not an attacker -- whoever can write the folder can replace a package and its hash together, so
+a folder another user owns or group/others may write is refused. See docs/compile.md ("Trust model").
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import shutil
+import subprocess
 import tempfile
-from collections.abc import Mapping
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,24 +28,32 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError
-from precast.io import CACHE_ENV, cache_root
+from precast.io import cache_root, private_dir
 from precast.ir.program import CONSTANT_KINDS, ConstantSource, constant_sources
 
 MANIFEST = "manifest.json"
-
-
 PACKAGE = "model.pt2"
+FORMAT = 2  # 2: the manifest carries the compiled program's input signature; the key covers the toolchain
 
-
-COMPILE_LOG = "compile.log"  # one JSON line per compile actually run (tests count them)
-
-
-FORMAT = 1
+# environment variables that change what inductor or the C++ compiler emits (read at compile time)
+TOOLCHAIN_ENV_PREFIXES = ("TORCHINDUCTOR_", "AOT_INDUCTOR", "TORCH_COMPILE", "INDUCTOR_")
+TOOLCHAIN_ENV = (
+    "CXX",
+    "CC",
+    "CFLAGS",
+    "CXXFLAGS",
+    "CPPFLAGS",
+    "LDFLAGS",
+    "CPATH",
+    "LIBRARY_PATH",
+    "OMP_NUM_THREADS",
+)
 
 
 @dataclass(frozen=True)
-class _Stored:
+class StoredConstant:
     """What load_weights needs to know about one stored constant (no tensor kept)."""
 
     source: ConstantSource
@@ -50,20 +64,44 @@ class _Stored:
 
 
 def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The argument, else ``$PRECAST_CACHE_DIR``, else the platform's user cache dir for precast."""
-    root = cache_root(cache_dir)
-    try:
-        (root / "aoti").mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise PrecastError(
-            f"cache dir {root}: cannot create it ({exc.strerror}); pass cache_dir= or set {CACHE_ENV}"
-        ) from exc
+    """The argument, else ``$PRECAST_CACHE_DIR``, else the platform's user cache dir; created private (0700)."""
+    root = private_dir(cache_root(cache_dir))
+    for sub in ("aoti", "tmp", "locks"):
+        private_dir(root / sub)
     return root
+
+
+# ---- compile observers (tests count compiles with them) --------------------------------------------------------
+_OBSERVERS: list[Callable[[dict[str, Any]], None]] = []
+_OBSERVERS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def observe_compiles(callback: Callable[[dict[str, Any]], None]) -> Iterator[None]:
+    """Call ``callback({"key", "seconds", "pid", "cache_dir"})`` after every AOTInductor compile this process
+    runs (tests count compiles with it; precast itself writes no log)."""
+    with _OBSERVERS_LOCK:
+        _OBSERVERS.append(callback)
+    try:
+        yield
+    finally:
+        with _OBSERVERS_LOCK:
+            _OBSERVERS.remove(callback)
+
+
+def notify_compiled(key: str, seconds: float, root: Path) -> None:
+    with _OBSERVERS_LOCK:
+        observers = list(_OBSERVERS)
+    event = {"key": key, "seconds": round(seconds, 3), "pid": os.getpid(), "cache_dir": str(root)}
+    for callback in observers:
+        callback(event)
 
 
 # ---- cache key --------------------------------------------------------------------------------------------
 def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic: bool) -> str:
-    """sha256 of everything the compiled code depends on."""
+    """sha256 of everything the compiled code depends on: the program (graph, signature, weights), the compile
+    options, inductor's whole in-process config and environment, the C++ compiler and its version, the CPU's ISA,
+    torch (version and git commit), precast's version and the device."""
     h = hashlib.sha256()
 
     def put(label: str, text: str) -> None:
@@ -90,14 +128,77 @@ def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic:
             put("object", f"{name}:{type(value).__qualname__}")
     put("configs", json.dumps(dict(inductor_configs), sort_keys=True, default=str))
     put("dynamic", str(dynamic))
-    put("torch", torch.__version__)
-    put("cpu", str(torch.backends.cpu.get_cpu_capability()))
-    if _program_device(ep) == "cuda" and torch.cuda.is_available():
-        put("cuda", f"{torch.version.cuda}:{torch.cuda.get_device_capability()}")
+    for label, text in toolchain().items():
+        put(label, text)
+    device = program_device(ep)
+    put("device", device)
+    if device == "cuda" and torch.cuda.is_available():
+        put(
+            "cuda",
+            f"{torch.version.cuda}:{torch.cuda.get_device_capability()}:{torch.cuda.get_device_name()}",
+        )
     return h.hexdigest()[:32]
 
 
-def _program_device(ep: ExportedProgram) -> str:
+def toolchain() -> dict[str, str]:
+    """What besides the program changes the package: read now (inductor's config may change in process)."""
+    import torch._inductor.config as inductor_config
+
+    from precast import __version__
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(TOOLCHAIN_ENV_PREFIXES) or k in TOOLCHAIN_ENV}
+    return {
+        "torch": f"{torch.__version__} git={torch.version.git_version}",
+        "precast": __version__,
+        "inductor_config": inductor_config.get_hash().hex(),
+        "env": json.dumps(env, sort_keys=True),
+        "compiler": _compiler_identity(),
+        # inductor compiles with -march=native: a package runs only on a CPU with the ISA it was built for
+        "isa": f"{torch.backends.cpu.get_cpu_capability()} {_cpu_identity()}",
+    }
+
+
+def _compiler_identity() -> str:
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        cxx = get_cpp_compiler()
+    except Exception as exc:  # noqa: BLE001 - no compiler: the compile itself reports it; the key says so
+        return f"none ({type(exc).__name__})"
+    path = shutil.which(cxx) or cxx
+    with contextlib.suppress(OSError):
+        st = os.stat(path)
+        return f"{path} {_compiler_version(path, st.st_mtime_ns, st.st_size)}"
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _compiler_version(path: str, mtime_ns: int, size: int) -> str:
+    """``cxx --version``'s first line, once per compiler binary (keyed by its mtime and size)."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({type(exc).__name__})"
+    return (
+        (out.stdout or out.stderr).strip().splitlines()[0]
+        if (out.stdout or out.stderr).strip()
+        else "unknown"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_identity() -> str:
+    """The CPU model and its flags (what -march=native reads), hashed: /proc/cpuinfo on Linux."""
+    from precast.pipeline.latency import cpu_info
+
+    model, flags = cpu_info("model name"), cpu_info("flags")
+    import platform
+
+    text = f"{model or platform.processor() or platform.machine()}|{flags or ''}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def program_device(ep: ExportedProgram) -> str:
     for value in list(ep.state_dict.values()) + list(ep.constants.values()):
         if isinstance(value, torch.Tensor):
             return value.device.type
@@ -107,7 +208,8 @@ def _program_device(ep: ExportedProgram) -> str:
     return "cpu"
 
 
-def _stored_constants(ep: ExportedProgram) -> dict[str, _Stored]:
+def stored_constants(ep: ExportedProgram) -> dict[str, StoredConstant]:
+    """The program's constants by stored name: where each came from, its shape and device, whether it is read."""
     sources = constant_sources(ep)
     read = {n.name for n in ep.graph.nodes if n.op == "placeholder" and n.users}
     out = {}
@@ -119,7 +221,7 @@ def _stored_constants(ep: ExportedProgram) -> dict[str, _Stored]:
             persistent = spec.kind == InputKind.PARAMETER or (
                 spec.kind == InputKind.BUFFER and spec.persistent is not False
             )
-            out[spec.target] = _Stored(
+            out[spec.target] = StoredConstant(
                 sources[spec.target],
                 tuple(value.shape),
                 str(value.device),
@@ -130,7 +232,7 @@ def _stored_constants(ep: ExportedProgram) -> dict[str, _Stored]:
 
 
 # ---- cache entries ------------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -138,42 +240,68 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _valid_entry(entry: Path, key: str) -> str | None:
-    """None if ``entry`` is a complete, untampered entry for ``key``; else why not."""
+def read_entry(entry: Path, key: str) -> tuple[dict[str, Any] | None, str | None]:
+    """``(manifest, None)`` for a complete, intact entry for ``key``; ``(None, why not)`` otherwise.
+
+    A manifest that is not JSON, or JSON of the wrong shape, is a reason (the entry is rebuilt), never a crash.
+    """
     try:
         manifest = json.loads((entry / MANIFEST).read_text())
     except FileNotFoundError:
-        return "absent"
-    except (OSError, ValueError) as exc:
-        return f"unreadable manifest ({exc})"
+        return None, "absent"
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"unreadable manifest ({type(exc).__name__})"
+    if not isinstance(manifest, dict):
+        return None, f"malformed manifest (a JSON {type(manifest).__name__}, not an object)"
     if manifest.get("format") != FORMAT or manifest.get("key") != key:
-        return "manifest for another key or format"
-    files = manifest.get("files") or {}
+        return None, "manifest for another key or format"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        return None, "malformed manifest (no files table)"
     if PACKAGE not in files:
-        return f"manifest lists no {PACKAGE}"
+        return None, f"manifest lists no {PACKAGE}"
+    try:
+        ProgramSignature.from_dict(manifest.get("signature"))
+    except PrecastError:
+        return None, "malformed manifest (no valid input signature)"
     for name, digest in files.items():
+        if "/" in name or name.startswith("."):
+            return None, f"manifest names {name!r} outside the entry"
         try:
-            if _sha256(entry / name) != digest:
-                return f"{name} does not match its manifest hash"
+            if sha256_file(entry / name) != digest:
+                return None, f"{name} does not match its manifest hash"
         except OSError:
-            return f"{name} is missing"
-    return None
+            return None, f"{name} is missing"
+    return manifest, None
 
 
-def _remove(entry: Path, root: Path) -> None:
+def entry_problem(entry: Path, key: str) -> str | None:
+    """None if ``entry`` is a complete, intact entry for ``key``; else why not."""
+    return read_entry(entry, key)[1]
+
+
+def warn_rebuilding(entry: Path, why: str) -> None:
+    """A damaged entry (not merely absent) is worth a line: it is rebuilt, never loaded."""
+    if why != "absent":
+        warnings.warn(f"precast cache entry {entry}: {why}; rebuilding it", stacklevel=3)
+
+
+def remove_entry(entry: Path, root: Path) -> None:
+    """Move ``entry`` out of ``aoti/`` in one rename (no reader sees it half-deleted), then delete it."""
     trash = Path(tempfile.mkdtemp(prefix="trash.", dir=root / "tmp"))
     os.rename(entry, trash / "entry")
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_durable(path: Path, text: str) -> None:
+    """Write ``text`` and fsync it (a manifest must be on disk before the entry is published)."""
     with open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:

@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from torch.export import ExportedProgram
 
 from precast.dtypes import dtype_name
 from precast.errors import PrecastError, first_line
-from precast.io import CACHE_ENV, atomic_path, cache_root
+from precast.io import CACHE_ENV, atomic_path, cache_root, file_lock, private_dir
 from precast.ir.program import Program, private_state
 from precast.ir.regions import innermost_region
 from precast.policy.auto import OpLatency, is_measured
@@ -52,7 +53,7 @@ def device_key(device: str) -> str:
     return f"{device} {name} torch={torch.__version__}"
 
 
-def _cpuinfo(field: str) -> str | None:
+def cpu_info(field: str) -> str | None:
     """The first ``field`` line of /proc/cpuinfo (Linux), None where there is none."""
     path = Path("/proc/cpuinfo")
     if not path.exists():
@@ -64,11 +65,11 @@ def _cpuinfo(field: str) -> str | None:
 
 
 def _cpu_model() -> str:
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
+    return cpu_info("model name") or platform.processor() or platform.machine()
 
 
 def _cpu_flags() -> set[str] | None:
-    flags = _cpuinfo("flags")
+    flags = cpu_info("flags")
     return set(flags.split()) if flags is not None else None
 
 
@@ -95,25 +96,39 @@ def cache_path(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def _load(path: Path) -> dict:
+    """The cached entries; a file that is not JSON, or JSON of another shape, is a miss with a warning (the
+    measurements are taken again and the file rewritten), never a crash."""
     if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise PrecastError(
-            f"latency cache {path}: cannot read it ({first_line(exc)}); delete the file to measure again"
-        ) from exc
-    if data.get("version") != CACHE_VERSION:
+    except (OSError, ValueError, RecursionError) as exc:
+        warnings.warn(f"latency cache {path}: unreadable ({first_line(exc)}); measuring again", stacklevel=2)
         return {}
-    return data.get("entries", {})
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        return {}
+    entries = data.get("entries")
+    if not isinstance(entries, dict):
+        warnings.warn(f"latency cache {path}: malformed (no entries table); measuring again", stacklevel=2)
+        return {}
+    fields = ("fp32", "low", "cast_in", "cast_out")
+    good = {
+        k: e
+        for k, e in entries.items()
+        if isinstance(e, dict) and all(type(e.get(f)) in (int, float) for f in fields)
+    }
+    if len(good) != len(entries):
+        warnings.warn(
+            f"latency cache {path}: {len(entries) - len(good)} malformed entries ignored (measured again)",
+            stacklevel=2,
+        )
+    return good
 
 
 def _store(path: Path, new: dict) -> None:
-    from filelock import FileLock
-
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(path) + ".lock"):
+        private_dir(path.parent)
+        with file_lock(str(path) + ".lock", "the latency cache"):
             entries = _load(path)
             entries.update(new)
             with atomic_path(path) as tmp:

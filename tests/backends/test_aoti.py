@@ -9,14 +9,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import precast
-from precast.backends.cache import COMPILE_LOG, MANIFEST, PACKAGE, _valid_entry, cache_key
-from tests.conftest import ROOT, run_python, small_model
+from precast.backends.cache import MANIFEST, PACKAGE, cache_key, entry_problem
+from tests.conftest import ROOT, compiles, run_python, small_model
 
 pytestmark = pytest.mark.aoti
 
@@ -25,24 +24,18 @@ CHILD = r"""
 import json, sys, time, warnings
 warnings.filterwarnings("ignore")
 import torch, precast
-from tests.conftest import small_model
+from tests.conftest import record_compiles, small_model
 seed, cache = int(sys.argv[1]), sys.argv[2]
 model, inputs = small_model(seed)
 res = precast.convert(model, inputs)
 import precast.backends.aoti  # the import is not part of the load time
 t = time.perf_counter()
-cm = precast.compile(res.program, cache_dir=cache, progress=False)
+with record_compiles():
+    cm = precast.compile(res.program, cache_dir=cache, progress=False)
 seconds = time.perf_counter() - t
 out = cm(*inputs)
 print(json.dumps({"seconds": seconds, "from_cache": cm.from_cache, "key": cm.key, "out": out.tolist()}))
 """
-
-
-def compiles(cache: Path, key: str) -> int:
-    log = cache / COMPILE_LOG
-    if not log.exists():
-        return 0
-    return sum(1 for line in log.read_text().splitlines() if json.loads(line)["key"] == key)
 
 
 def child_json(proc: subprocess.CompletedProcess) -> dict:
@@ -132,7 +125,7 @@ def test_killed_compile_leaves_no_loadable_entry(tmp_path):
     entries = list((cache / "aoti").iterdir())
     assert entries == [], f"a killed compile published {entries}"
     key = cache_key(precast.convert(*small_model(2)).program, {}, True)
-    assert _valid_entry(cache / "aoti" / key, key) == "absent"
+    assert entry_problem(cache / "aoti" / key, key) == "absent"
     with FileLock(str(cache / "locks" / f"{key}.lock"), timeout=5):  # the dead process's lock is released
         pass
 
@@ -148,10 +141,10 @@ def test_tampered_entry_is_rebuilt(converted_a, compiled_a, tmp_path):
     blob = bytearray((entry / PACKAGE).read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     (entry / PACKAGE).write_bytes(bytes(blob))
-    assert "does not match" in _valid_entry(entry, compiled_a.key)
+    assert "does not match" in entry_problem(entry, compiled_a.key)
     cm = precast.compile(res.program, cache_dir=cache, progress=False)
     assert not cm.from_cache and compiles(cache, compiled_a.key) == 1
-    assert _valid_entry(entry, compiled_a.key) is None
+    assert entry_problem(entry, compiled_a.key) is None
     assert torch.equal(cm(*inputs), compiled_a(*inputs))
     manifest = json.loads((entry / MANIFEST).read_text())
     assert manifest["constants"]["layers.0.weight"] == ["layers.0.weight", "torch.float32", "torch.bfloat16"]
