@@ -21,7 +21,6 @@ Runtime fuses Conv+BatchNormalization itself where the types allow.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import time
@@ -38,6 +37,7 @@ from torch.export import ExportedProgram
 from precast.backends.aoti import batch_symbols
 from precast.errors import PrecastError, first_line
 from precast.io import atomic_path
+from precast.threads import quiet_logger
 
 EXTRA = "pip install 'precast[onnx]'"
 
@@ -215,14 +215,11 @@ def _quiet() -> Iterator[None]:
         yield
         return
     # and its op registry logs one warning per torchvision op when torchvision is absent (it is, here): noise
-    registry = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = registry.level
-    registry.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        registry.setLevel(level)
+    with (
+        quiet_logger("torch.onnx._internal.exporter._registration"),  # a filter: no global level change
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
+        yield
 
 
 def _optimize(model: Any) -> None:

@@ -9,7 +9,7 @@ import contextlib
 import copy
 import functools
 import importlib
-import logging
+import io
 import sys
 import zipfile
 from pathlib import Path
@@ -21,6 +21,8 @@ from torch.overrides import TorchFunctionMode
 
 from precast.errors import PrecastError, first_line
 from precast.ir.inputs import normalize_inputs
+from precast.pipeline.archive import read_checked
+from precast.threads import TORCH_LOCK, quiet_loggers
 
 
 class KeepValuesDistinct(TorchFunctionMode):
@@ -106,7 +108,8 @@ def capture(
     module = program_or_module if autocast is None else _in_autocast(program_or_module, *autocast)
 
     def export() -> ExportedProgram:
-        with KeepValuesDistinct() if distinct_values else contextlib.nullcontext():
+        # non-strict export patches process-global state (CURRENT_PATCHER): one thread at a time
+        with TORCH_LOCK, KeepValuesDistinct() if distinct_values else contextlib.nullcontext():
             return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
 
     try:
@@ -184,8 +187,12 @@ def check_program_file(path: str | Path) -> Path:
     return p
 
 
-def load_program(path: str | Path) -> ExportedProgram:
-    """Load a program saved with ``torch.export.save``, with one-line errors for the usual mistakes."""
+def load_program(path: str | Path, *, trust_pickle: bool = False) -> ExportedProgram:
+    """Load a program saved with ``torch.export.save``, with one-line errors for the usual mistakes.
+
+    Nothing in the file is unpickled beyond tensors unless ``trust_pickle`` (``pipeline/archive.py``): a .pt2
+    is code. Safe from several threads (torch's deserializer is process-global: loads are serialized).
+    """
     p = check_program_file(path)
     try:
         with zipfile.ZipFile(p) as z:
@@ -194,15 +201,13 @@ def load_program(path: str | Path) -> ExportedProgram:
             raise PrecastError(
                 f"{p}: corrupted archive (member {bad} fails its checksum); save the program again"
             )
+        data = read_checked(p, trust_pickle=trust_pickle)
         # torch.export.load logs a traceback at WARNING before failing on a file that is not a program;
-        # precast turns the failure into one line instead
-        logger = logging.getLogger("torch.export")
-        level = logger.level
-        logger.setLevel(logging.ERROR)
-        try:
-            return torch.export.load(str(p))
-        finally:
-            logger.setLevel(level)
+        # precast turns the failure into one line instead (a filter on its logger: no global level change)
+        # (and with trust_pickle, torch's own "Fallback to weights_only=False" warning has a format bug that
+        # prints a logging traceback: the trust was explicit, the line adds nothing)
+        with TORCH_LOCK, quiet_loggers(("torch.export", "torch._export.serde.serialize")):
+            return torch.export.load(io.BytesIO(data))
     except PrecastError:
         raise
     except Exception as exc:
@@ -238,15 +243,31 @@ def load_factory(spec: str) -> tuple[torch.nn.Module, Any]:
         raise PrecastError(
             f"'{spec}': cannot import module '{mod_name}' ({exc}); check the name and PYTHONPATH"
         ) from exc
+    except (Exception, SystemExit) as exc:  # the user's module failed while importing: say so in one line
+        raise PrecastError(f"'{spec}': importing '{mod_name}' failed: {_failure(exc)}") from exc
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise PrecastError(f"'{spec}': module '{mod_name}' has no callable '{attr}'")
-    made = factory()
+    try:
+        made = factory()
+    except (
+        Exception,
+        SystemExit,
+    ) as exc:  # a factory that raises or calls sys.exit: one line, not its traceback
+        raise PrecastError(
+            f"'{spec}': the factory failed: {_failure(exc)}; run it in Python to debug"
+        ) from exc
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
         raise PrecastError(
             f"'{spec}': the factory must return (model, example_inputs), got {type(made).__name__}"
         )
     return made
+
+
+def _failure(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {first_line(exc)[:200]}"
 
 
 def policy_region(

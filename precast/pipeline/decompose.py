@@ -22,6 +22,7 @@ from precast.ir.program import Program
 from precast.policy.base import Decision
 from precast.policy.compose import autocast_state_of
 from precast.policy.torch_tables import category
+from precast.threads import TORCH_LOCK, quiet_logger
 
 # ---- composites that eager autocast would decompose --------------------------------------------------------
 # A CompositeImplicitAutograd op with no autocast kernel (einsum, gru, bilinear...) runs its decomposition in
@@ -91,13 +92,8 @@ def _real_autocast(device: str, dtype: torch.dtype):
 def _quiet_fake_tensor_log():
     """FakeTensor logs a traceback at ERROR before raising when a meta kernel fails; the plain trace of a
     composite is expected to fail that way on inputs only autocast can reconcile."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
+    with quiet_logger("torch._subclasses.fake_tensor", logging.CRITICAL):  # a filter: no global level change
         yield
-    finally:
-        logger.setLevel(level)
 
 
 def _is_composite(op: object) -> bool:
@@ -137,7 +133,7 @@ def _trace(op, args, kwargs, mode, autocast: tuple[str, torch.dtype] | None) -> 
 
     inputs = [flat[i] for i in idx]
     symbolic = any(free_symbols(t) for t in inputs)
-    with mode:
+    with TORCH_LOCK, mode:  # make_fx's tracing state is process-global: one thread at a time
         return make_fx(call, tracing_mode="symbolic" if symbolic else "real")(*inputs)
 
 
