@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -131,7 +132,11 @@ def build_variants(
                 with torch.no_grad():
                     res.casts_per_forward = eager_cast_ops(fns[variant])
             elif variant in ORT_VARIANTS:
-                folder = work or Path(os.environ.get("TMPDIR", "/tmp")) / f"precast-bench-{os.getpid()}"
+                if work is None:
+                    raise PrecastError(
+                        "build_variants: the ONNX Runtime variants need work= (a folder for .onnx files)"
+                    )
+                folder = work
                 fns[variant] = build_ort_variant(variant, model, inputs, folder, fp32_program, res)
             else:
                 if variant == "precast_aoti":
@@ -205,8 +210,30 @@ def run_bench(
         resolve(spec)  # every spec is checked before the first model is built
     check_options(variants, dtype, device)
     low = ALIASES[dtype]
-    work = Path(workdir or os.environ.get("TMPDIR", "/tmp")) / f"precast-bench-{os.getpid()}"
-    work.mkdir(parents=True, exist_ok=True)
+    if workdir is not None:  # the caller's folder: kept
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        return _run_all(
+            models, batches, Path(workdir), low, device, repeats, variants, cache_dir, measure_rss, progress
+        )
+    # our own: an unpredictable name (tempfile, 0700), removed afterwards whatever happens
+    with tempfile.TemporaryDirectory(prefix="precast-bench-") as work:
+        return _run_all(
+            models, batches, Path(work), low, device, repeats, variants, cache_dir, measure_rss, progress
+        )
+
+
+def _run_all(
+    models: list[str],
+    batches: list[int],
+    work: Path,
+    low: torch.dtype,
+    device: str,
+    repeats: int,
+    variants: tuple[str, ...],
+    cache_dir: str | os.PathLike | None,
+    measure_rss: bool,
+    progress: bool | None,
+) -> list[Result]:
     results: list[Result] = []
     with ProgressBar("bench", len(models) * len(batches), progress) as bar:
         for name in models:

@@ -1,8 +1,10 @@
 """The ``precast`` command line: convert, report, check, compile, bench, demo.
 
 Each subcommand lives in ``precast/cli/<name>.py`` with ``add_parser(subparsers)`` and ``run(args) -> int``.
-User errors (PrecastError, bad options) print one line and exit with status 2, no traceback. Commands check
-every option they can before loading a program or importing a factory (a load can take many seconds).
+User errors (PrecastError, bad options, an OSError such as a full disk or a read-only destination) print one
+line and exit with status 2, no traceback; Ctrl-C exits 130 and SIGTERM 143, after the file being written is
+removed (writes go to a temporary file renamed into place). Commands check every option they can before loading
+a program or importing a factory (a load can take many seconds).
 
 Input: argv. Output: an exit status (2 and one line on user error, no traceback).
 """
@@ -12,7 +14,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 import warnings
 
 from precast.errors import PrecastError
@@ -49,6 +53,14 @@ def _version() -> str:
     return __version__
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so every ``atomic_path`` removes its temporary file on the way out."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -56,14 +68,26 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings(
             "ignore"
         )  # torch's own UserWarnings drown the output; PRECAST_VERBOSE=1 shows them
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         return int(args.run(args) or 0)
     except PrecastError as err:
         print(f"precast {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # disk full, read-only destination, a file vanished: the system's own words
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"precast {args.command}: error: {where}{err.strerror or err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        print(f"precast {args.command}: interrupted", file=sys.stderr)
+        print(f"precast {args.command}: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"precast {args.command}: terminated; nothing was written", file=sys.stderr)
+        return 143
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

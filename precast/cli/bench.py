@@ -80,7 +80,6 @@ def run(args: argparse.Namespace) -> int:
     from precast.bench.factories import check_specs
     from precast.bench.variants import check_options
     from precast.errors import PrecastError
-    from precast.io import check_writable
 
     if args.convert:
         return run_convert(args)
@@ -95,10 +94,7 @@ def run(args: argparse.Namespace) -> int:
     for spec in args.model:
         bench.resolve(spec)  # a bad spec fails before anything is built
     if args.out:
-        from pathlib import Path
-
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        check_writable(Path(args.out) / "bench.json")
+        out_dir(args.out, "bench.json")
     results = bench.run_bench(
         args.model,
         args.batch,
@@ -125,7 +121,6 @@ def run_convert(args: argparse.Namespace) -> int:
 
     from precast import bench
     from precast.errors import PrecastError
-    from precast.io import check_writable
 
     models = args.model or ["chain", *bench.real_models()]
     sizes = tuple(args.sizes or bench.CHAIN_SIZES) if "chain" in models else ()
@@ -138,10 +133,7 @@ def run_convert(args: argparse.Namespace) -> int:
             f"{', '.join(bench.real_models()) or '(benchmarks.convert_models needs a source checkout)'}"
         )
     if args.out:
-        from pathlib import Path
-
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        check_writable(Path(args.out) / "convert_cost.json")
+        out_dir(args.out, "convert_cost.json")
     results = bench.run_convert_bench(
         sizes,
         tuple(m for m in models if m != "chain"),
@@ -159,3 +151,20 @@ def run_convert(args: argparse.Namespace) -> int:
         for path in bench.write_convert_outputs(results, args.out, bench.machine_info()):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def out_dir(out: str, first: str) -> None:
+    """``--out DIR``: created if absent; a file of that name, or a folder that cannot be made, is one line."""
+    from pathlib import Path
+
+    from precast.errors import PrecastError
+    from precast.io import check_writable
+
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise PrecastError(f"--out {out}: is a file; --out names a folder for the result files")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PrecastError(f"--out {out}: cannot create it ({exc.strerror})") from exc
+    check_writable(p / first)

@@ -40,6 +40,11 @@ def add_parser(sub) -> None:
     )
     p.add_argument("program", help="a program saved with torch.export.save")
     p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
+    )
+    p.add_argument(
         "--inputs",
         default=None,
         help="inputs saved with torch.save: a tensor, a tuple, (args, kwargs), or a dict keyed by the forward's "
@@ -144,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         raise PrecastError(
             f"--inputs {args.inputs}: no such file; save the inputs with torch.save((x,), PATH)"
         )
-    ep = load_program(args.program)
+    ep = load_program(args.program, trust_pickle=args.trust_pickle)
     inputs, kwargs = load_inputs(args.inputs, ep)
     flat_user_inputs(ep, inputs, kwargs, f"--inputs {args.inputs}" if args.inputs else "the example inputs")
     with torch.no_grad():

@@ -6,7 +6,6 @@ Input: a saved program. Output: the artifact the engine loads (AOTInductor packa
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 
@@ -40,6 +39,11 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--static", action="store_true", help="keep the program's static shapes (no dynamic batch)"
     )
+    p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
+    )
     p.set_defaults(run=run)
 
 
@@ -51,19 +55,18 @@ def run(args: argparse.Namespace) -> int:
         return _run_export(args, backend)
     import importlib
 
-    from precast.io import atomic_path
+    from precast.io import write_bytes
     from precast.pipeline.capture import load_program
 
     compile_mod = importlib.import_module("precast.backends.aoti")
     if args.output:
-        check_writable(args.output)
+        check_writable(args.output, (args.source,))
     started = time.perf_counter()
-    program = load_program(args.source)
+    program = load_program(args.source, trust_pickle=args.trust_pickle)
     cm = compile_mod.compile(program, mode=args.mode, cache_dir=args.cache_dir, dynamic=not args.static)
     how = "loaded from cache" if cm.from_cache else f"compiled in {cm.compile_seconds:.1f}s"
     if args.output:
-        with atomic_path(args.output) as tmp:
-            shutil.copyfile(cm.package_path, tmp)
+        write_bytes(args.output, cm.package_path.read_bytes(), (args.source,))
         print(f"{args.output}: {how} ({time.perf_counter() - started:.1f}s total)", file=sys.stderr)
     else:
         print(cm.package_path)
@@ -82,10 +85,10 @@ def _run_export(args: argparse.Namespace, backend: str) -> int:
     if args.mode != "default" or args.cache_dir is not None:
         option = "--mode" if args.mode != "default" else "--cache-dir"
         raise PrecastError(f"{option} applies to --backend aoti only; drop it for --backend {backend}")
-    check_writable(args.output)
+    check_writable(args.output, (args.source,))
     export = _exporter(backend)
     started = time.perf_counter()
-    program = load_program(args.source)
+    program = load_program(args.source, trust_pickle=args.trust_pickle)
     if backend == "onnx":
         info = export(program, args.output, dynamic_batch=not args.static)
         low = {k: v for k, v in info.initializers.items() if k in ("float16", "bfloat16")}
@@ -96,7 +99,9 @@ def _run_export(args: argparse.Namespace, backend: str) -> int:
     else:
         from precast.io import atomic_path
 
-        with atomic_path(args.output) as tmp:  # no partial .pte, whatever the exporter does on failure
+        with atomic_path(
+            args.output, (args.source,)
+        ) as tmp:  # no partial .pte, whatever the exporter does on failure
             facts = export(program, tmp)
         detail = ", ".join(f"{k}: {v}" for k, v in (facts or {}).items() if isinstance(v, (int, float, str)))
     print(

@@ -6,6 +6,7 @@ Input: a saved program or a factory spec, options. Output: the converted program
 from __future__ import annotations
 
 import argparse
+import io
 import re
 import sys
 import time
@@ -13,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from precast.errors import PrecastError
-from precast.io import atomic_path, check_writable
+from precast.errors import PrecastError, first_line
+from precast.io import check_writable, write_bytes
 from precast.pipeline.capture import check_program_file
 from precast.policy.resolve import RULE_OPTIONS
+from precast.threads import TORCH_LOCK
 
 
 def add_parser(sub) -> None:
@@ -63,6 +65,11 @@ def add_parser(sub) -> None:
         "exp_reduce, sincos_angles; --patterns alone: none)",
     )
     p.add_argument("--no-verify", action="store_true", help="skip the run comparing against the reference")
+    p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a summary")
     p.add_argument(
         "--allow",
@@ -74,13 +81,13 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def load_source(source: str):
+def load_source(source: str, trust_pickle: bool = False):
     """(program_or_module, example_inputs) from a .pt2 path or a module:factory spec."""
     from precast.pipeline.capture import load_factory, load_program
 
     if _is_factory(source):
         return load_factory(source)
-    return load_program(source), None
+    return load_program(source, trust_pickle=trust_pickle), None
 
 
 def _is_factory(source: str) -> bool:
@@ -154,13 +161,14 @@ def _load_calibration(path: str) -> list:
 
 def run(args: argparse.Namespace) -> int:
     opts = check_options(args)
-    check_writable(args.output)
+    inputs_ = (None if _is_factory(args.source) else args.source, args.calibration)
+    check_writable(args.output, inputs_)
     if args.calibration:
         opts["calibration"] = _load_calibration(args.calibration)  # small and quick: before the program
     import precast
 
     started = time.perf_counter()
-    obj, inputs = load_source(args.source)
+    obj, inputs = load_source(args.source, args.trust_pickle)
     res = precast.convert(
         obj,
         inputs,
@@ -171,11 +179,15 @@ def run(args: argparse.Namespace) -> int:
         allow=tuple(args.allow),
         **opts,
     )
-    with atomic_path(args.output) as tmp:
-        try:
-            torch.export.save(res.program, str(tmp))
-        except Exception as exc:
-            raise PrecastError(f"{args.output}: could not save the converted program: {exc}") from exc
+    buffer = (
+        io.BytesIO()
+    )  # serialized in memory, written through Python: a full disk is one line, not an abort
+    try:
+        with TORCH_LOCK:
+            torch.export.save(res.program, buffer)
+    except Exception as exc:
+        raise PrecastError(f"{args.output}: could not save the converted program: {first_line(exc)}") from exc
+    write_bytes(args.output, buffer.getvalue(), inputs_)
     if args.json:
         print(res.report.to_json())
     else:

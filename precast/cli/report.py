@@ -9,10 +9,11 @@ import argparse
 import sys
 
 from precast.errors import PrecastError
-from precast.io import atomic_path, check_writable
+from precast.io import check_writable, write_bytes
 from precast.pipeline.capture import load_program
 
 FORMATS = ("table", "json", "model-explorer")
+MIN_WIDTH = 40  # narrower, rich folds every cell to a character or prints nothing
 
 
 def add_parser(sub) -> None:
@@ -24,7 +25,14 @@ def add_parser(sub) -> None:
     p.add_argument("program", help="a program saved with torch.export.save (converted by precast or not)")
     p.add_argument("--format", choices=FORMATS, default="table")
     p.add_argument("-o", "--output", default=None, help="write to this file instead of standard output")
-    p.add_argument("--width", type=int, default=None, help="table width (default: the terminal's)")
+    p.add_argument(
+        "--width", type=int, default=None, help=f"table width, at least {MIN_WIDTH} (default: the terminal's)"
+    )
+    p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
+    )
     p.set_defaults(run=run)
 
 
@@ -32,9 +40,11 @@ def run(args: argparse.Namespace) -> int:
     import precast
     from precast.report.render import render, render_table
 
+    if args.width is not None and args.width < MIN_WIDTH:
+        raise PrecastError(f"--width {args.width}: give at least {MIN_WIDTH} columns")
     if args.output:
-        check_writable(args.output)
-    ep = load_program(args.program)
+        check_writable(args.output, (args.program,))
+    ep = load_program(args.program, trust_pickle=args.trust_pickle)
     rep = precast.report(ep)
     if args.output is None and args.format == "table":
         from rich.console import Console
@@ -45,10 +55,6 @@ def run(args: argparse.Namespace) -> int:
     if args.output is None:
         sys.stdout.write(text + "\n")
         return 0
-    with atomic_path(args.output) as tmp:
-        try:
-            tmp.write_text(text + "\n")
-        except OSError as exc:
-            raise PrecastError(f"{args.output}: could not write the report: {exc}") from exc
+    write_bytes(args.output, (text + "\n").encode(), (args.program,))
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
