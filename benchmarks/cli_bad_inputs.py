@@ -1,0 +1,293 @@
+"""The CLI bad-input table: every case exits 2 with one line, leaves no partial or temporary file, and leaves
+its inputs byte for byte unchanged. tests/test_cli_bad_inputs.py runs the same cases as a test.
+
+    .venv/bin/python -m benchmarks.cli_bad_inputs [--out docs/cli_bad_inputs.md]   # from the repository root
+
+Cases run in process through ``precast.cli.main`` (the same code path as ``python -m precast``, without one
+interpreter start-up per case); stderr is captured per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import os
+import pickle
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: the repository root is importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+FACTORIES = """
+import sys, torch
+def raises():
+    raise ValueError("no weights here")
+def exits():
+    sys.exit(7)
+def wrong():
+    return 3
+"""
+BROKEN_IMPORT = "raise RuntimeError('this module fails at import')\n"
+
+# (name, argv with {d} for the fixture folder)
+CASES: list[tuple[str, list[str]]] = [
+    ("no command", []),
+    ("unknown command", ["frobnicate"]),
+    ("convert: missing file", ["convert", "{d}/nope.pt2", "-o", "{d}/out.pt2"]),
+    ("convert: text file", ["convert", "{d}/text.pt2", "-o", "{d}/out.pt2"]),
+    ("convert: zip, not a program", ["convert", "{d}/other.pt2", "-o", "{d}/out.pt2"]),
+    ("convert: corrupted archive", ["convert", "{d}/corrupt.pt2", "-o", "{d}/out.pt2"]),
+    ("convert: empty file", ["convert", "{d}/empty.pt2", "-o", "{d}/out.pt2"]),
+    ("convert: directory as input", ["convert", "{d}/folder", "-o", "{d}/out.pt2"]),
+    ("convert: pickle in sample inputs", ["convert", "{d}/evil.pt2", "-o", "{d}/out.pt2"]),
+    ("convert: output is the input", ["convert", "{d}/good.pt2", "-o", "{d}/good.pt2"]),
+    ("convert: output is a link to the input", ["convert", "{d}/good.pt2", "-o", "{d}/link.pt2"]),
+    ("convert: output is a directory", ["convert", "{d}/good.pt2", "-o", "{d}/folder"]),
+    ("convert: output folder missing", ["convert", "{d}/good.pt2", "-o", "{d}/no/such/out.pt2"]),
+    (
+        "convert: output on a read-only file system",
+        ["convert", "{d}/good.pt2", "-o", "/proc/precast-out.pt2"],
+    ),
+    ("convert: missing -o", ["convert", "{d}/good.pt2"]),
+    ("convert: unknown option", ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--frobnicate"]),
+    ("convert: bad --dtype", ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--dtype", "fp8"]),
+    ("convert: bad --policy", ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--policy", "fastest"]),
+    (
+        "convert: rules option without rules",
+        ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--data-max", "10"],
+    ),
+    (
+        "convert: negative --data-max",
+        ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--policy", "rules", "--data-max", "-1"],
+    ),
+    (
+        "convert: --data-max not a number",
+        ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--data-max", "big"],
+    ),
+    (
+        "convert: bad --exclude-nodes regex",
+        ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--policy", "rules", "--exclude-nodes", "("],
+    ),
+    (
+        "convert: unknown --patterns",
+        ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--policy", "rules", "--patterns", "nosuch"],
+    ),
+    ("convert: unknown --allow code", ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--allow", "nosuch"]),
+    (
+        "convert: missing --calibration",
+        ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--policy", "rules", "--calibration", "{d}/nope.pt"],
+    ),
+    (
+        "convert: --calibration not torch.save",
+        [
+            "convert",
+            "{d}/good.pt2",
+            "-o",
+            "{d}/out.pt2",
+            "--policy",
+            "rules",
+            "--calibration",
+            "{d}/text.pt2",
+        ],
+    ),
+    (
+        "convert: output is the --calibration file",
+        [
+            "convert",
+            "{d}/good.pt2",
+            "-o",
+            "{d}/inputs.pt",
+            "--policy",
+            "rules",
+            "--calibration",
+            "{d}/inputs.pt",
+        ],
+    ),
+    ("convert: factory spec malformed", ["convert", "a:b:c", "-o", "{d}/out.pt2"]),
+    ("convert: factory module missing", ["convert", "no_such_pkg.models:make", "-o", "{d}/out.pt2"]),
+    ("convert: factory missing", ["convert", "bad_input_factories:nosuch", "-o", "{d}/out.pt2"]),
+    ("convert: factory raises", ["convert", "bad_input_factories:raises", "-o", "{d}/out.pt2"]),
+    ("convert: factory calls sys.exit(7)", ["convert", "bad_input_factories:exits", "-o", "{d}/out.pt2"]),
+    ("convert: factory returns a number", ["convert", "bad_input_factories:wrong", "-o", "{d}/out.pt2"]),
+    ("convert: factory module fails to import", ["convert", "bad_input_broken:make", "-o", "{d}/out.pt2"]),
+    ("report: missing file", ["report", "{d}/nope.pt2"]),
+    ("report: text file", ["report", "{d}/text.pt2"]),
+    ("report: corrupted archive", ["report", "{d}/corrupt.pt2"]),
+    ("report: pickle in sample inputs", ["report", "{d}/evil.pt2"]),
+    ("report: output is the input", ["report", "{d}/good.pt2", "--format", "json", "-o", "{d}/good.pt2"]),
+    ("report: output is a directory", ["report", "{d}/good.pt2", "-o", "{d}/folder"]),
+    ("report: output folder missing", ["report", "{d}/good.pt2", "-o", "{d}/no/such/r.json"]),
+    ("report: --width -5", ["report", "{d}/good.pt2", "--width", "-5"]),
+    ("report: --width 0", ["report", "{d}/good.pt2", "--width", "0"]),
+    ("report: --width not a number", ["report", "{d}/good.pt2", "--width", "wide"]),
+    ("report: bad --format", ["report", "{d}/good.pt2", "--format", "xml"]),
+    ("check: missing program", ["check", "{d}/nope.pt2"]),
+    ("check: text program", ["check", "{d}/text.pt2"]),
+    ("check: pickle in sample inputs", ["check", "{d}/evil.pt2"]),
+    ("check: missing --inputs", ["check", "{d}/good.pt2", "--inputs", "{d}/nope.pt"]),
+    ("check: --inputs not torch.save", ["check", "{d}/good.pt2", "--inputs", "{d}/text.pt2"]),
+    ("check: --inputs of the wrong shape", ["check", "{d}/good.pt2", "--inputs", "{d}/wrong_inputs.pt"]),
+    ("compile: missing file", ["compile", "{d}/nope.pt2"]),
+    ("compile: text file", ["compile", "{d}/text.pt2", "-o", "{d}/pkg.pt2"]),
+    ("compile: pickle in sample inputs", ["compile", "{d}/evil.pt2", "-o", "{d}/pkg.pt2"]),
+    ("compile: output is the input", ["compile", "{d}/good.pt2", "-o", "{d}/good.pt2"]),
+    (
+        "compile: onnx output is the input",
+        ["compile", "{d}/good.pt2", "--backend", "onnx", "-o", "{d}/good.pt2"],
+    ),
+    ("compile: onnx without -o", ["compile", "{d}/good.pt2", "--backend", "onnx"]),
+    (
+        "compile: --mode with executorch",
+        ["compile", "{d}/good.pt2", "--backend", "executorch", "--mode", "max-autotune", "-o", "{d}/m.pte"],
+    ),
+    ("compile: --cache-dir writable by others", ["compile", "{d}/good.pt2", "--cache-dir", "{d}/shared"]),
+    ("compile: --cache-dir owned by another user", ["compile", "{d}/good.pt2", "--cache-dir", "{d}/theirs"]),
+    ("compile: --cache-dir is a file", ["compile", "{d}/good.pt2", "--cache-dir", "{d}/text.pt2"]),
+    ("bench: --out is a file", ["bench", "--model", "mlp", "--out", "{d}/text.pt2"]),
+    ("bench: --repeats 0", ["bench", "--model", "mlp", "--repeats", "0"]),
+    ("bench: --batch 0", ["bench", "--model", "mlp", "--batch", "0"]),
+    ("bench: unknown model", ["bench", "--model", "nosuch"]),
+    ("bench: --convert --sizes 0", ["bench", "--convert", "--model", "chain", "--sizes", "0"]),
+]
+
+
+def make_fixtures(d: Path) -> None:
+    """The files the cases read: a good program, broken ones, a pickle-carrying one, factories, cache dirs."""
+    import precast
+    from precast.examples import seed_model
+
+    model, inputs = seed_model()
+    good = d / "good.pt2"
+    torch.export.save(precast.convert(model, inputs).program, str(good))
+    (d / "text.pt2").write_text("not a program\n")
+    (d / "empty.pt2").write_bytes(b"")
+    with zipfile.ZipFile(d / "other.pt2", "w") as z:
+        z.writestr("hello.txt", "a zip, but not a saved program")
+    data = bytearray(good.read_bytes())
+    with zipfile.ZipFile(good) as z:  # flip bytes inside the largest member: its CRC no longer matches
+        big = max(z.infolist(), key=lambda i: i.compress_size)
+        start = big.header_offset + 30 + len(big.filename.encode()) + len(big.extra)
+    for i in range(start + 10, start + 60):
+        data[i] ^= 0xFF
+    (d / "corrupt.pt2").write_bytes(bytes(data))
+    payload = io.BytesIO()
+    torch.save(_Marker(), payload, pickle_module=pickle)  # refused before it is unpickled
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(d / "evil.pt2", "w") as dst:
+        for info in src.infolist():
+            blob = src.read(info.filename)
+            dst.writestr(info, payload.getvalue() if "/data/sample_inputs/" in info.filename else blob)
+    (d / "link.pt2").symlink_to(good)
+    (d / "folder").mkdir()
+    torch.save((torch.randn(4, 128),), d / "inputs.pt")
+    torch.save((torch.randn(4, 7),), d / "wrong_inputs.pt")
+    (d / "bad_input_factories.py").write_text(FACTORIES)
+    (d / "bad_input_broken.py").write_text(BROKEN_IMPORT)
+    (d / "shared").mkdir(mode=0o700)
+    (d / "shared").chmod(0o777)
+    (d / "theirs").mkdir(mode=0o700)
+    if hasattr(os, "getuid") and os.getuid() == 0:
+        os.chown(d / "theirs", 12345, 12345)
+
+
+class _Marker:
+    def __reduce__(self):
+        return (print, ("this pickle ran",))
+
+
+def snapshot(d: Path) -> dict[str, str]:
+    """Every path under ``d`` (hidden ones included) with the sha256 of its bytes: outputs and leftovers show."""
+    out = {}
+    for p in sorted(d.rglob("*")):
+        if p.is_symlink() or p.is_dir():
+            out[str(p.relative_to(d))] = "link" if p.is_symlink() else "dir"
+        else:
+            out[str(p.relative_to(d))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+@dataclass
+class Outcome:
+    name: str
+    command: str
+    status: int
+    stderr: str
+    stdout: str
+    changed: list[str]
+
+
+def run_case(d: Path, name: str, argv: list[str]) -> Outcome:
+    from precast.cli import main
+
+    args = [a.format(d=d) for a in argv]
+    before = snapshot(d)
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            status = main(args)
+        except SystemExit as exc:  # argparse exits itself
+            status = exc.code if isinstance(exc.code, int) else 1
+    after = snapshot(d)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    command = "precast " + " ".join(a.replace(str(d), "D") for a in args)
+    return Outcome(name, command, status, err.getvalue(), out.getvalue(), changed)
+
+
+def run_all(d: Path) -> list[Outcome]:
+    make_fixtures(d)
+    sys.path.insert(0, str(d))
+    try:
+        return [run_case(d, name, argv) for name, argv in CASES]
+    finally:
+        sys.path.remove(str(d))
+
+
+def to_markdown(outcomes: list[Outcome], d: Path) -> str:
+    ok = sum(o.status == 2 and len(o.stderr.strip().splitlines()) == 1 and not o.changed for o in outcomes)
+    lines = [
+        "# CLI bad-input table",
+        "",
+        f"{len(outcomes)} cases, {ok} exit 2 with one line on stderr, no output or temporary file, inputs "
+        "unchanged. Generated by `python -m benchmarks.cli_bad_inputs --out docs/cli_bad_inputs.md` "
+        f"(torch {torch.__version__}); `D` is the fixture folder. tests/test_cli_bad_inputs.py runs the same cases.",
+        "",
+        "| case | command | exit | stderr (one line) | files changed |",
+        "|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        first = o.stderr.strip().splitlines()[0] if o.stderr.strip() else ""
+        first = first.replace("|", "\\|")
+        first = first.replace(str(d), "D").replace("\x1b[1m", "").replace("\x1b[0m", "")
+        lines.append(
+            f"| {o.name} | `{o.command}` | {o.status} | {first} | {', '.join(o.changed) or 'none'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="write the table (markdown) here")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="precast-bad-inputs-") as d:
+        outcomes = run_all(Path(d))
+        text = to_markdown(outcomes, Path(d))
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
+    bad = [o.name for o in outcomes if o.status != 2 or len(o.stderr.strip().splitlines()) != 1 or o.changed]
+    print(
+        f"{len(outcomes)} cases, {len(bad)} not exit 2 + one line + nothing changed: {bad}", file=sys.stderr
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
