@@ -154,6 +154,12 @@ CASES: list[tuple[str, list[str]]] = [
     ("bench: --repeats 0", ["bench", "--model", "mlp", "--repeats", "0"]),
     ("bench: --batch 0", ["bench", "--model", "mlp", "--batch", "0"]),
     ("bench: unknown model", ["bench", "--model", "nosuch"]),
+    ("bench: factory raises", ["bench", "--model", "bad_input_factories:raises", "--variant", "eager_fp32"]),
+    (
+        "bench: factory calls sys.exit(7)",
+        ["bench", "--model", "bad_input_factories:exits", "--variant", "eager_fp32"],
+    ),
+    ("bench: factory module fails to import", ["bench", "--model", "bad_input_broken:make"]),
     ("bench: --convert --sizes 0", ["bench", "--convert", "--model", "chain", "--sizes", "0"]),
 ]
 

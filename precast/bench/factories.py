@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from precast.bench.measure import resize_batch
-from precast.errors import PrecastError
+from precast.errors import PrecastError, first_line
 
 SHORT_MODULE = "benchmarks.models"
 DEMO_SPEC = "precast.examples:seed_model"
@@ -92,6 +92,10 @@ def resolve(spec: str) -> Callable[..., Any]:
         raise PrecastError(
             f"bench: --model {spec!r}: cannot import module '{mod_name}' ({exc}); check the name and PYTHONPATH"
         ) from exc
+    except (Exception, SystemExit) as exc:  # the user's module failed while importing: one line
+        raise PrecastError(
+            f"bench: --model {spec!r}: importing '{mod_name}' failed: {_failure(exc)}"
+        ) from exc
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise PrecastError(f"bench: --model {spec!r}: module '{mod_name}' has no callable '{attr}'")
@@ -105,7 +109,13 @@ def build(spec: str, batch: int) -> tuple[torch.nn.Module, tuple]:
         takes_batch = "batch" in inspect.signature(factory).parameters
     except (TypeError, ValueError):  # no signature (a builtin): call it without arguments
         takes_batch = False
-    made = factory(batch=batch) if takes_batch else factory()
+    try:
+        made = factory(batch=batch) if takes_batch else factory()
+    except (
+        Exception,
+        SystemExit,
+    ) as exc:  # a factory that raises or calls sys.exit: one line, not a traceback
+        raise PrecastError(f"bench: --model {spec!r}: the factory failed: {_failure(exc)}") from exc
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
         raise PrecastError(
             f"bench: --model {spec!r}: the factory must return (model, example_inputs), got {type(made).__name__}"
@@ -113,6 +123,12 @@ def build(spec: str, batch: int) -> tuple[torch.nn.Module, tuple]:
     model, inputs = made
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     return model.eval(), resize_batch(inputs, batch)
+
+
+def _failure(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {first_line(exc)[:200]}"
 
 
 # ---- the autocast switch ----------------------------------------------------------------------------------

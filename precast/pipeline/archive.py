@@ -86,6 +86,6 @@ def _restricted_load(blob: bytes, what: str) -> str | None:
     except Exception as exc:  # noqa: BLE001 - whatever the restricted unpickler rejects is refused, and said why
         # torch's message is a page of advice; its "WeightsUnpickler error:" line says what was found
         lines = [ln.strip() for ln in str(exc).splitlines() if "WeightsUnpickler error" in ln]
-        why = lines[0].split("error:", 1)[1].strip() if lines else first_line(exc)
+        why = lines[0].split("error:", 1)[1].strip().split(". ")[0] if lines else first_line(exc)
         return f"{what} needs a full unpickle to load ({why[:160]})"
     return None
