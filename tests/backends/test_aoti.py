@@ -83,7 +83,9 @@ def test_second_compile_in_fresh_process_loads_fast(compiled_a, aoti_cache):
     info = child_json(run_python(CHILD, "0", str(aoti_cache)))
     print(f"\nfresh-process cached precast.compile: {info['seconds'] * 1e3:.0f} ms")
     assert info["from_cache"] and info["key"] == compiled_a.key
-    assert info["seconds"] < 2.0
+    # about 0.7 s on an idle 2-core machine, most of it torch's own ISA probes in aoti_load_package; on a
+    # shared machine those take seconds: what must hold is that nothing compiled (a compile is ~30 s)
+    assert info["seconds"] < max(2.0, compiled_a.compile_seconds / 4)
     assert compiles(aoti_cache, compiled_a.key) == before == 1
     assert torch.equal(torch.tensor(info["out"]), compiled_a(*small_model(0)[1]))
 
@@ -142,7 +144,8 @@ def test_tampered_entry_is_rebuilt(converted_a, compiled_a, tmp_path):
     blob[len(blob) // 2] ^= 0xFF
     (entry / PACKAGE).write_bytes(bytes(blob))
     assert "does not match" in entry_problem(entry, compiled_a.key)
-    cm = precast.compile(res.program, cache_dir=cache, progress=False)
+    with pytest.warns(UserWarning, match="does not match its manifest hash; rebuilding it"):
+        cm = precast.compile(res.program, cache_dir=cache, progress=False)
     assert not cm.from_cache and compiles(cache, compiled_a.key) == 1
     assert entry_problem(entry, compiled_a.key) is None
     assert torch.equal(cm(*inputs), compiled_a(*inputs))
