@@ -213,18 +213,12 @@ def test_stages_run_in_the_documented_order():
     assert {"capture", "calibrate", "tolerance", "classify", "report", "device_check", "verify"} <= set(names)
 
 
-# issue 20 promotes the names aoti imports from cache; until then that pair is the one exception
-PRIVATE_IMPORT_EXCEPTIONS = {frozenset({"precast.backends.aoti", "precast.backends.cache"})}
-
-
 def test_no_private_names_imported_across_modules():
     """A name another module needs is promoted (no leading underscore), not imported private."""
     found = []
     for module, (source, _) in package_files().items():
         for node in ast.walk(ast.parse(source)):
             if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("precast")):
-                continue
-            if frozenset({module, node.module}) in PRIVATE_IMPORT_EXCEPTIONS:
                 continue
             found += [
                 f"{module} <- {node.module}.{a.name}"
