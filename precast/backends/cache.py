@@ -150,12 +150,29 @@ def toolchain() -> dict[str, str]:
     return {
         "torch": f"{torch.__version__} git={torch.version.git_version}",
         "precast": __version__,
-        "inductor_config": inductor_config.get_hash().hex(),
+        "inductor_config": _inductor_config_digest(inductor_config),
         "env": json.dumps(env, sort_keys=True),
         "compiler": _compiler_identity(),
         # inductor compiles with -march=native: a package runs only on a CPU with the ISA it was built for
         "isa": f"{torch.backends.cpu.get_cpu_capability()} {_cpu_identity()}",
     }
+
+
+def _inductor_config_digest(config: Any) -> str:
+    """What ``config.get_hash()`` hashes (every option not marked compile-ignored), computed now: ``get_hash``
+    caches its digest, and an AOTInductor compile mutates a config value in place without invalidating it, so the
+    cached digest can be that of an earlier state, and a stale key would serve another package."""
+    ignored = getattr(config, "_compile_ignored_keys", set())
+    values = {k: v for k, v in config.get_config_copy().items() if k not in ignored}
+    # an AOTInductor compile fills aot_inductor.metadata in place with the machine it ran on (AOTI_DEVICE_KEY,
+    # AOTI_CPU_ISA, ...), which the key already covers: kept, the same program would key differently before and
+    # after the process's first compile. The user's own metadata stays in the key.
+    metadata = values.get("aot_inductor.metadata")
+    if isinstance(metadata, dict):
+        values["aot_inductor.metadata"] = {
+            k: v for k, v in metadata.items() if not str(k).startswith("AOTI_")
+        }
+    return hashlib.sha256(repr(sorted(values.items())).encode()).hexdigest()
 
 
 def _compiler_identity() -> str:

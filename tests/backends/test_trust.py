@@ -125,6 +125,28 @@ def test_cache_key_covers_the_toolchain(converted_a, monkeypatch):
         assert cache_key(ep, {}, True) != base
 
 
+def test_cache_key_ignores_the_machine_info_a_compile_writes_into_the_config(converted_a):
+    """AOTInductor fills ``aot_inductor.metadata`` in place during a compile (AOTI_DEVICE_KEY, AOTI_CPU_ISA...),
+    without invalidating inductor's cached config hash: the key is computed from the values, ignores what the
+    compile writes (the machine is keyed on its own) and keeps what the user puts there."""
+    import torch._inductor.config as inductor_config
+
+    ep = converted_a[2].program
+    base = cache_key(ep, {}, True)
+    with inductor_config.patch(
+        {"aot_inductor.metadata": {"AOTI_CPU_ISA": "AVX512", "AOTI_PLATFORM": "linux"}}
+    ):
+        assert cache_key(ep, {}, True) == base
+    with inductor_config.patch({"aot_inductor.metadata": {"model_version": "7"}}):
+        assert cache_key(ep, {}, True) != base
+    metadata = inductor_config.aot_inductor.metadata
+    metadata["mine"] = "1"  # mutated in place, as a compile does: no dirty flag, still seen
+    try:
+        assert cache_key(ep, {}, True) != base
+    finally:
+        metadata.pop("mine")
+
+
 def test_frozen_compile_in_a_subprocess_gets_its_own_key(converted_a):
     """TORCHINDUCTOR_FREEZING=1 in the environment (read by inductor at import) changes the key."""
     code = (
