@@ -53,6 +53,9 @@ from precast.policy.rules.tolerance import Source, Tolerance, rank
 
 METRICS = ("rel", "cosine", "max_abs")
 CURVE_FRACTIONS = (0.1, 0.5, 0.01)
+UNDERFLOW_SHARE = (
+    0.01  # "underflow" when more than this share of an op's nonzero values are below the normals
+)
 # random-sign backward passes of the instrumented forward: more than the tolerance search's 2, since the
 # ranking itself is the product here (neighbouring layer norms differ by a few percent); a backward pass costs
 # about two forwards, far less than one conversion
@@ -167,7 +170,8 @@ class Estimator:
         ref, roles = self.ref, self.roles
         readers = {n.name for n in ref.graph.nodes if roles.get(n.name) in ("cand", "low", "fp32")}
         readers.add(ref.graph.output_node().name)
-        interp = _Ranging(ref.gm, readers, set(self.candidates))
+        tiny = torch.finfo(self.low).tiny
+        interp = _Ranging(ref.gm, readers, set(self.candidates), tiny)
         ranked_by = "first-order sensitivity"
         tol = Tolerance({self.metric: 1.0})
         outs = None
@@ -180,7 +184,7 @@ class Estimator:
         except Exception as exc:  # noqa: BLE001 - said in ranked_by: the estimate falls back to local rounding
             ranked_by = f"local rounding error (no gradients: {type(exc).__name__}: {first_line(exc)})"
             if outs is None:
-                interp = _Ranging(ref.gm, readers, set(self.candidates), grad=False)
+                interp = _Ranging(ref.gm, readers, set(self.candidates), tiny, grad=False)
                 with torch.no_grad():
                     self.forwards += 1
                     outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
@@ -203,7 +207,7 @@ class Estimator:
         ranges = dict(interp.ranges)
         for (_value, reader), t in interp.taps.items():  # an op's range covers the values it reads
             if reader in ranges:
-                ranges[reader] = _merge(ranges[reader], _range(t))
+                ranges[reader] = _merge(ranges[reader], _range(t, tiny))
         return refs, sources, ranges, ranked_by
 
     def to_metric(self, energy: float) -> float:
@@ -322,30 +326,31 @@ def _energies(outs: list, interp: _Tapping, low: torch.dtype, tol: Tolerance, pr
     return energy
 
 
-def _range(t: torch.Tensor) -> tuple[float, float | None]:
-    """(absmax, smallest nonzero |value|) of a floating tensor."""
+def _range(t: torch.Tensor, tiny: float) -> tuple[float, float | None, int, int]:
+    """(absmax, smallest nonzero |value|, nonzero values below ``tiny``, nonzero values) of a floating tensor."""
     a = t.detach().abs()
     if a.numel() == 0:
-        return (0.0, None)
+        return (0.0, None, 0, 0)
     nz = a[a > 0]
-    return (a.max().item(), nz.min().item() if nz.numel() else None)
+    small = int((nz < tiny).sum().item())
+    return (a.max().item(), nz.min().item() if nz.numel() else None, small, nz.numel())
 
 
 def _merge(a: tuple, b: tuple) -> tuple:
     mins = [x for x in (a[1], b[1]) if x is not None]
-    return (max(a[0], b[0]), min(mins) if mins else None)
+    return (max(a[0], b[0]), min(mins) if mins else None, a[2] + b[2], a[3] + b[3])
 
 
 def _status(rng: tuple | None, finfo: Any, low: str) -> tuple[str, str]:
     if rng is None:
         return "fine", ""
-    absmax, absmin = rng
+    absmax, absmin, small, nonzero = rng
     if absmax > finfo.max:
         return "overflow", f"|values| reach {absmax:.3g}, beyond {low}'s ±{finfo.max:.6g}"
-    if absmin is not None and absmin < finfo.tiny:
+    if nonzero and small / nonzero > UNDERFLOW_SHARE:
         return "underflow", (
-            f"values as small as {absmin:.3g}, below {low}'s smallest normal {finfo.tiny:.3g} (subnormal or "
-            "flushed to zero)"
+            f"{small / nonzero:.1%} of its nonzero values (as small as {absmin:.3g}) are below {low}'s smallest "
+            f"normal {finfo.tiny:.3g}: subnormal or flushed to zero"
         )
     return "fine", ""
 
@@ -353,13 +358,15 @@ def _status(rng: tuple | None, finfo: Any, low: str) -> tuple[str, str]:
 class _Ranging(_Tapping):
     """The tapping forward, also keeping each watched op's output range."""
 
-    def __init__(self, gm: torch.fx.GraphModule, readers: set[str], watch: set[str], grad: bool = True):
+    def __init__(
+        self, gm: torch.fx.GraphModule, readers: set[str], watch: set[str], tiny: float, grad: bool = True
+    ):
         super().__init__(gm, readers, grad)
-        self.watch = watch
+        self.watch, self.tiny = watch, tiny
         self.ranges: dict[str, tuple] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         if n.name in self.watch and isinstance(out, torch.Tensor) and out.is_floating_point():
-            self.ranges[n.name] = _range(out)
+            self.ranges[n.name] = _range(out, self.tiny)
         return out
