@@ -103,7 +103,7 @@ def sensitivity(
     metric: str = "rel",
     device_type: str | None = None,
     dynamic_shapes: Any = None,
-    measure_points: int = 2,
+    measure_points: int = 1,
     ablation: bool = False,
     repro: str | Path | None = None,
 ) -> Sensitivity:

@@ -40,6 +40,13 @@ def add_parser(sub) -> None:
     p.add_argument("--init-max", type=float, default=None)
     p.add_argument("--max-reduction-depth", type=int, default=None)
     p.add_argument("--patterns", nargs="*", default=None, metavar="NAME")
+    p.add_argument(
+        "--measure-points",
+        type=int,
+        default=1,
+        choices=[0, 1, 2, 3],
+        help="curve points measured on real conversions besides k=0 (default 1; each costs a conversion)",
+    )
     p.add_argument("--top", type=int, default=20, help="rows to print (default 20)")
     p.add_argument(
         "--ablation", action="store_true", help="also measure each op alone in low precision (slow)"
@@ -111,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         policy=policy,
         metric=args.metric,
         device_type=args.device_type,
+        measure_points=args.measure_points,
         ablation=args.ablation,
         repro=args.repro,
     )
