@@ -53,6 +53,7 @@ from precast.policy.rules.tolerance import Source, Tolerance, rank
 
 METRICS = ("rel", "cosine", "max_abs")
 CURVE_FRACTIONS = (0.1, 0.5, 0.01)
+SELECTIONS = {"embedding", "embedding_bag", "index_select", "gather"}  # ops that only pick values of a table
 UNDERFLOW_SHARE = (
     0.01  # "underflow" when more than this share of an op's nonzero values are below the normals
 )
@@ -168,7 +169,13 @@ class Estimator:
 
     def _reference(self) -> tuple[list, list[Source], dict, str]:
         ref, roles = self.ref, self.roles
-        readers = {n.name for n in ref.graph.nodes if roles.get(n.name) in ("cand", "low", "fp32")}
+        # an embedding selects rows of its table exactly: their rounding is its output's, counted where that is
+        # read; tapping the whole table (30522 x 384 for MiniLM) would cost a dense gradient per probe
+        readers = {
+            n.name
+            for n in ref.graph.nodes
+            if roles.get(n.name) in ("cand", "low", "fp32") and op_name(n.target) not in SELECTIONS
+        }
         readers.add(ref.graph.output_node().name)
         tiny = torch.finfo(self.low).tiny
         interp = _Ranging(ref.gm, readers, set(self.candidates), tiny)
@@ -205,9 +212,12 @@ class Estimator:
             if members and e > 0:
                 sources.append(Source(e, frozenset(members), f"{value}->{reader}"))
         ranges = dict(interp.ranges)
-        for (_value, reader), t in interp.taps.items():  # an op's range covers the values it reads
+        seen: dict[str, tuple] = {}  # one range per value, however many ops read it
+        for (value, reader), t in interp.taps.items():  # an op's range covers the values it reads
             if reader in ranges:
-                ranges[reader] = _merge(ranges[reader], _range(t, tiny))
+                if value not in seen:
+                    seen[value] = _range(t, tiny)
+                ranges[reader] = _merge(ranges[reader], seen[value])
         return refs, sources, ranges, ranked_by
 
     def to_metric(self, energy: float) -> float:
@@ -314,7 +324,8 @@ def _energies(outs: list, interp: _Tapping, low: torch.dtype, tol: Tolerance, pr
     if not ys or not names:
         return energy
     gen = torch.Generator().manual_seed(0)
-    rho = {k: _rounding(interp.taps[k], low).double() for k in names}
+    # E[(g . rho)_elementwise^2] over probes = rho^2 * mean(g^2): accumulate g^2 (float32), multiply once
+    gsq: dict = {}
     for j in range(probes):
         vs = [_probe(y.detach(), key, gen) for y in ys]
         grads = torch.autograd.grad(
@@ -322,7 +333,14 @@ def _energies(outs: list, interp: _Tapping, low: torch.dtype, tol: Tolerance, pr
         )
         for k, g in zip(names, grads, strict=True):
             if g is not None:
-                energy[k] += (g.double() * rho[k]).pow(2).sum().item() / probes
+                g = g.float()
+                if k in gsq:
+                    gsq[k].addcmul_(g, g)
+                else:
+                    gsq[k] = g * g
+    for k, acc in gsq.items():
+        rho = _rounding(interp.taps[k], low).float()
+        energy[k] = float((acc.double() * rho.double().square()).sum().item()) / probes
     return energy
 
 
@@ -331,9 +349,11 @@ def _range(t: torch.Tensor, tiny: float) -> tuple[float, float | None, int, int]
     a = t.detach().abs()
     if a.numel() == 0:
         return (0.0, None, 0, 0)
-    nz = a[a > 0]
-    small = int((nz < tiny).sum().item())
-    return (a.max().item(), nz.min().item() if nz.numel() else None, small, nz.numel())
+    nonzero = a > 0
+    count = int(nonzero.sum().item())
+    absmin = torch.where(nonzero, a, torch.full_like(a, float("inf"))).amin().item() if count else None
+    small = int((nonzero & (a < tiny)).sum().item())
+    return (a.amax().item(), absmin, small, count)
 
 
 def _merge(a: tuple, b: tuple) -> tuple:

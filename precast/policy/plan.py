@@ -102,7 +102,14 @@ class Plan:
             raise PrecastError(
                 f"plan: a plan records a rules/auto conversion's fp32 ops; this one ran policy {rep.policy!r}"
             )
-        kept = [r for r in rep.nodes if r.dtype == "fp32" and r.source in ("rules", "user")]
+        # scalar_range / no_low_kernel: facts about the op or the device, found again by any conversion there
+        kept = [
+            r
+            for r in rep.nodes
+            if r.dtype == "fp32"
+            and r.source in ("rules", "user")
+            and r.rule not in ("scalar_range", "no_low_kernel")
+        ]
         return cls.from_nodes(
             result.program.graph,
             [r.name for r in kept],
