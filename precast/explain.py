@@ -27,11 +27,9 @@ from precast.errors import PrecastError, module_path, user_source_line
 from precast.io import atomic_path
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.inputs import check_example_inputs, placeholder_values
-from precast.ir.program import Program, program_device_type
-from precast.pipeline.capture import capture
+from precast.pipeline.conversion import begin
 from precast.pipeline.nonfinite import is_nonfinite, op_inputs, op_subgraph, run_watching
-from precast.pipeline.prepare import prepare_policy
-from precast.pipeline.regions import inline_regions
+from precast.pipeline.prepare import prepare
 from precast.pipeline.sensitivity import METRICS, Estimate, Estimator, ablate, estimate
 from precast.policy.plan import Plan
 from precast.policy.rules.policy import RulesPolicy
@@ -135,14 +133,12 @@ def sensitivity(
         )
     if inputs is None:
         raise PrecastError("sensitivity needs inputs to measure on: give one batch, e.g. (x,)")
-    ep = capture(program_or_module, inputs, dynamic_shapes)
+    state = begin(program_or_module, inputs, pol, low, device_type, dynamic_shapes, None)
+    state.log = DiagnosticLog()
+    prepare(state)  # calibration (fp16's data_max), auto's latencies: as the conversion prepares them
+    ep = state.ep
     batch = check_example_inputs(ep, inputs)
-    device = device_type or program_device_type(ep)
-    low = low or torch.get_autocast_dtype(device)
-    program = Program(ep)
-    inline_regions(program.gm)
-    prep = prepare_policy(program, ep, pol, low, device, DiagnosticLog())
-    result, est = estimate(ep, prep, batch, metric, measure_points=measure_points)
+    result, est = estimate(ep, state.policy, state.binding, batch, metric, measure_points=measure_points)
     if ablation:
         ablate(est, result.ops)
         result.conversions, result.forwards = est.conversions, est.forwards

@@ -1,8 +1,8 @@
 """Sensitivity: per op the policy runs in low precision, the output error its rounding causes; ranked, with the
 op's value range against the low dtype's, and the cumulative curve (error left with the top-k ops in fp32).
 
-Input: the input ExportedProgram, a rules policy prepared for it (``precast.pipeline.prepare.Prepared``: options,
-calibration), one batch of inputs ((args, kwargs)), the metric ("rel", "cosine" or "max_abs"). Output:
+Input: the input ExportedProgram, a rules policy and what it was prepared with for that program
+(``precast.policy.hooks.Binding``: options, calibration), one batch of inputs ((args, kwargs)), the metric ("rel", "cosine" or "max_abs"). Output:
 ``Estimate`` (ops ranked, the greedy order and its curve, the all-low errors, the cost).
 
 The estimate is the tolerance search's (``precast.pipeline.tolerance``): one instrumented forward of the reference
@@ -49,18 +49,17 @@ from precast.pipeline.tolerance import (
     user_outputs,
 )
 from precast.policy.rules.taxonomy import op_name
-from precast.policy.rules.tolerance import Source, Tolerance, rank
+from precast.policy.rules.tolerance_search import Source, Tolerance, rank
 
 METRICS = ("rel", "cosine", "max_abs")
+# measured curve points: the fewest ops whose estimate leaves this share of the error
 CURVE_FRACTIONS = (0.1, 0.5, 0.01)
 SELECTIONS = {"embedding", "embedding_bag", "index_select", "gather"}  # ops that only pick values of a table
-UNDERFLOW_SHARE = (
-    0.01  # "underflow" when more than this share of an op's nonzero values are below the normals
-)
+# "underflow" when more than this share of an op's nonzero values are below the low dtype's normals
+UNDERFLOW_SHARE = 0.01
 # random-sign backward passes of the instrumented forward: more than the tolerance search's 2, since the
-# ranking itself is the product here (neighbouring layer norms differ by a few percent); a backward pass costs
-# about two forwards, far less than one conversion
-PROBES = 8  # measured curve points: the fewest ops whose estimate leaves this share
+# ranking itself is the product here (neighbouring layer norms differ by a few percent)
+PROBES = 8
 
 
 @dataclass
@@ -117,11 +116,11 @@ def metric_value(m: dict, metric: str) -> float:
 class Estimator:
     """The reference (instrumented once), the policy's program and its low ops, and ``measure(kept)``."""
 
-    def __init__(self, ep: ExportedProgram, prep: Any, batch: tuple, metric: str):
+    def __init__(self, ep: ExportedProgram, policy: Any, binding: Any, batch: tuple, metric: str):
         if metric not in METRICS:
             raise ValueError(metric)
-        self.ep, self.prep, self.batch, self.metric = ep, prep, batch, metric
-        self.low = prep.opts.low
+        self.ep, self.policy, self.binding, self.batch, self.metric = ep, policy, binding, batch, metric
+        self.low = binding.options.low
         self.forwards = self.backwards = self.conversions = 0
         program = Program(ep)
         inline_regions(program.gm)
@@ -157,8 +156,8 @@ class Estimator:
         if kept is None:
             lower(fresh, None, scratch)
         else:
-            p = self.prep
-            decider = p.policy.bind(fresh, p.opts, p.calibration, fallback=kept, **p.bind_kw)
+            b = self.binding
+            decider = self.policy.bind(fresh, b.options, b.calibration, fallback=kept, **b.extra)
             lower(fresh, decider, scratch, restore=self.restore, keep_io=True)
         return fresh
 
@@ -267,11 +266,17 @@ class Estimator:
 
 
 def estimate(
-    ep: ExportedProgram, prep: Any, batch: tuple, metric: str = "rel", *, measure_points: int = 3
+    ep: ExportedProgram,
+    policy: Any,
+    binding: Any,
+    batch: tuple,
+    metric: str = "rel",
+    *,
+    measure_points: int = 1,
 ) -> tuple[Estimate, Estimator]:
     """Rank, curve (every k estimated; ``measure_points`` of them measured on real conversions), all-low."""
     start = time.perf_counter()
-    est = Estimator(ep, prep, batch, metric)
+    est = Estimator(ep, policy, binding, batch, metric)
     ops = est.rank_ops()
     ranking = rank(est.candidates, est.sources)
     all_low_prog = est.all_low
