@@ -6,7 +6,7 @@ Input: the input ExportedProgram, a rules policy and what it was prepared with f
 ``Estimate`` (ops ranked, the greedy order and its curve, the all-low errors, the cost).
 
 The estimate is the tolerance search's (``precast.pipeline.tolerance``): one instrumented forward of the reference
-program taps every value each computing op reads (``_Tapping``), and ``PROBES`` backward passes of that forward
+program taps every value each computing op reads (``Tapping``), and ``PROBES`` backward passes of that forward
 give, per read, the expected output error its rounding to the low dtype causes (``_energies``). A read is
 rounded unless every op that makes the value and the op that reads it run in fp32 (``Source.members``), so with
 op X alone in low precision (every other op in fp32) exactly the sources X is a member of are rounded: X's
@@ -40,12 +40,12 @@ from precast.pipeline import lower
 from precast.pipeline.nonfinite import NonFinite, first_nonfinite
 from precast.pipeline.regions import inline_regions
 from precast.pipeline.tolerance import (
-    _probe,
-    _producers,
-    _roles,
-    _rounding,
-    _Tapping,
+    Tapping,
     check_program,
+    computing_producers,
+    op_roles,
+    random_probe,
+    rounding_error,
     user_outputs,
 )
 from precast.policy.rules.taxonomy import op_name
@@ -144,7 +144,9 @@ class Estimator:
         self.nodes = {n.name: n for n in ops}
         has_regions = any(n.meta.get(REGION_META) for n in program.graph.nodes)
         self.ref = self.lower(None) if has_regions else program
-        self.roles = _roles(self.ref, {n.name for n in program.graph.nodes}, decisions, set(self.candidates))
+        self.roles = op_roles(
+            self.ref, {n.name for n in program.graph.nodes}, decisions, set(self.candidates)
+        )
         self.refs, self.sources, self.ranges, self.ranked_by = self._reference()
 
     def lower(self, kept: dict[str, float] | None) -> Program:
@@ -204,7 +206,7 @@ class Estimator:
         nodes = {n.name: n for n in ref.graph.nodes}
         sources = []
         for (value, reader), e in energy.items():
-            members = _producers(nodes[value], roles)
+            members = computing_producers(nodes[value], roles)
             if roles.get(reader) in ("cand", "low"):
                 members.add(reader)
             members = {m for m in members if roles.get(m) != "fp32"}
@@ -320,7 +322,7 @@ def ablate(est: Estimator, ops: list[OpSensitivity]) -> None:
         o.truth = metric_value(est.measure(kept), est.metric)
 
 
-def _energies(outs: list, interp: _Tapping, low: torch.dtype, tol: Tolerance, probes: int) -> dict:
+def _energies(outs: list, interp: Tapping, low: torch.dtype, tol: Tolerance, probes: int) -> dict:
     """``precast.pipeline.tolerance._energies`` with ``probes`` random-sign vector-Jacobian products."""
     key = next(iter(tol.spec))
     ys = [y for y in outs if isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad]
@@ -332,7 +334,7 @@ def _energies(outs: list, interp: _Tapping, low: torch.dtype, tol: Tolerance, pr
     # E[(g . rho)_elementwise^2] over probes = rho^2 * mean(g^2): accumulate g^2 (float32), multiply once
     gsq: dict = {}
     for j in range(probes):
-        vs = [_probe(y.detach(), key, gen) for y in ys]
+        vs = [random_probe(y.detach(), key, gen) for y in ys]
         grads = torch.autograd.grad(
             ys, [interp.leaves[k] for k in names], vs, retain_graph=j < probes - 1, allow_unused=True
         )
@@ -344,7 +346,7 @@ def _energies(outs: list, interp: _Tapping, low: torch.dtype, tol: Tolerance, pr
                 else:
                     gsq[k] = g * g
     for k, acc in gsq.items():
-        rho = _rounding(interp.taps[k], low).float()
+        rho = rounding_error(interp.taps[k], low).float()
         energy[k] = float((acc.double() * rho.double().square()).sum().item()) / probes
     return energy
 
@@ -380,7 +382,7 @@ def _status(rng: tuple | None, finfo: Any, low: str) -> tuple[str, str]:
     return "fine", ""
 
 
-class _Ranging(_Tapping):
+class _Ranging(Tapping):
     """The tapping forward, also keeping each watched op's output range."""
 
     def __init__(
