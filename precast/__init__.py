@@ -9,9 +9,11 @@ Input/output: see ``convert``, ``report``, ``compile``; this module only re-expo
 
 from precast.api import ConvertResult, convert
 from precast.errors import PrecastError
+from precast.explain import Sensitivity, sensitivity
 from precast.guard import guard_module
 from precast.ir.program import constant_sources
 from precast.policy.auto import AutoPolicy
+from precast.policy.plan import Plan, load_plan
 from precast.policy.rules.policy import RulesPolicy
 from precast.policy.torch_policy import TorchPolicy
 from precast.report.build import report
@@ -20,6 +22,8 @@ from precast.report.model import Report
 __all__ = [
     "AutoPolicy",
     "ConvertResult",
+    "Plan",
+    "Sensitivity",
     "PrecastError",
     "Report",
     "RulesPolicy",
@@ -27,7 +31,9 @@ __all__ = [
     "constant_sources",
     "guard_module",
     "convert",
+    "load_plan",
     "report",
+    "sensitivity",
     "compile",
     "CompiledModel",
 ]

@@ -27,6 +27,7 @@ from precast.pipeline.after_lowering import after_lowering
 from precast.pipeline.conversion import begin, run_checks
 from precast.pipeline.prepare import prepare
 from precast.pipeline.verify import verify_conversion
+from precast.policy.plan import with_plan
 from precast.policy.resolve import POLICY_NAMES, resolve_policy, rule_options
 from precast.report.build import fill_report, new_report, unchanged_report, write_program_info
 from precast.report.model import Report
@@ -67,6 +68,7 @@ def convert(
     patterns: Iterable[str] | str | None = None,
     verify: bool = True,
     allow: Iterable[str] = (),
+    plan: Any = None,
 ) -> ConvertResult:
     """Convert a program (or module + example inputs) to explicit mixed precision. See the README.
 
@@ -76,7 +78,9 @@ def convert(
     / ``AutoPolicy(...)``, or a policy object of your own (``precast.policy.hooks``).
     ``allow``: diagnostic codes (``precast.codes``, e.g. ``"control-flow"``) whose errors become warnings in
     ``report.diagnostics`` instead of stopping the conversion.
+    ``plan``: a ``precast.Plan`` (or its JSON file): its ops stay fp32, a custom rule (docs/sensitivity.md).
     """
+    policy, custom_rules, dtype = with_plan(plan, policy, custom_rules, dtype)
     chosen, low = resolve_policy(policy, dtype, device_type, rule_options(locals()))
     state = begin(program_or_module, example_inputs, chosen, low, device_type, dynamic_shapes, keep_io_types)
     state.log = report = new_report(state, allow)

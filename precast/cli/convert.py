@@ -64,6 +64,19 @@ def add_parser(sub) -> None:
         help="rules: precision-sensitive patterns kept in fp32 (default: all of manual_norm, small_divisor, "
         "exp_reduce, sincos_angles; --patterns alone: none)",
     )
+    p.add_argument(
+        "--plan",
+        default=None,
+        metavar="PLAN.json",
+        help="keep the ops a plan lists in fp32 (implies --policy rules; docs/sensitivity.md)",
+    )
+    p.add_argument(
+        "--write-plan",
+        default=None,
+        metavar="OUT.json",
+        help="write the ops this conversion keeps in fp32 as a portable plan (with ModelOpt / Torch-TensorRT "
+        "exclusion regexes)",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the run comparing against the reference")
     p.add_argument(
         "--trust-pickle",
@@ -117,7 +130,10 @@ def check_options(args: argparse.Namespace) -> dict:
     if args.patterns is not None:  # `--patterns` alone: none
         opts["patterns"] = tuple(args.patterns)
     rules_only = [FLAGS[name] for name in opts] + (["--calibration"] if args.calibration else [])
-    if args.policy not in ("rules", "auto") and rules_only:
+    plan = getattr(args, "plan", None)
+    if plan is not None and args.policy not in (None, "rules", "auto"):
+        raise PrecastError(f"--plan: applies to --policy rules or auto (it adds a rule), not {args.policy}")
+    if args.policy not in ("rules", "auto") and not plan and rules_only:
         raise PrecastError(f"{', '.join(rules_only)}: these options need --policy rules (or auto)")
     try:
         RuleOptions.build(low or torch.bfloat16, **opts)
@@ -163,6 +179,12 @@ def run(args: argparse.Namespace) -> int:
     opts = check_options(args)
     inputs_ = (None if _is_factory(args.source) else args.source, args.calibration)
     check_writable(args.output, inputs_)
+    if args.write_plan:
+        check_writable(args.write_plan, inputs_)
+    if args.plan:
+        from precast.policy.plan import load_plan
+
+        opts["plan"] = load_plan(args.plan)  # checked before the (long) load of the program
     if args.calibration:
         opts["calibration"] = _load_calibration(args.calibration)  # small and quick: before the program
     import precast
@@ -188,6 +210,19 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise PrecastError(f"{args.output}: could not save the converted program: {first_line(exc)}") from exc
     write_bytes(args.output, buffer.getvalue(), inputs_)
+    if args.write_plan:
+        plan = precast.Plan.from_result(res, source=f"precast convert {args.source}")
+        write_bytes(args.write_plan, plan.to_json(res.program).encode(), inputs_)
+        print(f"wrote {args.write_plan}: {len(plan.fp32)} op(s) kept in fp32", file=sys.stderr)
+    if args.plan:
+        applied = sum(1 for r in res.report.nodes if r.rule == "custom:plan")
+        if applied < len(opts["plan"].fp32):
+            print(
+                f"warning: --plan {args.plan}: {len(opts['plan'].fp32) - applied} of its {len(opts['plan'].fp32)} "
+                "op(s) matched no op of this program (another model, or the plan's ops are decided earlier by "
+                "include/exclude rules)",
+                file=sys.stderr,
+            )
     if args.json:
         print(res.report.to_json())
     else:

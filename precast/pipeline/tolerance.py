@@ -123,7 +123,7 @@ class _Search:
         # the reference: the program's own semantics (its regions lowered as eager autocast runs them)
         has_regions = any(n.meta.get(REGION_META) for n in program.graph.nodes)
         ref = self._lower(None) if has_regions else program
-        roles = _roles(ref, set(n.name for n in program.graph.nodes), decisions, set(self.candidates))
+        roles = op_roles(ref, set(n.name for n in program.graph.nodes), decisions, set(self.candidates))
         self.refs, self.sources, self.ranked_by = self._reference(ref, roles)
 
     def _lower(self, kept: dict[str, float] | None) -> Program:
@@ -155,7 +155,7 @@ class _Search:
         low = self.low
         readers = {n.name for n in ref.graph.nodes if roles.get(n.name) in ("cand", "low", "fp32")}
         readers.add(ref.graph.output_node().name)
-        interp = _Tapping(ref.gm, readers)
+        interp = Tapping(ref.gm, readers)
         outs = None
         try:
             with torch.enable_grad():
@@ -166,12 +166,12 @@ class _Search:
         except Exception as exc:  # noqa: BLE001 - said in the tolerance diagnostic: the ranking falls back
             ranked_by = f"local rounding error (no gradients: {type(exc).__name__}: {first_line(exc)})"
             if outs is None:  # the forward itself failed with gradients on: once more without
-                interp = _Tapping(ref.gm, readers, grad=False)
+                interp = Tapping(ref.gm, readers, grad=False)
                 with torch.no_grad():
                     self.forwards += 1
                     outs = user_outputs(ref, interp.run(*placeholder_values(ref, users[0])))
             energy = {
-                k: _rounding(t, low).double().pow(2).sum().item()
+                k: rounding_error(t, low).double().pow(2).sum().item()
                 / max(t.double().pow(2).sum().item(), 1e-300)
                 for k, t in interp.taps.items()
             }
@@ -182,7 +182,7 @@ class _Search:
                 refs.append(user_outputs(ref, _Plain(ref.gm).run(*placeholder_values(ref, u))))
         nodes = {n.name: n for n in ref.graph.nodes}
         for (value, reader), e in energy.items():
-            members = _producers(nodes[value], roles)
+            members = computing_producers(nodes[value], roles)
             if roles.get(reader) in ("cand", "low"):
                 members.add(reader)
             members = {m for m in members if roles.get(m) != "fp32"}
@@ -191,7 +191,7 @@ class _Search:
         return refs, sources, ranked_by
 
 
-def _roles(ref: Program, original: set[str], decisions: dict, candidates: set[str]) -> dict[str, str]:
+def op_roles(ref: Program, original: set[str], decisions: dict, candidates: set[str]) -> dict[str, str]:
     """How each op of the reference graph computes in the all-low program: ``cand`` (a candidate), ``fp32``
     (computes in fp32 whatever the search does), ``low`` (a rounding the search cannot move: matmuls,
     region ops, ops other rules keep low), ``follow`` (runs in the dtype of its inputs: views, selections,
@@ -223,7 +223,7 @@ def _roles(ref: Program, original: set[str], decisions: dict, candidates: set[st
     return roles
 
 
-def _producers(node: torch.fx.Node, roles: dict[str, str]) -> set[str]:
+def computing_producers(node: torch.fx.Node, roles: dict[str, str]) -> set[str]:
     """The computing ops whose outputs make ``node``'s value, through ops that only follow their input's dtype
     (placeholders: none; their value is rounded only where a low-precision op reads it)."""
     out, stack, seen = set(), [node], set()
@@ -239,7 +239,7 @@ def _producers(node: torch.fx.Node, roles: dict[str, str]) -> set[str]:
     return out
 
 
-def _rounding(t: torch.Tensor, low: torch.dtype) -> torch.Tensor:
+def rounding_error(t: torch.Tensor, low: torch.dtype) -> torch.Tensor:
     t = t.detach()
     return t.to(low).to(t.dtype) - t
 
@@ -252,7 +252,7 @@ class _Plain(torch.fx.Interpreter):
             return super().run_node(n)
 
 
-class _Tapping(torch.fx.Interpreter):
+class Tapping(torch.fx.Interpreter):
     """The reference forward, keeping the fp32 value each computing op (and the output) reads from each input,
     keyed (input node, reader). With ``grad``, the reader gets it through ``t + (-0.0)``, the zero a leaf that
     requires grad: bitwise the same value, and a backward pass gives d outputs / d (that use of t)."""
@@ -289,7 +289,7 @@ class _Tapping(torch.fx.Interpreter):
             return getattr(self, n.op)(n.target, args, kwargs)
 
 
-def _energies(outs: list, interp: _Tapping, low: torch.dtype, tol: Tolerance) -> dict[tuple[str, str], float]:
+def _energies(outs: list, interp: Tapping, low: torch.dtype, tol: Tolerance) -> dict[tuple[str, str], float]:
     """Per tapped read, the expected output error its rounding to ``low`` causes, in the metric of the
     tolerance (cosine: the sum over output rows of 1 - cos; rel: squared relative error; max_abs: squared
     error), estimated with PROBES random-sign vector-Jacobian products of the instrumented forward."""
@@ -300,9 +300,9 @@ def _energies(outs: list, interp: _Tapping, low: torch.dtype, tol: Tolerance) ->
     if not ys or not names:
         return energy
     gen = torch.Generator().manual_seed(0)
-    rho = {k: _rounding(interp.taps[k], low).double() for k in names}
+    rho = {k: rounding_error(interp.taps[k], low).double() for k in names}
     for j in range(PROBES):
-        probes = [_probe(y.detach(), key, gen) for y in ys]
+        probes = [random_probe(y.detach(), key, gen) for y in ys]
         grads = torch.autograd.grad(
             ys, [interp.leaves[k] for k in names], probes, retain_graph=j < PROBES - 1, allow_unused=True
         )
@@ -312,7 +312,7 @@ def _energies(outs: list, interp: _Tapping, low: torch.dtype, tol: Tolerance) ->
     return energy
 
 
-def _probe(y: torch.Tensor, key: str, gen: torch.Generator) -> torch.Tensor:
+def random_probe(y: torch.Tensor, key: str, gen: torch.Generator) -> torch.Tensor:
     """A random-sign vector v with E[(v . J rho)**2] = the metric's error for the output error J rho."""
     sign = torch.randint(0, 2, y.shape, generator=gen).to(y.dtype) * 2 - 1
     if key == "max_abs":

@@ -20,7 +20,7 @@ LAYERS = (
     ("policy", ("policy",)),
     ("pipeline", ("pipeline",)),
     ("report", ("report",)),
-    ("api", ("api", "guard")),
+    ("api", ("api", "guard", "explain")),
     ("backends", ("backends", "__init__")),  # the precast facade re-exports api and backends
     ("bench", ("bench",)),
     ("cli", ("cli", "__main__")),

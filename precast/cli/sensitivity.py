@@ -1,0 +1,152 @@
+"""precast sensitivity IN.pt2|pkg.module:factory [--inputs FILE] [--dtype fp16|bf16] [--json] [--plot OUT.png]
+
+Input: a saved program (with ``--inputs``, a tuple of tensors saved with ``torch.save``, or the example inputs
+saved with it) or a factory. Output: the ranked table (or JSON), and on request a PNG, a Model Explorer overlay,
+a repro folder and a plan (atomic writes). Exit 2 and one line on a user error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from precast.errors import PrecastError
+from precast.io import atomic_path, check_writable
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "sensitivity",
+        help="rank the ops whose low precision costs the most accuracy; name the first non-finite op",
+        description="For every op the rules policy runs in low precision, the output error its rounding "
+        "alone causes (estimated in one forward and a few backward probes), ranked; the cumulative curve; the "
+        "first non-finite op; optionally a repro, a plan, pictures. docs/sensitivity.md",
+    )
+    p.add_argument("source", help="a program saved with torch.export.save, or 'package.module:factory'")
+    p.add_argument(
+        "--inputs", default=None, metavar="FILE.pt", help="one batch (a tuple) saved with torch.save"
+    )
+    p.add_argument("--dtype", default=None, help="bf16 or fp16 (default: the device's autocast dtype)")
+    p.add_argument("--device-type", default=None, choices=["cpu", "cuda"])
+    p.add_argument("--policy", choices=["rules", "auto"], default="rules")
+    p.add_argument("--metric", choices=["rel", "cosine", "max_abs"], default="rel")
+    p.add_argument("--exclude-nodes", nargs="*", default=(), metavar="REGEX")
+    p.add_argument("--exclude-ops", nargs="*", default=(), metavar="OP")
+    p.add_argument("--include-nodes", nargs="*", default=(), metavar="REGEX")
+    p.add_argument("--include-ops", nargs="*", default=(), metavar="OP")
+    p.add_argument("--data-max", type=float, default=None)
+    p.add_argument("--init-max", type=float, default=None)
+    p.add_argument("--max-reduction-depth", type=int, default=None)
+    p.add_argument("--patterns", nargs="*", default=None, metavar="NAME")
+    p.add_argument(
+        "--measure-points",
+        type=int,
+        default=1,
+        choices=[0, 1, 2, 3],
+        help="curve points measured on real conversions besides k=0 (default 1; each costs a conversion)",
+    )
+    p.add_argument("--top", type=int, default=20, help="rows to print (default 20)")
+    p.add_argument(
+        "--ablation", action="store_true", help="also measure each op alone in low precision (slow)"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument(
+        "--plot", default=None, metavar="OUT.png", help="bar chart + cumulative curve (matplotlib)"
+    )
+    p.add_argument(
+        "--model-explorer", default=None, metavar="OUT.json", help="Model Explorer node-data overlay"
+    )
+    p.add_argument(
+        "--repro",
+        default=None,
+        metavar="DIR",
+        help="write the first non-finite (else the worst) op alone: subgraph.pt2, inputs.pt, repro.py",
+    )
+    p.add_argument(
+        "--write-plan", default=None, metavar="OUT.json", help="a plan keeping the top --keep ops fp32"
+    )
+    p.add_argument(
+        "--keep", type=int, default=None, help="with --write-plan: how many ops (the greedy order)"
+    )
+    p.set_defaults(run=run, calibration=None, allow=[])
+
+
+def run(args: argparse.Namespace) -> int:
+    from precast.cli.convert import check_options, load_source
+
+    opts = check_options(args)
+    for path in (args.plot, args.model_explorer, args.write_plan):
+        if path:
+            check_writable(path)
+    if args.write_plan and args.keep is None:
+        raise PrecastError("--write-plan: say how many of the ranked ops to keep in fp32 with --keep K")
+    if args.keep is not None and args.keep < 0:
+        raise PrecastError(f"--keep {args.keep}: give a count >= 0")
+    if args.repro and Path(args.repro).exists() and not Path(args.repro).is_dir():
+        raise PrecastError(f"--repro {args.repro}: exists and is not a folder")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401, PLC0415 - checked before the long work
+        except ImportError:
+            raise PrecastError("--plot needs matplotlib: pip install 'precast[bench]'") from None
+    inputs = None
+    if args.inputs:
+        from precast.pipeline.capture import load_saved
+
+        inputs = load_saved(
+            Path(args.inputs), "--inputs", "save one batch, a tuple of tensors, with torch.save"
+        )
+        if not isinstance(inputs, (tuple, list, dict)):
+            inputs = (inputs,)
+    import precast
+    from precast.policy.auto import AutoPolicy
+    from precast.policy.rules.policy import RulesPolicy
+    from precast.report.sensitivity import model_explorer_sensitivity, plot_sensitivity, sensitivity_text
+
+    obj, factory_inputs = load_source(args.source)
+    if inputs is None:
+        inputs = factory_inputs if factory_inputs is not None else getattr(obj, "example_inputs", None)
+    if inputs is None:
+        raise PrecastError(f"{args.source}: no inputs saved with the program; give --inputs FILE.pt")
+    policy = (AutoPolicy if args.policy == "auto" else RulesPolicy)(dtype=args.dtype, **opts)
+    s = precast.sensitivity(
+        obj,
+        inputs,
+        dtype=args.dtype,
+        policy=policy,
+        metric=args.metric,
+        device_type=args.device_type,
+        measure_points=args.measure_points,
+        ablation=args.ablation,
+        repro=args.repro,
+    )
+    est = s.estimate
+    if args.plot:
+        with atomic_path(args.plot) as tmp:
+            plot_sensitivity(est, tmp, top=args.top)
+    if args.model_explorer:
+        with atomic_path(args.model_explorer) as tmp:
+            tmp.write_text(json.dumps(model_explorer_sensitivity(est), indent=2))
+    if args.write_plan:
+        plan = s.plan(min(args.keep, len(est.order)))
+        with atomic_path(args.write_plan) as tmp:
+            tmp.write_text(plan.to_json(s.graph))
+    if args.json:
+        print(json.dumps(s.to_dict(), indent=2))
+    else:
+        print(sensitivity_text(est, top=args.top))
+        if s.repro is not None:
+            says = "reproduces" if s.repro["reproduces"] else "does NOT reproduce"
+            print(
+                f"repro: {s.repro['dir']} ({s.repro['node']}; {says} alone): python {s.repro['dir']}/repro.py"
+            )
+    for what, path in (
+        ("plot", args.plot),
+        ("model explorer", args.model_explorer),
+        ("plan", args.write_plan),
+    ):
+        if path:
+            print(f"wrote {what}: {path}", file=sys.stderr)
+    return 0

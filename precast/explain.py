@@ -1,0 +1,194 @@
+"""``precast.sensitivity``: which op breaks low precision, and by how much.
+
+Input: an ``ExportedProgram`` or an ``nn.Module``, one batch of inputs, the low dtype, a rules policy ("rules" or a
+``RulesPolicy``/``AutoPolicy`` with its options), the metric ("rel", "cosine", "max_abs"). Output:
+``Sensitivity``: every op the policy runs in low precision, ranked by the output error its rounding alone causes
+(``precast.pipeline.sensitivity``), the cumulative curve (estimated for every k, measured at a few), the first
+non-finite op (``precast.pipeline.nonfinite``), optionally a repro folder (``repro=DIR``) and the single-op
+ablation truth (``ablation=True``); ``plan(k)`` keeps the top k in fp32 as a portable ``Plan``.
+
+Nothing here changes the caller's program or module: every program measured is a private copy, converted as
+``precast.convert`` converts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+
+from precast.dtypes import dtype_name, parse_low_dtype
+from precast.errors import PrecastError, module_path, user_source_line
+from precast.io import atomic_path
+from precast.ir.diagnostics import DiagnosticLog
+from precast.ir.inputs import check_example_inputs, placeholder_values
+from precast.pipeline.conversion import begin
+from precast.pipeline.nonfinite import is_nonfinite, op_inputs, op_subgraph, run_watching
+from precast.pipeline.prepare import prepare
+from precast.pipeline.sensitivity import METRICS, Estimate, Estimator, ablate, estimate
+from precast.policy.plan import Plan
+from precast.policy.rules.policy import RulesPolicy
+from precast.report.sensitivity import sensitivity_dict
+
+REPRO_SCRIPT = '''"""Repro written by `precast sensitivity`: {op} ({node}) at {location}.
+{why}
+Runs the op alone on its captured inputs, in float32 and in {low}; needs only torch."""
+from pathlib import Path
+
+import torch
+
+here = Path(__file__).resolve().parent
+program = torch.export.load(here / "subgraph.pt2")
+inputs = torch.load(here / "inputs.pt", weights_only=True)
+low = [t.to(torch.{low}) if t.is_floating_point() else t for t in inputs]
+
+
+def show(name, out):
+    for t in out if isinstance(out, (tuple, list)) else [out]:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            d = t.double()
+            print(f"{{name:>8}}: dtype {{t.dtype}}, |max| {{d.abs().max().item():.6g}}, "
+                  f"inf {{int(torch.isinf(d).sum())}}, nan {{int(torch.isnan(d).sum())}}")
+
+
+with torch.no_grad():
+    ref = program.module()(*inputs)
+    got = program.module()(*low)
+show("float32", ref)
+show("{low}", got)
+'''
+
+
+@dataclass
+class Sensitivity:
+    estimate: Estimate
+    repro: dict | None = None
+    graph: Any = field(default=None, repr=False)  # the policy's converted graph (keys for plans)
+
+    @property
+    def ops(self) -> list:
+        return self.estimate.ops
+
+    @property
+    def nonfinite(self) -> Any:
+        return self.estimate.nonfinite
+
+    def plan(self, k: int) -> Plan:
+        """The first ``k`` ops of the greedy order (the curve's k: the ops whose fp32 removes the most estimated
+        error per op, a residual add with the layer norm reading it) in fp32, as a portable plan."""
+        names = self.estimate.order[:k]
+        why = {n: f"sensitivity: greedy order #{i + 1} ({self.estimate.metric})" for i, n in enumerate(names)}
+        return Plan.from_nodes(self.graph, names, self.estimate.dtype, why=why, source="precast sensitivity")
+
+    def to_dict(self) -> dict:
+        d = sensitivity_dict(self.estimate)
+        if self.repro is not None:
+            d["repro"] = self.repro
+        return d
+
+
+def sensitivity(
+    program_or_module: ExportedProgram | torch.nn.Module,
+    inputs: Any,
+    *,
+    dtype: torch.dtype | str | None = None,
+    policy: Any = "rules",
+    metric: str = "rel",
+    device_type: str | None = None,
+    dynamic_shapes: Any = None,
+    measure_points: int = 1,
+    ablation: bool = False,
+    repro: str | Path | None = None,
+) -> Sensitivity:
+    """Rank the ops the policy runs in low precision by the output error their rounding causes (docs/sensitivity.md).
+
+    ``inputs``: one batch (as for ``convert``'s ``example_inputs``); ``metric``: "rel" (relative L2 error of an
+    output), "cosine" (1 - cosine of output rows) or "max_abs"; ``measure_points``: curve points measured on real
+    conversions (0-3); ``ablation``: also measure each op alone in low precision (one conversion per op);
+    ``repro``: a folder to write the first non-finite op (else the top-ranked op) as a standalone repro."""
+    if metric not in METRICS:
+        raise PrecastError(f"metric={metric!r}: choose {', '.join(METRICS)}")
+    if not isinstance(measure_points, int) or not 0 <= measure_points <= 3:
+        raise PrecastError(f"measure_points={measure_points!r}: give 0, 1, 2 or 3")
+    low = parse_low_dtype(dtype)
+    if policy == "rules":
+        pol = RulesPolicy(dtype=low)
+    elif isinstance(policy, RulesPolicy):
+        pol = dataclasses.replace(policy, tolerance=None)  # the ranking replaces the search
+        mine = parse_low_dtype(policy.dtype)
+        if low is not None and mine is not None and mine != low:
+            raise PrecastError(
+                f"dtype={dtype!r} but the {type(policy).__name__} says dtype={policy.dtype!r}: give one"
+            )
+        low = low or mine
+    else:
+        raise PrecastError(
+            f"policy={policy!r}: sensitivity ranks the ops a rules policy runs in low precision; give 'rules' or "
+            "a precast.RulesPolicy / AutoPolicy (its options apply)"
+        )
+    if inputs is None:
+        raise PrecastError("sensitivity needs inputs to measure on: give one batch, e.g. (x,)")
+    state = begin(program_or_module, inputs, pol, low, device_type, dynamic_shapes, None)
+    state.log = DiagnosticLog()
+    prepare(state)  # calibration (fp16's data_max), auto's latencies: as the conversion prepares them
+    ep = state.ep
+    batch = check_example_inputs(ep, inputs)
+    result, est = estimate(ep, state.policy, state.binding, batch, metric, measure_points=measure_points)
+    if ablation:
+        ablate(est, result.ops)
+        result.conversions, result.forwards = est.conversions, est.forwards
+    out = Sensitivity(result, graph=est.all_low.graph)
+    if repro is not None:
+        out.repro = write_repro(est, result, Path(repro))
+    return out
+
+
+def write_repro(est: Estimator, result: Estimate, folder: Path) -> dict:
+    """The first non-finite op (else the top-ranked op) alone: ``subgraph.pt2`` (fp32), ``inputs.pt`` (its
+    captured inputs before precast's casts, in fp32), ``repro.py``; run here once to say whether it reproduces."""
+    if folder.exists() and not folder.is_dir():
+        raise PrecastError(f"--repro {folder}: exists and is not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    low = est.low
+    if result.nonfinite is not None:
+        node, env = est.nonfinite_node, est.low_env
+        why = f"First non-finite op in {dtype_name(low)}: {result.nonfinite.reason}."
+    else:
+        if not result.ops:
+            raise PrecastError("--repro: the policy runs no op in low precision; nothing to reproduce")
+        top = result.ops[0]
+        node = next(n for n in est.ref.graph.nodes if n.name == top.name)
+        _, env = run_watching(est.ref.gm, placeholder_values(est.ref, est.user))
+        why = f"Top-ranked op: alone in {dtype_name(low)} it costs {result.metric} ~{top.estimate:.3g}."
+    args, kwargs = op_inputs(node, env)
+    sub, tensors = op_subgraph(node, args, kwargs)
+    with torch.no_grad():
+        ref = sub.module()(*tensors)
+        got = sub.module()(*[t.to(low) if t.is_floating_point() else t for t in tensors])
+    if result.nonfinite is not None:
+        reproduces = is_nonfinite(got)
+    else:
+        reproduces = any(
+            not torch.equal(a.to(b.dtype), b)
+            for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(ref), strict=True)
+            if isinstance(a, torch.Tensor)
+        )
+    script = REPRO_SCRIPT.format(
+        op=node.target,
+        node=node.name,
+        location=user_source_line(node) or module_path(node) or "?",
+        why=why,
+        low=str(low).removeprefix("torch."),
+    )
+    with atomic_path(folder / "subgraph.pt2") as tmp:
+        torch.export.save(sub, tmp)
+    with atomic_path(folder / "inputs.pt") as tmp:
+        torch.save(tuple(t.detach().clone() for t in tensors), tmp)
+    with atomic_path(folder / "repro.py") as tmp:
+        tmp.write_text(script)
+    return {"dir": str(folder), "node": node.name, "op": str(node.target), "reproduces": bool(reproduces)}

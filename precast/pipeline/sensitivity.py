@@ -1,0 +1,399 @@
+"""Sensitivity: per op the policy runs in low precision, the output error its rounding causes; ranked, with the
+op's value range against the low dtype's, and the cumulative curve (error left with the top-k ops in fp32).
+
+Input: the input ExportedProgram, a rules policy and what it was prepared with for that program
+(``precast.policy.hooks.Binding``: options, calibration), one batch of inputs ((args, kwargs)), the metric ("rel", "cosine" or "max_abs"). Output:
+``Estimate`` (ops ranked, the greedy order and its curve, the all-low errors, the cost).
+
+The estimate is the tolerance search's (``precast.pipeline.tolerance``): one instrumented forward of the reference
+program taps every value each computing op reads (``Tapping``), and ``PROBES`` backward passes of that forward
+give, per read, the expected output error its rounding to the low dtype causes (``_energies``). A read is
+rounded unless every op that makes the value and the op that reads it run in fp32 (``Source.members``), so with
+op X alone in low precision (every other op in fp32) exactly the sources X is a member of are rounded: X's
+estimate is the sum of their energies. Unlike the search, the matmul/convolution family is ranked too (the user
+asks which op breaks, and may keep any in fp32).
+
+Every program measured here is the one the conversion builds (``policy.bind(..., fallback=kept)`` then
+``precast.pipeline.lower``), run on private copies of its state (``check_program``): the measured points of the
+curve and the single-op ablation (``ablate``) are real conversions, not simulations.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.export import ExportedProgram
+
+from precast.dtypes import dtype_name
+from precast.errors import first_line, module_path, user_source_line
+from precast.ir.diagnostics import DiagnosticLog
+from precast.ir.graph import output_dtypes
+from precast.ir.inputs import placeholder_values, user_values
+from precast.ir.program import Program
+from precast.ir.regions import REGION_META
+from precast.pipeline import lower
+from precast.pipeline.nonfinite import NonFinite, first_nonfinite
+from precast.pipeline.regions import inline_regions
+from precast.pipeline.tolerance import (
+    Tapping,
+    check_program,
+    computing_producers,
+    op_roles,
+    random_probe,
+    rounding_error,
+    user_outputs,
+)
+from precast.policy.rules.taxonomy import op_name
+from precast.policy.rules.tolerance_search import Source, Tolerance, rank
+
+METRICS = ("rel", "cosine", "max_abs")
+# measured curve points: the fewest ops whose estimate leaves this share of the error
+CURVE_FRACTIONS = (0.1, 0.5, 0.01)
+SELECTIONS = {"embedding", "embedding_bag", "index_select", "gather"}  # ops that only pick values of a table
+# "underflow" when more than this share of an op's nonzero values are below the low dtype's normals
+UNDERFLOW_SHARE = 0.01
+# random-sign backward passes of the instrumented forward: more than the tolerance search's 2, since the
+# ranking itself is the product here (neighbouring layer norms differ by a few percent)
+PROBES = 8
+
+
+@dataclass
+class OpSensitivity:
+    """One op the policy runs in low precision: its estimated output error when it alone runs low (``estimate``,
+    in the metric), its share of the summed estimates, its value range (inputs and output, fp32 reference) and
+    what the low dtype does to that range (``status``: "overflow", "underflow" or "fine"), and, when measured
+    (``ablate``), the true error with it alone in low precision."""
+
+    name: str
+    module: str
+    op: str
+    location: str | None
+    energy: float
+    estimate: float
+    share: float
+    absmax: float | None = None
+    absmin: float | None = None  # smallest nonzero |value|
+    status: str = "fine"
+    note: str = ""
+    truth: float | None = None
+
+
+@dataclass
+class CurvePoint:
+    k: int  # the first k ops of the greedy order in fp32
+    estimate: float
+    measured: float | None = None
+
+
+@dataclass
+class Estimate:
+    dtype: str
+    metric: str
+    ops: list[OpSensitivity]  # ranked, most sensitive first
+    order: list[str]  # the greedy order in which keeping ops in fp32 removes the most error per op
+    curve: list[CurvePoint]  # every k, estimated; measured at a few
+    all_low: dict  # measured errors of the policy's program (max_abs, rel, cosine)
+    ranked_by: str
+    forwards: int = 0
+    backwards: int = 0
+    conversions: int = 0
+    seconds: float = 0.0
+    fixed: float = 0.0  # estimated error no op of the ranking can remove
+    nonfinite: NonFinite | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def metric_value(m: dict, metric: str) -> float:
+    """The measured errors (``WorstError.m``) in one metric, larger is worse (cosine: 1 - cosine)."""
+    return 1.0 - m["cosine"] if metric == "cosine" else m[metric]
+
+
+class Estimator:
+    """The reference (instrumented once), the policy's program and its low ops, and ``measure(kept)``."""
+
+    def __init__(self, ep: ExportedProgram, policy: Any, binding: Any, batch: tuple, metric: str):
+        if metric not in METRICS:
+            raise ValueError(metric)
+        self.ep, self.policy, self.binding, self.batch, self.metric = ep, policy, binding, batch, metric
+        self.low = binding.options.low
+        self.forwards = self.backwards = self.conversions = 0
+        program = Program(ep)
+        inline_regions(program.gm)
+        self.restore = output_dtypes(program.graph)
+        self.all_low = self.lower({})
+        # the policy's program, watched once: the first op whose output is non-finite from finite inputs
+        self.user = user_values(self.all_low, ep, batch, "the inputs")
+        self.forwards += 1
+        self.nonfinite, self.nonfinite_node, env = first_nonfinite(
+            self.all_low.gm, placeholder_values(self.all_low, self.user), self.low
+        )
+        self.low_env = env if self.nonfinite is not None else {}  # for the repro; else dropped now
+        ops = [n for n in self.all_low.graph.nodes if n.op == "call_function"]
+        decisions = {n.name: n.meta.get("precast") for n in ops}
+        # every op the policy's own rules put in low precision (not the user's include rules nor regions)
+        self.candidates = [
+            n.name
+            for n in ops
+            if (d := decisions[n.name]) is not None and d.rule == "default" and d.dtype == self.low
+        ]
+        self.nodes = {n.name: n for n in ops}
+        has_regions = any(n.meta.get(REGION_META) for n in program.graph.nodes)
+        self.ref = self.lower(None) if has_regions else program
+        self.roles = op_roles(
+            self.ref, {n.name for n in program.graph.nodes}, decisions, set(self.candidates)
+        )
+        self.refs, self.sources, self.ranges, self.ranked_by = self._reference()
+
+    def lower(self, kept: dict[str, float] | None) -> Program:
+        """The program the conversion builds with ``kept`` in fp32 (``None``: the program's own semantics)."""
+        fresh = Program(self.ep)
+        inline_regions(fresh.gm)
+        scratch = DiagnosticLog()
+        self.conversions += 1
+        if kept is None:
+            lower(fresh, None, scratch)
+        else:
+            b = self.binding
+            decider = self.policy.bind(fresh, b.options, b.calibration, fallback=kept, **b.extra)
+            lower(fresh, decider, scratch, restore=self.restore, keep_io=True)
+        return fresh
+
+    def measure(self, kept: dict[str, float]) -> dict:
+        """Errors of the program converted with ``kept`` in fp32 against the reference, on the batch."""
+        self.forwards += 1
+        return check_program(self.lower(kept).to_exported_program(), [self.batch], self.refs)
+
+    def _reference(self) -> tuple[list, list[Source], dict, str]:
+        ref, roles = self.ref, self.roles
+        # an embedding selects rows of its table exactly: their rounding is its output's, counted where that is
+        # read; tapping the whole table (30522 x 384 for MiniLM) would cost a dense gradient per probe
+        readers = {
+            n.name
+            for n in ref.graph.nodes
+            if roles.get(n.name) in ("cand", "low", "fp32") and op_name(n.target) not in SELECTIONS
+        }
+        readers.add(ref.graph.output_node().name)
+        tiny = torch.finfo(self.low).tiny
+        interp = _Ranging(ref.gm, readers, set(self.candidates), tiny)
+        ranked_by = "first-order sensitivity"
+        tol = Tolerance({self.metric: 1.0})
+        outs = None
+        try:
+            with torch.enable_grad():
+                self.forwards += 1
+                outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
+                energy = _energies(outs, interp, self.low, tol, PROBES)
+            self.backwards += PROBES
+        except Exception as exc:  # noqa: BLE001 - said in ranked_by: the estimate falls back to local rounding
+            ranked_by = f"local rounding error (no gradients: {type(exc).__name__}: {first_line(exc)})"
+            if outs is None:
+                interp = _Ranging(ref.gm, readers, set(self.candidates), tiny, grad=False)
+                with torch.no_grad():
+                    self.forwards += 1
+                    outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
+            energy = {
+                k: (t.to(self.low).to(t.dtype) - t).double().pow(2).sum().item()
+                / max(t.double().pow(2).sum().item(), 1e-300)
+                for k, t in interp.taps.items()
+            }
+        refs = [[o.detach() if isinstance(o, torch.Tensor) else o for o in outs]]
+        self.out_shapes = [o.shape for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        nodes = {n.name: n for n in ref.graph.nodes}
+        sources = []
+        for (value, reader), e in energy.items():
+            members = computing_producers(nodes[value], roles)
+            if roles.get(reader) in ("cand", "low"):
+                members.add(reader)
+            members = {m for m in members if roles.get(m) != "fp32"}
+            if members and e > 0:
+                sources.append(Source(e, frozenset(members), f"{value}->{reader}"))
+        ranges = dict(interp.ranges)
+        seen: dict[str, tuple] = {}  # one range per value, however many ops read it
+        for (value, reader), t in interp.taps.items():  # an op's range covers the values it reads
+            if reader in ranges:
+                if value not in seen:
+                    seen[value] = _range(t, tiny)
+                ranges[reader] = _merge(ranges[reader], seen[value])
+        return refs, sources, ranges, ranked_by
+
+    def to_metric(self, energy: float) -> float:
+        """Estimated error in the metric from an error energy (see ``_energies``): rel, the square root; cosine,
+        1 - cosine averaged over output rows; max_abs, the RMS error times sqrt(2 ln n), the expected largest
+        of n Gaussian errors."""
+        if self.metric == "rel":
+            return math.sqrt(max(energy, 0.0))
+        rows = sum(max(1, math.prod(s[:-1])) for s in self.out_shapes) or 1
+        if self.metric == "cosine":
+            return energy / rows
+        n = sum(math.prod(s) for s in self.out_shapes) or 1
+        return math.sqrt(max(energy, 0.0) / n) * math.sqrt(2 * math.log(max(n, 2)))
+
+    def rank_ops(self) -> list[OpSensitivity]:
+        per_op = dict.fromkeys(self.candidates, 0.0)
+        for s in self.sources:
+            for m in s.members:
+                if m in per_op:
+                    per_op[m] += s.energy
+        total = sum(per_op.values()) or 1.0
+        finfo = torch.finfo(self.low)
+        out = []
+        for name, e in per_op.items():
+            node = self.nodes[name]
+            rng = self.ranges.get(name)
+            status, note = _status(rng, finfo, dtype_name(self.low))
+            out.append(
+                OpSensitivity(
+                    name,
+                    module_path(node),
+                    op_name(node.target),
+                    user_source_line(node),
+                    e,
+                    self.to_metric(e),
+                    e / total,
+                    rng[0] if rng else None,
+                    rng[1] if rng else None,
+                    status,
+                    note,
+                )
+            )
+        # overflow first: an op whose values leave the low dtype's range breaks the outputs outright
+        pos = {c: i for i, c in enumerate(self.candidates)}
+        out.sort(key=lambda o: (o.status != "overflow", -o.energy, pos[o.name]))
+        return out
+
+
+def estimate(
+    ep: ExportedProgram,
+    policy: Any,
+    binding: Any,
+    batch: tuple,
+    metric: str = "rel",
+    *,
+    measure_points: int = 1,
+) -> tuple[Estimate, Estimator]:
+    """Rank, curve (every k estimated; ``measure_points`` of them measured on real conversions), all-low."""
+    start = time.perf_counter()
+    est = Estimator(ep, policy, binding, batch, metric)
+    ops = est.rank_ops()
+    ranking = rank(est.candidates, est.sources)
+    all_low_prog = est.all_low
+    est.forwards += 1
+    all_low = check_program(all_low_prog.to_exported_program(), [batch], est.refs)
+    curve = [CurvePoint(k, est.to_metric(left)) for k, left in enumerate(ranking.left)]
+    curve[0].measured = metric_value(all_low, metric)
+    total = ranking.left[0]
+    ks: list[int] = []
+    for frac in CURVE_FRACTIONS[:measure_points]:
+        k = next((i for i, left in enumerate(ranking.left) if left <= total * frac), len(ranking.left) - 1)
+        if k > 0 and k not in ks:
+            ks.append(k)
+    for k in ks:
+        kept = dict.fromkeys(ranking.order[:k], 0.0)
+        curve[k].measured = metric_value(est.measure(kept), metric)
+    result = Estimate(
+        dtype_name(est.low),
+        metric,
+        ops,
+        ranking.order,
+        curve,
+        all_low,
+        est.ranked_by,
+        forwards=est.forwards,
+        backwards=est.backwards,
+        conversions=est.conversions,
+        fixed=est.to_metric(ranking.fixed),
+        nonfinite=est.nonfinite,
+    )
+    result.seconds = time.perf_counter() - start
+    return result, est
+
+
+def ablate(est: Estimator, ops: list[OpSensitivity]) -> None:
+    """The truth for each op: the program converted with that op alone in low precision (every other op of the
+    ranking kept in fp32), measured against the reference. One conversion and one forward per op."""
+    everything = dict.fromkeys(est.candidates, 0.0)
+    for o in ops:
+        kept = {k: v for k, v in everything.items() if k != o.name}
+        o.truth = metric_value(est.measure(kept), est.metric)
+
+
+def _energies(outs: list, interp: Tapping, low: torch.dtype, tol: Tolerance, probes: int) -> dict:
+    """``precast.pipeline.tolerance._energies`` with ``probes`` random-sign vector-Jacobian products."""
+    key = next(iter(tol.spec))
+    ys = [y for y in outs if isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad]
+    names = list(interp.leaves)
+    energy = dict.fromkeys(interp.taps, 0.0)
+    if not ys or not names:
+        return energy
+    gen = torch.Generator().manual_seed(0)
+    # E[(g . rho)_elementwise^2] over probes = rho^2 * mean(g^2): accumulate g^2 (float32), multiply once
+    gsq: dict = {}
+    for j in range(probes):
+        vs = [random_probe(y.detach(), key, gen) for y in ys]
+        grads = torch.autograd.grad(
+            ys, [interp.leaves[k] for k in names], vs, retain_graph=j < probes - 1, allow_unused=True
+        )
+        for k, g in zip(names, grads, strict=True):
+            if g is not None:
+                g = g.float()
+                if k in gsq:
+                    gsq[k].addcmul_(g, g)
+                else:
+                    gsq[k] = g * g
+    for k, acc in gsq.items():
+        rho = rounding_error(interp.taps[k], low).float()
+        energy[k] = float((acc.double() * rho.double().square()).sum().item()) / probes
+    return energy
+
+
+def _range(t: torch.Tensor, tiny: float) -> tuple[float, float | None, int, int]:
+    """(absmax, smallest nonzero |value|, nonzero values below ``tiny``, nonzero values) of a floating tensor."""
+    a = t.detach().abs()
+    if a.numel() == 0:
+        return (0.0, None, 0, 0)
+    nonzero = a > 0
+    count = int(nonzero.sum().item())
+    absmin = torch.where(nonzero, a, torch.full_like(a, float("inf"))).amin().item() if count else None
+    small = int((nonzero & (a < tiny)).sum().item())
+    return (a.amax().item(), absmin, small, count)
+
+
+def _merge(a: tuple, b: tuple) -> tuple:
+    mins = [x for x in (a[1], b[1]) if x is not None]
+    return (max(a[0], b[0]), min(mins) if mins else None, a[2] + b[2], a[3] + b[3])
+
+
+def _status(rng: tuple | None, finfo: Any, low: str) -> tuple[str, str]:
+    if rng is None:
+        return "fine", ""
+    absmax, absmin, small, nonzero = rng
+    if absmax > finfo.max:
+        return "overflow", f"|values| reach {absmax:.3g}, beyond {low}'s ±{finfo.max:.6g}"
+    if nonzero and small / nonzero > UNDERFLOW_SHARE:
+        return "underflow", (
+            f"{small / nonzero:.1%} of its nonzero values (as small as {absmin:.3g}) are below {low}'s smallest "
+            f"normal {finfo.tiny:.3g}: subnormal or flushed to zero"
+        )
+    return "fine", ""
+
+
+class _Ranging(Tapping):
+    """The tapping forward, also keeping each watched op's output range."""
+
+    def __init__(
+        self, gm: torch.fx.GraphModule, readers: set[str], watch: set[str], tiny: float, grad: bool = True
+    ):
+        super().__init__(gm, readers, grad)
+        self.watch, self.tiny = watch, tiny
+        self.ranges: dict[str, tuple] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.name in self.watch and isinstance(out, torch.Tensor) and out.is_floating_point():
+            self.ranges[n.name] = _range(out, self.tiny)
+        return out

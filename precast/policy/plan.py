@@ -1,0 +1,261 @@
+"""A portable plan: the set of ops a conversion keeps in fp32, keyed so that a fresh export of the same model
+finds them again, and its exports for other tools.
+
+An op is keyed by (module path, op, occurrence): the innermost module that called it (``encoder.layer.0.norm``),
+its aten op (``aten.layer_norm.default``), and its index among the ops of that module with that op, in graph
+order. Node names (``layer_norm_3``) change when a model is re-exported (a dynamic batch adds ``sym_size``
+nodes, a refactor renames things); module paths and the order of ops inside one module do not.
+
+Input: a converted program and its report (``Plan.from_result``), or (graph, node names) (``Plan.from_nodes``);
+a JSON file (``load_plan``). Output: ``Plan``, applied by ``convert(..., plan=...)`` as a custom rule
+(``PlanRule``, named ``plan``) with the authority of the user's own rules; ``modelopt_nodes_to_exclude`` and
+``torch_tensorrt_excluded_nodes``: anchored regular expressions naming exactly the plan's ops in the ONNX graph
+``torch.onnx.export(program, dynamo=True)`` writes (``node_<fx name>``, ModelOpt AutoCast's
+``--nodes_to_exclude``) and in the program's FX graph (Torch-TensorRT's ``nodes_to_exclude`` /
+``autocast_excluded_nodes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+
+from precast.dtypes import dtype_name, parse_low_dtype
+from precast.errors import PrecastError, module_path
+from precast.ir.graph import CAST_META
+from precast.policy.rules.taxonomy import op_name
+
+FORMAT = "precast-plan"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    module: str
+    op: str
+    occurrence: int
+    why: str = ""  # the rule that kept it in fp32 where the plan was written (for people; not matched)
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.module, self.op, self.occurrence)
+
+
+def _keyed(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.meta.get(CAST_META) is None
+
+
+def op_keys(graph: torch.fx.Graph) -> dict[str, tuple[str, str, int]]:
+    """node name -> (module path, op, occurrence) for every op of the graph (casts precast wrote left out)."""
+    seen: dict[tuple[str, str], int] = {}
+    out = {}
+    for n in graph.nodes:
+        if not _keyed(n):
+            continue
+        base = (module_path(n), op_name(n.target))
+        out[n.name] = (*base, seen.get(base, 0))
+        seen[base] = seen.get(base, 0) + 1
+    return out
+
+
+@dataclass
+class Plan:
+    """Which ops stay fp32 (``fp32``), for which low dtype and policy; ``source``: where it was written."""
+
+    dtype: str
+    fp32: list[PlanEntry] = field(default_factory=list)
+    policy: str = "rules"
+    source: str = ""
+
+    # ---- making one ------------------------------------------------------------------------------------
+    @classmethod
+    def from_nodes(
+        cls,
+        graph: torch.fx.Graph,
+        names: Iterable[str],
+        dtype: Any,
+        *,
+        why: dict | None = None,
+        source: str = "",
+    ) -> Plan:
+        keys = op_keys(graph)
+        why = why or {}
+        missing = [n for n in names if n not in keys]
+        if missing:
+            raise PrecastError(f"plan: no op named {', '.join(missing[:5])} in the program")
+        entries = [PlanEntry(*keys[n], why=why.get(n, "")) for n in names]
+        return cls(dtype_name(parse_low_dtype(dtype)), entries, source=source)
+
+    @classmethod
+    def from_result(cls, result: Any, source: str = "") -> Plan:
+        """The ops a conversion (``ConvertResult``) kept in fp32 by the policy's rules or the user's."""
+        rep = result.report
+        if rep.policy not in ("rules", "auto"):
+            raise PrecastError(
+                f"plan: a plan records a rules/auto conversion's fp32 ops; this one ran policy {rep.policy!r}"
+            )
+        # scalar_range / no_low_kernel: facts about the op or the device, found again by any conversion there
+        kept = [
+            r
+            for r in rep.nodes
+            if r.dtype == "fp32"
+            and r.source in ("rules", "user")
+            and r.rule not in ("scalar_range", "no_low_kernel")
+        ]
+        return cls.from_nodes(
+            result.program.graph,
+            [r.name for r in kept],
+            rep.dtype,
+            why={r.name: r.rule for r in kept},
+            source=source,
+        )
+
+    # ---- files -----------------------------------------------------------------------------------------
+    def to_dict(self, program: Any = None) -> dict:
+        d = {
+            "format": FORMAT,
+            "version": VERSION,
+            "dtype": self.dtype,
+            "policy": self.policy,
+            "source": self.source,
+            "fp32": [dataclasses.asdict(e) for e in self.fp32],
+        }
+        if program is not None:
+            d["exports"] = {
+                "modelopt_nodes_to_exclude": self.modelopt_nodes_to_exclude(program),
+                "torch_tensorrt_excluded_nodes": self.torch_tensorrt_excluded_nodes(program),
+            }
+        return d
+
+    def to_json(self, program: Any = None) -> str:
+        return json.dumps(self.to_dict(program), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "plan") -> Plan:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise PrecastError(
+                f'{where}: not a precast plan (no "format": "{FORMAT}"); write one with '
+                "`precast convert --write-plan` or `precast sensitivity --write-plan`"
+            )
+        if d.get("version") != VERSION:
+            raise PrecastError(
+                f"{where}: plan version {d.get('version')!r}; this precast reads version {VERSION}"
+            )
+        try:
+            entries = [
+                PlanEntry(str(e["module"]), str(e["op"]), int(e["occurrence"]), str(e.get("why", "")))
+                for e in d["fp32"]
+            ]
+            return cls(
+                dtype_name(parse_low_dtype(d["dtype"])),
+                entries,
+                str(d.get("policy", "rules")),
+                str(d.get("source", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PrecastError(f"{where}: malformed plan entry ({type(exc).__name__}: {exc})") from exc
+
+    # ---- applying and resolving -------------------------------------------------------------------------
+    def nodes(self, program: Any) -> list[str]:
+        """The plan's ops in ``program`` (an ExportedProgram or a graph), by node name; unmatched left out."""
+        graph = getattr(program, "graph", program)
+        by_key = {k: n for n, k in op_keys(graph).items()}
+        return [by_key[e.key] for e in self.fp32 if e.key in by_key]
+
+    def unmatched(self, program: Any) -> list[PlanEntry]:
+        keys = set(op_keys(getattr(program, "graph", program)).values())
+        return [e for e in self.fp32 if e.key not in keys]
+
+    def rule(self) -> PlanRule:
+        return PlanRule(self)
+
+    def modelopt_nodes_to_exclude(self, program: Any) -> list[str]:
+        """ModelOpt AutoCast ``--nodes_to_exclude``: one anchored regex per op, for the ONNX graph that
+        ``torch.onnx.export(program, dynamo=True)`` writes from ``program`` (it names an op's node
+        ``node_<fx name>``)."""
+        return [f"^node_{re.escape(n)}$" for n in self.nodes(program)]
+
+    def torch_tensorrt_excluded_nodes(self, program: Any) -> list[str]:
+        """Torch-TensorRT autocast's excluded nodes: one anchored regex per op, over ``program``'s FX names."""
+        return [f"^{re.escape(n)}$" for n in self.nodes(program)]
+
+
+class PlanRule:
+    """A custom rules-policy rule: fp32 for the ops a plan lists, matched by key in the graph being converted
+    (occurrences counted among the ops before the node, which classify has already settled)."""
+
+    __name__ = "plan"
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.keys = {e.key: e for e in plan.fp32}
+
+    def __call__(self, node: torch.fx.Node, ctx: Any) -> str | None:
+        base = (module_path(node), op_name(node.target))
+        occurrence = 0
+        for n in node.graph.nodes:
+            if n is node:
+                break
+            if _keyed(n) and (module_path(n), op_name(n.target)) == base:
+                occurrence += 1
+        entry = self.keys.get((*base, occurrence))
+        if entry is None:
+            return None
+        was = f" (where it was written: {entry.why})" if entry.why else ""
+        return f"the plan keeps {base[1]} #{occurrence} of {base[0] or 'the top level'} in fp32{was}"
+
+
+def load_plan(plan: Any) -> Plan:
+    """A ``Plan``, a dict, or a path to a JSON file."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    if isinstance(plan, (str, Path)):
+        p = Path(plan)
+        try:
+            data = json.loads(p.read_text())
+        except OSError as exc:
+            raise PrecastError(f"plan {p}: cannot read it ({exc.strerror})") from exc
+        except json.JSONDecodeError as exc:
+            raise PrecastError(f"plan {p}: not JSON ({exc.msg} at line {exc.lineno})") from exc
+        return Plan.from_dict(data, f"plan {p}")
+    raise PrecastError(f"plan={plan!r}: give a precast.Plan, a dict, or the path of a plan .json file")
+
+
+def with_plan(plan: Any, policy: Any, custom_rules: Iterable[Any], dtype: Any) -> tuple[Any, tuple, Any]:
+    """(policy, custom_rules, dtype) for ``convert`` with ``plan``: the plan's rule joins the user's custom rules
+    (their authority: after include/exclude, before the policy's own rules); policy None means "rules"."""
+    custom_rules = tuple(custom_rules)
+    if plan is None:
+        return policy, custom_rules, dtype
+    p = load_plan(plan)
+    low = parse_low_dtype(dtype)
+    if low is not None and dtype_name(low) != p.dtype:
+        raise PrecastError(f"plan: written for {p.dtype}, but dtype={dtype!r}; give the plan's dtype or none")
+    dtype = dtype if low is not None else p.dtype
+    if policy is None:
+        policy = "rules"
+    if isinstance(policy, str):
+        if policy not in ("rules", "auto"):
+            raise PrecastError(
+                f"plan= applies to policy 'rules' or 'auto' (it adds a rule); got policy={policy!r}"
+            )
+        return policy, (*custom_rules, p.rule()), dtype
+    if dataclasses.is_dataclass(policy) and hasattr(policy, "custom_rules"):
+        return (
+            dataclasses.replace(policy, custom_rules=(*tuple(policy.custom_rules), p.rule())),
+            custom_rules,
+            dtype,
+        )
+    raise PrecastError(
+        f"plan= applies to policy 'rules' or 'auto' (or a RulesPolicy); got {type(policy).__name__}"
+    )
