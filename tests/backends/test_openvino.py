@@ -181,7 +181,7 @@ def test_auto_fp32_plan_runs_fp32_and_an_override_is_caught(monkeypatch, tmp_pat
 # ---- IR files ------------------------------------------------------------------------------------------------------
 def read_constants(ep) -> dict[str, int]:
     """program_constants, renamed to precast's dtype names."""
-    return {DTYPE_NAMES[k]: v for k, v in program_constants(ep).items()}
+    return {DTYPE_NAMES[k]: v for k, v in program_constants(ep).items() if k in DTYPE_NAMES}
 
 
 def test_ir_weights_once_in_their_dtype_and_reloads(tmp_path):
@@ -253,3 +253,80 @@ def test_missing_openvino_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "openvino", None)
     with pytest.raises(PrecastError, match=r"pip install 'precast\[openvino\]'"):
         precast.compile(program, backend="openvino")
+
+
+# ---- the CLI --------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A bf16 CNN program (OpenVINO runs it) and a policy-"torch" LSTM one (its oneDNN RNN op it cannot)."""
+    root = tmp_path_factory.mktemp("programs")
+    model, inputs = zoo.plain_cnn(2)
+    torch.export.save(precast.convert(model, inputs, policy="torch", dtype=BF16).program, root / "cnn.pt2")
+    model, inputs = zoo.lstm()
+    torch.export.save(precast.convert(model, inputs, policy="torch", dtype=BF16).program, root / "lstm.pt2")
+    return root
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    from precast.cli import main
+
+    code = main(["compile", *argv])
+    return code, capsys.readouterr().err
+
+
+def one_line_error(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("precast compile: error:"), err
+    return lines[0]
+
+
+def test_cli_writes_the_ir_pair(saved, tmp_path, capsys):
+    import openvino as ov
+
+    code, err = run_cli(
+        capsys, str(saved / "cnn.pt2"), "--backend", "openvino", "-o", str(tmp_path / "cnn.xml")
+    )
+    assert code == 0, err
+    assert "exported for openvino" in err and "dynamic batch" in err and "overridden: 0" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cnn.bin", "cnn.xml"]
+    model = ov.Core().read_model(str(tmp_path / "cnn.xml"))
+    # the bf16 convolution and head weights once; batch norm's fp32 statistics folded into them by OpenVINO
+    assert weight_bytes(model) == {"bf16": read_constants(torch.export.load(saved / "cnn.pt2"))["bf16"]}
+    assert model.inputs[0].get_partial_shape()[0].is_dynamic
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--backend", "openvino"], "--backend openvino needs -o FILE (e.g. -o model.xml)"),
+        (["--backend", "openvino", "-o", "{tmp}/m.onnx"], "OpenVINO IR is an .xml file"),
+        (
+            ["--backend", "openvino", "--mode", "max-autotune", "-o", "{tmp}/m.xml"],
+            "--mode applies to --backend aoti",
+        ),
+        (
+            ["--backend", "openvino", "--cache-dir", "{tmp}", "-o", "{tmp}/m.xml"],
+            "--cache-dir applies to --backend",
+        ),
+        (["--backend", "openvino", "-o", "{tmp}/no/such/dir/m.xml"], "does not exist"),
+    ],
+)
+def test_cli_user_errors_exit_2(saved, tmp_path, capsys, argv, message):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    code, err = run_cli(capsys, str(saved / "cnn.pt2"), *argv)
+    assert code == 2
+    assert message in one_line_error(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_conversion_failure_and_missing_openvino_leave_no_file(saved, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "lstm.xml"
+    code, err = run_cli(capsys, str(saved / "lstm.pt2"), "--backend", "openvino", "-o", str(out))
+    assert code == 2
+    assert "mkldnn_rnn_layer" in one_line_error(err) and "policy='rules'" in err
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    code, err = run_cli(capsys, str(saved / "cnn.pt2"), "--backend", "openvino", "-o", str(out))
+    assert code == 2
+    assert "pip install 'precast[openvino]'" in one_line_error(err)
+    assert list(tmp_path.iterdir()) == []
