@@ -38,7 +38,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from precast.backends.aoti import batch_symbols, dynamic_batch
-from precast.backends.openvino_plan import PlanCheck, check_plan, warn_overrides
+from precast.backends.openvino_plan import PlanCheck, check_plan, rounded_batch_norms, warn_overrides
 from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError, first_line
 from precast.io import check_writable
@@ -159,6 +159,7 @@ def compile_openvino(
             f"{_ov_message(exc)}"
         ) from exc
     plan = check_plan(compiled, graph_module)
+    plan.batch_norms = rounded_batch_norms(ep.graph)
     if warn:
         warn_overrides(plan, stacklevel=4)
         if any(r.get("source") == "auto" for r in node_records(ep).values()):

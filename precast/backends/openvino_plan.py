@@ -88,6 +88,9 @@ class PlanCheck:
     layers: list[LayerPrecision] = field(default_factory=list)  # the checked layers
     unchecked: int = 0  # executed layers with no precast decision, or that only move data
     by_runtime: dict[str, int] = field(default_factory=dict)  # checked layers per runtime precision
+    # batch norms with a low-precision input and fp32 statistics, which OpenVINO's frontend rounds (see
+    # ``rounded_batch_norms``)
+    batch_norms: list[str] = field(default_factory=list)
 
     @property
     def checked(self) -> int:
@@ -99,8 +102,9 @@ class PlanCheck:
 
     def summary(self) -> str:
         runs = ", ".join(f"{k} {v}" for k, v in sorted(self.by_runtime.items()))
+        norms = f"; batch norms with rounded statistics: {len(self.batch_norms)}" if self.batch_norms else ""
         return (
-            f"{self.checked} layers checked ({runs}), overridden: {len(self.overridden)}; "
+            f"{self.checked} layers checked ({runs}), overridden: {len(self.overridden)}{norms}; "
             f"{self.unchecked} layers without a precast decision or moving data only"
         )
 
@@ -110,6 +114,7 @@ class PlanCheck:
             "overridden": [asdict(layer) for layer in self.overridden],
             "unchecked": self.unchecked,
             "by_runtime": dict(self.by_runtime),
+            "batch_norms": list(self.batch_norms),
         }
 
 
@@ -174,8 +179,38 @@ def check_plan(compiled: Any, graph_module: torch.fx.GraphModule) -> PlanCheck:
     return check
 
 
+def rounded_batch_norms(graph: torch.fx.Graph) -> list[str]:
+    """Batch norms with a bf16/fp16 input and fp32 statistics (autocast's, and so precast's, choice): eager
+    computes them in fp32, but OpenVINO's frontend converts the statistics to the input's dtype first (and folds
+    them into the preceding convolution's low-precision weights), a per-channel rounding the runtime model does
+    not show. Their node names."""
+    out = []
+    for node in graph.nodes:
+        if node.op != "call_function" or "batch_norm" not in str(node.target) or len(node.args) < 2:
+            continue
+        x, w = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args[:2])
+        if (
+            isinstance(x, torch.Tensor)
+            and isinstance(w, torch.Tensor)
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dtype == torch.float32
+        ):
+            out.append(node.name)
+    return out
+
+
 def warn_overrides(check: PlanCheck, stacklevel: int = 3) -> None:
-    """One ``PlanOverrideWarning`` per overridden layer, naming it."""
+    """One ``PlanOverrideWarning`` per overridden layer, naming it, and one naming the batch norms whose fp32
+    statistics OpenVINO rounds."""
+    if check.batch_norms:
+        warnings.warn(
+            f"OpenVINO overrides precast's plan: batch norm(s) {', '.join(check.batch_norms)} take a low-precision "
+            "input with fp32 statistics (computed in fp32 in eager), which OpenVINO rounds to the input's dtype "
+            "and folds into the convolution's low-precision weights; fuse each batch norm into its convolution "
+            "before converting (torch.nn.utils.fusion.fuse_conv_bn_eval) to keep that accuracy",
+            PlanOverrideWarning,
+            stacklevel=stacklevel,
+        )
     for layer in check.overridden:
         warnings.warn(
             f"OpenVINO overrides precast's plan: {layer.describe()}; compile with precision_hint='f32' "

@@ -12,6 +12,7 @@ decisions gets a PlanOverrideWarning per such layer, and only for those.
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 from pathlib import Path
@@ -81,6 +82,15 @@ def test_zoo_outputs_and_plan(name):
     assert compiled.runtime_precision() == "f32"
     for layer in plan.overridden:  # only fp16 where the CPU has none, run in fp32 instead
         assert not NATIVE_FP16 and layer.planned == ("fp16",) and layer.runtime == ("fp32",), layer
+    norms = [w for w in overrides if "batch norm" in str(w.message)]
+    overrides = [w for w in overrides if w not in norms]
+    if name in ("cnn", "plain_cnn"):  # bf16 input, fp32 statistics: OpenVINO rounds them (fuse them first)
+        assert plan.batch_norms == ["batch_norm", "batch_norm_1"] and len(norms) == 1
+        assert "batch_norm, batch_norm_1" in str(norms[0].message) and "fuse_conv_bn_eval" in str(
+            norms[0].message
+        )
+    else:
+        assert plan.batch_norms == [] and norms == []
     assert len(overrides) == len(plan.overridden)
     for layer, w in zip(plan.overridden, overrides, strict=True):
         assert repr(layer.layer) in str(w.message) and "runs fp32 where precast decided fp16" in str(
@@ -90,6 +100,30 @@ def test_zoo_outputs_and_plan(name):
         assert [layer.planned for layer in plan.overridden] == [("fp16",)]
     decided = {d for layer in plan.layers for d in layer.planned}
     assert decided <= {"bf16", "fp32", "fp16"} and "bf16" in decided
+
+
+def test_batch_norm_fused_before_converting_is_not_rounded():
+    """The route the batch-norm warning gives: fused into its convolution in fp32, then converted, there is no
+    batch norm left to round, and OpenVINO's output is closer to the fp32 model's."""
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    from precast.metrics import flat_error
+
+    model, inputs = zoo.plain_cnn(2)
+    with torch.no_grad():
+        for bn in (model.bn1, model.bn2):
+            bn.running_mean.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+            bn.running_var.uniform_(0.2, 3.0, generator=torch.Generator().manual_seed(4))
+        want = model(*inputs)
+    fused = copy.deepcopy(model)
+    fused.conv1, fused.bn1 = fuse_conv_bn_eval(model.conv1, model.bn1), torch.nn.Identity()
+    fused.conv2, fused.bn2 = fuse_conv_bn_eval(model.conv2, model.bn2), torch.nn.Identity()
+    errors = {}
+    for key, m in (("bn", model), ("fused", fused)):
+        compiled, overrides = compile_quiet(precast.convert(m, inputs, policy="torch", dtype=BF16).program)
+        assert bool(compiled.plan.batch_norms) == bool(overrides) == (key == "bn")
+        errors[key] = 1 - flat_error(compiled(*inputs), want)[1]
+    assert errors["fused"] < errors["bn"], errors
 
 
 def test_lstm_under_policy_torch_is_one_line_with_the_route():
@@ -330,3 +364,25 @@ def test_cli_conversion_failure_and_missing_openvino_leave_no_file(saved, tmp_pa
     assert code == 2
     assert "pip install 'precast[openvino]'" in one_line_error(err)
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- precast bench ----------------------------------------------------------------------------------------------------
+def test_bench_openvino_rows(tmp_path):
+    from precast.bench import run_bench
+
+    rows = run_bench(
+        ["mlp"],
+        [2],
+        variants=("eager_fp32", "ov_default", "ov_precast"),
+        repeats=2,
+        measure_rss=False,
+        workdir=tmp_path,
+        progress=False,
+    )
+    by = {r.variant: r for r in rows}
+    for variant in ("ov_default", "ov_precast"):
+        r = by[variant]
+        assert r.error is None and r.latency_ms > 0 and r.cosine > 0.999, r
+    assert "OpenVINO's default precision hint" in by["ov_default"].note
+    assert "overridden: 0" in by["ov_precast"].note
+    assert by["ov_precast"].package_mb < by["ov_default"].package_mb  # bf16 weights against fp32 ones
