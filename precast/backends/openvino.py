@@ -300,11 +300,8 @@ def save_ir(ov_model: Any, path: str | os.PathLike) -> dict[str, Any]:
         raise PrecastError(f"{weights}: is a directory; the IR's weights go there, choose another name")
     tmp = Path(tempfile.mkdtemp(prefix=f".{xml.stem}.tmp-", dir=xml.parent))
     try:
+        # OpenVINO creates both files with the umask's permissions (only the folder is mkdtemp's 0700)
         ov.save_model(ov_model, str(tmp / xml.name), compress_to_fp16=False)
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in (xml.name, weights.name):
-            os.chmod(tmp / f, 0o666 & ~umask)  # the permissions a new file gets, not mkdtemp's 0700 folder's
         xml.unlink(missing_ok=True)
         os.replace(tmp / weights.name, weights)
         os.replace(tmp / xml.name, xml)

@@ -386,3 +386,15 @@ def test_bench_openvino_rows(tmp_path):
     assert "OpenVINO's default precision hint" in by["ov_default"].note
     assert "overridden: 0" in by["ov_precast"].note
     assert by["ov_precast"].package_mb < by["ov_default"].package_mb  # bf16 weights against fp32 ones
+
+
+def test_ir_files_get_the_umask_permissions(tmp_path):
+    import os
+
+    model, inputs = zoo.plain_mlp()
+    compiled, _ = compile_quiet(precast.convert(model, inputs, policy="torch", dtype=BF16).program)
+    compiled.save(tmp_path / "m.xml")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in ("m.xml", "m.bin"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask
