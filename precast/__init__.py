@@ -43,8 +43,12 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # compile pulls in torch._inductor: import it only when asked for (the module is precast.backends.aoti, so the
     # function precast.compile is never shadowed by a submodule of the same name)
-    if name in ("compile", "CompiledModel"):
+    if name == "compile":  # backend="aoti" (default) or "openvino": precast.backends.compile dispatches
+        from precast.backends import compile
+
+        return compile
+    if name == "CompiledModel":
         from precast.backends import aoti
 
-        return getattr(aoti, name)
+        return aoti.CompiledModel
     raise AttributeError(f"module 'precast' has no attribute {name!r}")

@@ -1,5 +1,35 @@
-"""Engines a converted program is handed to: AOTInductor (``precast.compile`` and its cache), ONNX and ONNX
-Runtime, ExecuTorch.
+"""Engines a converted program is handed to: AOTInductor (``precast.compile`` and its cache), OpenVINO
+(``precast.compile(program, backend="openvino")``), ONNX and ONNX Runtime, ExecuTorch.
 
 Input: an ExportedProgram. Output: the artifact each engine loads, and ways to run it.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+BACKENDS = ("aoti", "openvino")
+_AOTI_ONLY = ("mode", "cache_dir", "inductor_configs", "progress")
+
+
+def compile(program: Any, *, backend: str = "aoti", **options: Any) -> Any:
+    """``precast.compile``: ``backend="aoti"`` (default) is ``precast.backends.aoti.compile`` (a cached
+    AOTInductor package, a ``CompiledModel``); ``backend="openvino"`` is
+    ``precast.backends.openvino.compile_openvino`` (an ``OpenVINOModel``). Options another backend has no use
+    for are refused with one line."""
+    from precast.errors import PrecastError
+
+    if backend == "aoti":
+        from precast.backends import aoti
+
+        return aoti.compile(program, **options)
+    if backend == "openvino":
+        given = [name for name in _AOTI_ONLY if name in options]
+        if given:
+            raise PrecastError(
+                f"precast.compile: {given[0]}= applies to backend='aoti' only; drop it for backend='openvino'"
+            )
+        from precast.backends import openvino
+
+        return openvino.compile_openvino(program, **options)
+    raise PrecastError(f"precast.compile: backend={backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -11,6 +11,8 @@ Variants (all at the same precision, on the same inputs):
   auto_aoti             that fp32 model through precast.convert(policy="auto") + precast.compile: low precision
                         only where it is measured faster on this device (never slower than aoti_fp32)
   ort_fp32, ort_precast the fp32 program and precast's conversion on ONNX Runtime's CPU provider (bench/ort.py)
+  ov_default, ov_precast OpenVINO's own default on the fp32 program, and precast's conversion run with the dtypes
+                        it states (bench/openvino.py)
 
 Input: model specs (``factories.build``), batch sizes, dtype/device, repeats. Output: ``run_bench`` -> one
 ``Result`` per (model, batch, variant): median latency of interleaved repeats, speedup vs aoti_default,
@@ -47,6 +49,7 @@ from precast.bench.measure import (
     load_rss_mb,
     to_device,
 )
+from precast.bench.openvino import OV_VARIANTS, build_ov_variant
 from precast.bench.ort import ORT_VARIANTS, build_ort_variant, ort_load_rss_mb
 from precast.dtypes import ALIASES
 from precast.errors import PrecastError, first_line
@@ -63,6 +66,7 @@ VARIANTS = (
     "aoti_fp32",
     "auto_aoti",
     *ORT_VARIANTS,
+    *OV_VARIANTS,
 )
 BASELINE = "aoti_default"
 AOTI_CONFIGS: dict[str, dict[str, Any]] = {
@@ -138,6 +142,10 @@ def build_variants(
                     )
                 folder = work
                 fns[variant] = build_ort_variant(variant, model, inputs, folder, fp32_program, res)
+            elif variant in OV_VARIANTS:
+                if device != "cpu":
+                    raise PrecastError(f"{variant}: OpenVINO runs on the CPU here; use --device cpu")
+                fns[variant] = build_ov_variant(variant, model, inputs, fp32_program, res)
             else:
                 if variant == "precast_aoti":
                     program = precast.convert(model, inputs).program

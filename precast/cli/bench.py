@@ -16,12 +16,13 @@ import sys
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="compare eager, AOTInductor, ONNX Runtime and precast variants on a model",
+        help="compare eager, AOTInductor, ONNX Runtime, OpenVINO and precast variants on a model",
         description="Latency (median of interleaved repeats), package size, resident memory after load (fresh "
         "process), error vs fp32 and run-time casts per forward, for eager fp32, eager autocast, AOTI default, "
         "AOTI freezing, AOTI run-time constant folding, precast + AOTI, fp32 AOTI, policy auto + AOTI, and ONNX "
         "Runtime on the fp32 program and on precast's (ort_fp32, ort_precast; needs precast[onnx]; bf16 has no "
-        "ONNX Runtime CPU kernels: use --dtype fp16 there).",
+        "ONNX Runtime CPU kernels: use --dtype fp16 there), and OpenVINO's own default on the fp32 program against "
+        "precast's program run in the dtypes it states (ov_default, ov_precast; needs precast[openvino]).",
     )
     p.add_argument(
         "--model",
@@ -48,7 +49,7 @@ def add_parser(sub) -> None:
         default=None,
         metavar="V",
         help="subset of: eager_fp32 eager_autocast aoti_default aoti_freezing aoti_runtime_folding precast_aoti "
-        "aoti_fp32 auto_aoti ort_fp32 ort_precast (default: all)",
+        "aoti_fp32 auto_aoti ort_fp32 ort_precast ov_default ov_precast (default: all)",
     )
     p.add_argument("--out", default=None, metavar="DIR", help="write bench.json, bench.md, bench.png here")
     p.add_argument(

@@ -1,6 +1,8 @@
-"""precast compile IN.pt2 [--backend aoti|onnx|executorch] [-o FILE] [--mode default|max-autotune] [--cache-dir DIR]
+"""precast compile IN.pt2 [--backend aoti|openvino|onnx|executorch] [-o FILE] [--mode default|max-autotune]
+                   [--cache-dir DIR] [--static]
 
-Input: a saved program. Output: the artifact the engine loads (AOTInductor package, .onnx, .pte), written atomically.
+Input: a saved program. Output: the artifact the engine loads (AOTInductor package, OpenVINO IR .xml + .bin, .onnx,
+.pte), written atomically.
 """
 
 from __future__ import annotations
@@ -11,25 +13,32 @@ import time
 
 from precast.errors import PrecastError
 
-BACKENDS = ("aoti", "onnx", "executorch")
+BACKENDS = ("aoti", "openvino", "onnx", "executorch")
 # what `pip install` needs for each optional backend (the package extras)
-EXTRAS = {"onnx": "pip install 'precast[onnx]'", "executorch": "pip install 'precast[executorch]'"}
+EXTRAS = {
+    "onnx": "pip install 'precast[onnx]'",
+    "executorch": "pip install 'precast[executorch]'",
+    "openvino": "pip install 'precast[openvino]'",
+}
+SUFFIXES = {"onnx": ".onnx", "executorch": ".pte", "openvino": ".xml"}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "compile",
-        help="compile a saved (converted) program with AOTInductor (cached), or export it to ONNX / ExecuTorch",
+        help="compile a saved (converted) program with AOTInductor (cached), or for OpenVINO / ONNX / ExecuTorch",
         description="Compile a program saved with torch.export.save (e.g. by 'precast convert') into an "
         "AOTInductor package, with a dynamic batch dimension; compiled packages are cached by content. "
-        "--backend onnx writes an .onnx file (ONNX Runtime), --backend executorch a .pte file.",
+        "--backend openvino writes OpenVINO IR (model.xml + model.bin, the program's own dtypes), --backend onnx an "
+        ".onnx file (ONNX Runtime), --backend executorch a .pte file.",
     )
     p.add_argument("source", help="a program saved with torch.export.save (.pt2)")
     p.add_argument(
         "-o",
         "--output",
         default=None,
-        help="write the artifact here (aoti: default prints the cached package's path; onnx/executorch: required)",
+        help="write the artifact here (aoti: default prints the cached package's path; openvino (.xml), onnx, "
+        "executorch: required)",
     )
     p.add_argument("--backend", choices=BACKENDS, default="aoti", help="default: aoti (AOTInductor)")
     p.add_argument("--mode", choices=["default", "max-autotune"], default="default", help="aoti only")
@@ -75,21 +84,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace, backend: str) -> int:
-    """--backend onnx|executorch: every option checked and the backend imported before the program loads."""
+    """--backend openvino|onnx|executorch: every option checked and the backend imported before the program loads."""
     from precast.io import check_writable
     from precast.pipeline.capture import load_program
 
     if not args.output:
-        suffix = ".onnx" if backend == "onnx" else ".pte"
-        raise PrecastError(f"--backend {backend} needs -o FILE (e.g. -o model{suffix})")
+        raise PrecastError(f"--backend {backend} needs -o FILE (e.g. -o model{SUFFIXES[backend]})")
     if args.mode != "default" or args.cache_dir is not None:
         option = "--mode" if args.mode != "default" else "--cache-dir"
         raise PrecastError(f"{option} applies to --backend aoti only; drop it for --backend {backend}")
     check_writable(args.output, (args.source,))
+    if backend == "openvino":
+        _check_ir_path(args.output)
     export = _exporter(backend)
     started = time.perf_counter()
     program = load_program(args.source, trust_pickle=args.trust_pickle)
-    if backend == "onnx":
+    if backend == "openvino":
+        model = export(program, dynamic=not args.static)
+        files = model.save(args.output)
+        weights = ", ".join(f"{k} {v / 2**20:.2f} MB" for k, v in files["weights"].items())
+        batch = "dynamic batch" if _dynamic(model) else "static shapes"
+        detail = f"{files['bin']} beside it, weights {weights}, {batch}; plan: {model.plan.summary()}"
+    elif backend == "onnx":
         info = export(program, args.output, dynamic_batch=not args.static)
         low = {k: v for k, v in info.initializers.items() if k in ("float16", "bfloat16")}
         batch = "dynamic batch" if info.dynamic_batch else "static shapes"
@@ -118,6 +134,7 @@ def _exporter(backend: str):
     module_name, function = {
         "onnx": ("precast.backends.onnx", "export_onnx"),
         "executorch": ("precast.backends.executorch", "export_executorch"),
+        "openvino": ("precast.backends.openvino", "compile_openvino"),
     }[backend]
     try:
         module = importlib.import_module(module_name)
@@ -127,4 +144,24 @@ def _exporter(backend: str):
         ) from exc
     if backend == "onnx":
         module.require_modules("onnx", "onnxscript")  # fail before loading the program, not after
+    if backend == "openvino":
+        module.require_openvino()
     return getattr(module, function)
+
+
+def _check_ir_path(output: str) -> None:
+    from pathlib import Path
+
+    xml = Path(output)
+    if xml.suffix != ".xml":
+        raise PrecastError(
+            f"{xml}: OpenVINO IR is an .xml file (with a .bin beside it); give e.g. -o model.xml"
+        )
+    if xml.with_suffix(".bin").is_dir():
+        raise PrecastError(f"{xml.with_suffix('.bin')}: is a directory; the IR's weights go there")
+
+
+def _dynamic(model) -> bool:
+    """Whether dim 0 of every batched input of the OpenVINO model is dynamic."""
+    shapes = [i.get_partial_shape() for i in model.ov_model.inputs]
+    return all(s.rank.get_length() == 0 or s[0].is_dynamic for s in shapes)

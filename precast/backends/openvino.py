@@ -1,0 +1,331 @@
+"""OpenVINO (CPU) for converted programs: ``precast.compile(program, backend="openvino")``.
+
+    model = precast.compile(res.program, backend="openvino")   # an OpenVINOModel
+    y = model(x)                   # inputs checked against the program's specs first; torch tensors out
+    model.plan.summary()           # each executed layer's runtime precision against precast's decisions
+    model.save("model.xml")        # OpenVINO IR (model.xml + model.bin), weights once in their stored dtype
+
+``openvino.convert_model`` reads the ExportedProgram itself (after ``run_decompositions`` with OpenVINO's table),
+so every cast precast wrote is a ``Convert`` on an activation and every folded weight a constant in its stored
+dtype. The model is compiled for the CPU with ``INFERENCE_PRECISION_HINT=f32``: OpenVINO then runs each op in
+the precision the graph states (precast's bf16 ops in bf16, the ops it kept fp32 in fp32). Its default on CPUs
+with native bf16 is the ``bf16`` hint, which lowers every op OpenVINO's own heuristics allow, fp32 decisions
+included. ``check_plan`` (``openvino_plan``) reads the compiled model back and warns for every layer where
+OpenVINO runs another precision than precast decided.
+
+Dynamic batch: a program whose dim 0 is static is re-exported with a dynamic one (``aoti.dynamic_batch``, as
+``precast.compile`` does); every other dimension keeps its size. Needs ``pip install 'precast[openvino]'``.
+
+Input: an ExportedProgram (or a ConvertResult). Output: an ``OpenVINOModel``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+
+from precast.backends.aoti import batch_symbols, dynamic_batch
+from precast.backends.openvino_plan import PlanCheck, check_plan, rounded_batch_norms, warn_overrides
+from precast.backends.signature import ProgramSignature
+from precast.errors import PrecastError, first_line
+from precast.io import check_writable
+from precast.ir.program import node_records
+
+EXTRA = "pip install 'precast[openvino]' (openvino==2026.4.1)"
+AUTO_NOTE = (
+    "precast.compile(backend='openvino'): policy='auto' chose this program's precisions by timing torch's own "
+    "kernels on this CPU (what eager and AOTInductor run), not OpenVINO's; on OpenVINO, policy='torch' or "
+    "'rules' gives a plan that does not depend on those timings"
+)
+PRECISION_HINTS = ("f32", None)  # f32: the graph's own dtypes; None: OpenVINO's default (bf16 where native)
+
+
+def require_openvino() -> Any:
+    """The ``openvino`` module, or a one-line PrecastError naming the extra to install."""
+    try:
+        import openvino
+    except ImportError as exc:
+        raise PrecastError(f"OpenVINO is not installed ({first_line(exc)}); {EXTRA}") from exc
+    return openvino
+
+
+class OpenVINOModel:
+    """A program compiled by OpenVINO for the CPU. Call it like the program's module (the same input checks as
+    ``precast.compile``'s AOTInductor model, before OpenVINO runs); outputs are torch tensors in the program's
+    output structure."""
+
+    def __init__(
+        self,
+        ov_model: Any,
+        compiled: Any,
+        program: ExportedProgram,
+        plan: PlanCheck,
+        *,
+        precision_hint: str | None,
+        threads: int | None,
+        compile_seconds: float,
+    ):
+        self.ov_model = ov_model  # the openvino.Model (what ``save`` writes)
+        self.compiled = compiled  # the openvino.CompiledModel
+        self.program = program  # the program OpenVINO converted (dynamic batch where it could be)
+        self.plan = plan
+        self.precision_hint = precision_hint
+        self.threads = threads
+        self.compile_seconds = compile_seconds
+        self._signature = ProgramSignature.from_program(program)
+        self._out_spec = program.call_spec.out_spec
+        self._request = compiled.create_infer_request()
+        self._lock = threading.Lock()  # one infer request: calls from several threads take turns
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = self._signature.check(args, kwargs)
+        feeds = [_to_openvino(t) for t in flat if isinstance(t, torch.Tensor)]
+        with self._lock:
+            self._request.infer(feeds, share_inputs=True)
+            outs = [_to_torch(self._request.get_output_tensor(i)) for i in range(len(self.compiled.outputs))]
+        return pytree.tree_unflatten(outs, self._out_spec) if self._out_spec is not None else outs
+
+    def __repr__(self) -> str:
+        hint = self.precision_hint or "OpenVINO's default"
+        return f"OpenVINOModel(precision hint {hint}, {self.plan.summary()})"
+
+    def runtime_precision(self) -> str:
+        """The inference precision the compiled model runs with (OpenVINO's INFERENCE_PRECISION_HINT: f32, bf16)."""
+        return self.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+
+    def save(self, path: str | os.PathLike) -> dict[str, Any]:
+        """Write the OpenVINO IR to ``path`` (``.xml``) and its weights beside it (``.bin``), see ``save_ir``."""
+        return save_ir(self.ov_model, path)
+
+
+# ---- converting and compiling -------------------------------------------------------------------------------
+def compile_openvino(
+    program: ExportedProgram | Any,
+    *,
+    dynamic: bool = True,
+    threads: int | None = None,
+    precision_hint: str | None = "f32",
+    warn: bool = True,
+) -> OpenVINOModel:
+    """Convert ``program`` with ``openvino.convert_model`` and compile it for the CPU.
+
+    ``precision_hint``: ``"f32"`` (default) runs the dtypes the graph states; ``None`` leaves OpenVINO's own
+    default (bf16 on CPUs with native bf16), whose overrides of precast's decisions are then warned about.
+    ``threads``: OpenVINO's ``INFERENCE_NUM_THREADS`` (default: its own choice). ``dynamic``: keep or make
+    dim 0 dynamic. ``warn``: a ``PlanOverrideWarning`` per layer that does not run precast's dtype.
+    """
+    ov = require_openvino()
+    ep = getattr(program, "program", program)  # a ConvertResult
+    if not isinstance(ep, ExportedProgram):
+        raise PrecastError(
+            f"precast.compile(backend='openvino'): got {type(program).__name__}; pass an ExportedProgram "
+            "(torch.export.export(...) or precast.convert(...).program)"
+        )
+    if precision_hint not in PRECISION_HINTS:
+        raise PrecastError(
+            f"precast.compile(backend='openvino'): precision_hint={precision_hint!r}; use 'f32' (the program's "
+            "own dtypes) or None (OpenVINO's default)"
+        )
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise PrecastError(f"precast.compile(backend='openvino'): threads={threads!r}; give a positive int")
+    _check_cpu_tensors(ep)
+    started = time.perf_counter()
+    if dynamic and not batch_symbols(ep):
+        ep = dynamic_batch(ep)  # warns when the graph fixes the batch size
+    ov_model, graph_module = convert(ep)
+    config: dict[str, Any] = {}
+    if precision_hint is not None:
+        config["INFERENCE_PRECISION_HINT"] = precision_hint
+    if threads is not None:
+        config["INFERENCE_NUM_THREADS"] = threads
+    try:
+        compiled = ov.Core().compile_model(ov_model, "CPU", config)
+    except RuntimeError as exc:
+        raise PrecastError(
+            f"precast.compile(backend='openvino'): OpenVINO cannot compile the model for the CPU: "
+            f"{_ov_message(exc)}"
+        ) from exc
+    plan = check_plan(compiled, graph_module)
+    plan.batch_norms = rounded_batch_norms(ep.graph)
+    if warn:
+        warn_overrides(plan, stacklevel=4)
+        if any(r.get("source") == "auto" for r in node_records(ep).values()):
+            warnings.warn(AUTO_NOTE, stacklevel=3)
+    return OpenVINOModel(
+        ov_model,
+        compiled,
+        ep,
+        plan,
+        precision_hint=precision_hint,
+        threads=threads,
+        compile_seconds=time.perf_counter() - started,
+    )
+
+
+def convert(ep: ExportedProgram) -> tuple[Any, torch.fx.GraphModule]:
+    """``openvino.convert_model`` of ``ep``, and the decomposed GraphModule it translated (whose node names the
+    OpenVINO ops carry, and whose nodes carry precast's decisions: ``openvino_plan`` reads both).
+
+    Each user input keeps its static sizes; a symbolic size is a dynamic OpenVINO dimension."""
+    ov = require_openvino()
+    from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
+
+    shapes = []
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT:
+            continue
+        val = _placeholder_val(ep, spec.arg.name)
+        if not isinstance(val, torch.Tensor):
+            raise PrecastError(
+                f"precast.compile(backend='openvino'): input {spec.arg.name!r} is not a tensor; OpenVINO "
+                "takes tensor inputs only (export the program with that value fixed)"
+            )
+        dims = [d if isinstance(d, int) else -1 for d in (_static(s) for s in val.shape)]
+        shapes.append(ov.PartialShape(dims))
+    try:
+        with _quiet(), torch.no_grad():
+            decoder = TorchFXPythonDecoder.from_exported_program(ep)
+            model = ov.convert_model(decoder, input=shapes)
+    except Exception as exc:  # noqa: BLE001 - the frontend raises OpConversionFailure, RuntimeError, ...
+        cause = _ov_message(exc)
+        route = (
+            "convert with policy='rules', which keeps the recurrent layer as aten.lstm in float32 (policy "
+            "'torch' takes autocast's oneDNN-only RNN kernel)"
+            if "mkldnn_rnn_layer" in cause
+            else "keep that op out of the program, or serve it with precast.compile (AOTInductor)"
+        )
+        raise PrecastError(
+            f"precast.compile(backend='openvino'): openvino.convert_model failed: {cause}; {route}"
+        ) from exc
+    return model, decoder.pt_module
+
+
+def _placeholder_val(ep: ExportedProgram, name: str) -> Any:
+    node = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == name)
+    return node.meta.get("val")
+
+
+def _static(size: Any) -> int | None:
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr if isinstance(size, torch.SymInt) else None
+    return int(expr) if expr is not None and expr.is_number else None
+
+
+def _check_cpu_tensors(ep: ExportedProgram) -> None:
+    for t in [*ep.state_dict.values(), *ep.constants.values()]:
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            raise PrecastError(
+                f"precast.compile(backend='openvino'): the program's weights are on {t.device.type}; OpenVINO "
+                "runs here on the CPU: export and convert the model on the CPU"
+            )
+
+
+def _ov_message(exc: BaseException) -> str:
+    """OpenVINO's messages open with 'Exception from src/...' lines: the first line that says something."""
+    lines = [ln.strip().removeprefix("-- ") for ln in str(exc).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith(_PREAMBLE)]
+    return (useful or lines or [type(exc).__name__])[0][:300]
+
+
+# the lines OpenVINO opens its messages with, before the one naming the cause
+_PREAMBLE = ("Exception from", "Check '", "FrontEnd API failed", "Model wasn't fully converted", "Summary:")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """OpenVINO's frontend logs a warning with a traceback (on the root logger) for every op of its keep-list
+    that the installed torch no longer decomposes: noise for the user, dropped for the conversion only."""
+    if os.environ.get("PRECAST_VERBOSE"):
+        yield
+        return
+    before = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(before)
+
+
+# ---- tensors in and out -------------------------------------------------------------------------------------
+def _to_openvino(t: torch.Tensor) -> Any:
+    import openvino as ov
+
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: hand OpenVINO the bits
+        return ov.Tensor(t.view(torch.int16).numpy(), list(t.shape), ov.Type.bf16)
+    return ov.Tensor(t.numpy(), shared_memory=True)
+
+
+def _to_torch(tensor: Any) -> torch.Tensor:
+    """A copy (the infer request reuses its output buffers) as a torch tensor of the same dtype."""
+    data = tensor.data
+    out = torch.from_numpy(data.copy())
+    if str(tensor.element_type.get_type_name()) == "bf16":  # returned as 2-byte values: reinterpret the bits
+        out = out.view(torch.bfloat16)
+    return out
+
+
+# ---- IR files -------------------------------------------------------------------------------------------------
+def save_ir(ov_model: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """Write ``ov_model`` as OpenVINO IR: ``path`` (``.xml``) and the weights beside it (same name, ``.bin``).
+
+    Weights are written as they are (``compress_to_fp16=False``: OpenVINO's default would turn every fp32
+    weight, batch norm's statistics included, into fp16), so each is stored once in its precast dtype.
+    Both files are written into a temporary folder beside ``path`` and renamed into place, the ``.xml`` last and
+    after any old ``.xml`` is removed: at no moment does an ``.xml`` sit beside a ``.bin`` it was not written
+    with, and a failure leaves no partial file. Returns the paths and sizes, and the weight bytes by dtype.
+    """
+    ov = require_openvino()
+    xml = check_writable(path)
+    if xml.suffix != ".xml":
+        raise PrecastError(
+            f"{xml}: OpenVINO IR is an .xml file (with a .bin beside it); give e.g. -o model.xml"
+        )
+    weights = xml.with_suffix(".bin")
+    if weights.is_dir():
+        raise PrecastError(f"{weights}: is a directory; the IR's weights go there, choose another name")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{xml.stem}.tmp-", dir=xml.parent))
+    try:
+        # OpenVINO creates both files with the umask's permissions (only the folder is mkdtemp's 0700)
+        ov.save_model(ov_model, str(tmp / xml.name), compress_to_fp16=False)
+        xml.unlink(missing_ok=True)
+        os.replace(tmp / weights.name, weights)
+        os.replace(tmp / xml.name, xml)
+    except RuntimeError as exc:
+        raise PrecastError(f"{xml}: OpenVINO could not write the IR: {_ov_message(exc)}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "xml": str(xml),
+        "bin": str(weights),
+        "xml_bytes": xml.stat().st_size,
+        "bin_bytes": weights.stat().st_size,
+        "weights": weight_bytes(ov_model),
+    }
+
+
+def weight_bytes(ov_model: Any) -> dict[str, int]:
+    """Bytes of the model's floating constants by dtype (precast's names), each constant counted once."""
+    names = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}
+    out: dict[str, int] = {}
+    for op in ov_model.get_ordered_ops():
+        if op.get_type_name() != "Constant":
+            continue
+        kind = names.get(op.get_element_type().get_type_name())
+        if kind is not None:
+            out[kind] = out.get(kind, 0) + op.get_byte_size()
+    return dict(sorted(out.items()))

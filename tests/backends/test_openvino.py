@@ -1,0 +1,400 @@
+"""precast.compile(program, backend="openvino"): converted programs on OpenVINO's CPU plugin, running precast's plan.
+
+Tolerance: OpenVINO's bf16 kernels accumulate in fp32 and fuse differently from torch's eager kernels (it folds
+batch norm into the bf16 convolution weights, keeps fused elementwise intermediates in fp32), so outputs differ
+from the converted program's by rounding: measured <= 1.7 bf16 ulps at the output's largest magnitude on the zoo
+and the real-model tier. The bound is 4 ulps (``4 * eps(bf16) * max|ref|``) plus 1e-5 absolute. fp32 programs
+(auto's fp32 plan): OpenVINO's fp32 kernels against torch's, 1e-4 relative to the largest magnitude.
+
+On this CPU (AVX512 with native bf16, no fp16 arithmetic) OpenVINO runs fp16 ops in fp32: a program with fp16
+decisions gets a PlanOverrideWarning per such layer, and only for those.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("openvino", reason="openvino not installed (pip install 'precast[openvino]')")
+
+import precast  # noqa: E402
+from precast.backends.aoti import dynamic_batch  # noqa: E402
+from precast.backends.executorch import program_constants  # noqa: E402
+from precast.backends.openvino import AUTO_NOTE, compile_openvino, weight_bytes  # noqa: E402
+from precast.backends.openvino_plan import PlanOverrideWarning  # noqa: E402
+from precast.backends.signature import ProgramSignature  # noqa: E402
+from precast.errors import PrecastError  # noqa: E402
+from precast.pipeline.latency import _cpu_flags  # noqa: E402
+from tests import models as zoo  # noqa: E402
+
+BF16 = torch.bfloat16
+NATIVE_FP16 = bool({"avx512_fp16", "amx_fp16"} & (_cpu_flags() or set()))
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def bound(ref: torch.Tensor, ulps: int = 4) -> float:
+    return ulps * torch.finfo(BF16).eps * ref.detach().abs().max().item() + 1e-5
+
+
+def assert_close(got, want, rel: float | None = None) -> None:
+    g, w = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+    assert len(g) == len(w)
+    for a, b in zip(g, w, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+        if not a.is_floating_point():
+            assert torch.equal(a, b)
+            continue
+        limit = rel * b.abs().max().item() + 1e-6 if rel is not None else bound(b)
+        assert (a.double() - b.double()).abs().max().item() <= limit, (
+            (a.double() - b.double()).abs().max().item()
+        )
+
+
+def compile_quiet(program, **options):
+    """Compile, returning the model and the PlanOverrideWarnings it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = precast.compile(program, backend="openvino", **options)
+    return model, [w for w in caught if issubclass(w.category, PlanOverrideWarning)]
+
+
+# ---- the zoo ------------------------------------------------------------------------------------------------
+ZOO = [name for name in zoo.ZOO if name != "lstm"]
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_outputs_and_plan(name):
+    """Outputs within the bound of the converted program, output dtypes kept, and every executed layer runs
+    the dtype precast decided (fp16 decisions excepted on a CPU without fp16 arithmetic, each one warned)."""
+    model, inputs = zoo.ZOO[name]()
+    res = precast.convert(
+        model, inputs, **({} if name in zoo.REGION_MODELS else {"policy": "torch", "dtype": BF16})
+    )
+    compiled, overrides = compile_quiet(res.program)
+    assert_close(compiled(*inputs), res.program.module()(*inputs))
+    plan = compiled.plan
+    assert plan.checked > 0
+    assert compiled.runtime_precision() == "f32"
+    for layer in plan.overridden:  # only fp16 where the CPU has none, run in fp32 instead
+        assert not NATIVE_FP16 and layer.planned == ("fp16",) and layer.runtime == ("fp32",), layer
+    norms = [w for w in overrides if "batch norm" in str(w.message)]
+    overrides = [w for w in overrides if w not in norms]
+    if name in ("cnn", "plain_cnn"):  # bf16 input, fp32 statistics: OpenVINO rounds them (fuse them first)
+        assert plan.batch_norms == ["batch_norm", "batch_norm_1"] and len(norms) == 1
+        assert "batch_norm, batch_norm_1" in str(norms[0].message) and "fuse_conv_bn_eval" in str(
+            norms[0].message
+        )
+    else:
+        assert plan.batch_norms == [] and norms == []
+    assert len(overrides) == len(plan.overridden)
+    for layer, w in zip(plan.overridden, overrides, strict=True):
+        assert repr(layer.layer) in str(w.message) and "runs fp32 where precast decided fp16" in str(
+            w.message
+        )
+    if name == "nested":  # the nested fp16 region: one Linear
+        assert [layer.planned for layer in plan.overridden] == [("fp16",)]
+    decided = {d for layer in plan.layers for d in layer.planned}
+    assert decided <= {"bf16", "fp32", "fp16"} and "bf16" in decided
+
+
+def test_batch_norm_fused_before_converting_is_not_rounded():
+    """The route the batch-norm warning gives: fused into its convolution in fp32, then converted, there is no
+    batch norm left to round, and OpenVINO's output is closer to the fp32 model's."""
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    from precast.metrics import flat_error
+
+    model, inputs = zoo.plain_cnn(2)
+    with torch.no_grad():
+        for bn in (model.bn1, model.bn2):
+            bn.running_mean.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+            bn.running_var.uniform_(0.2, 3.0, generator=torch.Generator().manual_seed(4))
+        want = model(*inputs)
+    fused = copy.deepcopy(model)
+    fused.conv1, fused.bn1 = fuse_conv_bn_eval(model.conv1, model.bn1), torch.nn.Identity()
+    fused.conv2, fused.bn2 = fuse_conv_bn_eval(model.conv2, model.bn2), torch.nn.Identity()
+    errors = {}
+    for key, m in (("bn", model), ("fused", fused)):
+        compiled, overrides = compile_quiet(precast.convert(m, inputs, policy="torch", dtype=BF16).program)
+        assert bool(compiled.plan.batch_norms) == bool(overrides) == (key == "bn")
+        errors[key] = 1 - flat_error(compiled(*inputs), want)[1]
+    assert errors["fused"] < errors["bn"], errors
+
+
+def test_lstm_under_policy_torch_is_one_line_with_the_route():
+    model, inputs = zoo.lstm()
+    res = precast.convert(model, inputs, policy="torch", dtype=BF16)
+    with pytest.raises(PrecastError, match=r"mkldnn_rnn_layer.*policy='rules'") as err:
+        precast.compile(res.program, backend="openvino")
+    assert "\n" not in str(err.value)
+    rules = precast.convert(model, inputs, policy="rules", dtype=BF16)  # the route works
+    compiled, overrides = compile_quiet(rules.program)
+    assert_close(compiled(*inputs), rules.program.module()(*inputs))
+    assert not overrides
+
+
+# ---- dynamic batch, input checks --------------------------------------------------------------------------------
+def test_dynamic_batch_from_a_static_program():
+    model, inputs = zoo.plain_cnn(2)
+    res = precast.convert(model, inputs, policy="torch", dtype=BF16)  # static shapes
+    compiled, _ = compile_quiet(res.program)
+    (shape,) = [i.get_partial_shape() for i in compiled.ov_model.inputs]
+    assert shape[0].is_dynamic and [shape[i].get_length() for i in (1, 2, 3)] == [3, 16, 16]
+    module = dynamic_batch(res.program).module()
+    g = torch.Generator().manual_seed(0)
+    for batch in (1, 2, 5):
+        x = torch.randn(batch, 3, 16, 16, generator=g)
+        assert_close(compiled(x), module(x))
+
+
+def test_static_keeps_the_example_shape():
+    model, inputs = zoo.plain_mlp()
+    res = precast.convert(model, inputs, policy="torch", dtype=BF16)
+    compiled, _ = compile_quiet(res.program, dynamic=False)
+    (shape,) = [i.get_partial_shape() for i in compiled.ov_model.inputs]
+    assert shape.is_static and shape.to_shape() == [4, 64]
+
+
+def test_inputs_checked_as_aoti_checks_them_before_openvino_runs():
+    model, inputs = zoo.plain_mlp()
+    res = precast.convert(model, inputs, policy="torch", dtype=BF16)
+    compiled, _ = compile_quiet(res.program)
+
+    class NoRequest:
+        def infer(self, *args, **kwargs):
+            raise AssertionError("OpenVINO ran on inputs the program does not take")
+
+    compiled._request = NoRequest()
+    signature = ProgramSignature.from_program(compiled.program)
+    for bad in ((torch.randn(4, 63),), (torch.randn(4, 64, dtype=torch.float64),), (torch.randn(4, 64), 1)):
+        with pytest.raises(PrecastError) as err:
+            compiled(*bad)
+        with pytest.raises(PrecastError) as same:
+            signature.check(bad, {})
+        assert str(err.value) == str(same.value) and "\n" not in str(err.value)
+
+
+# ---- the plan: an fp32 decision that is not honoured fails ------------------------------------------------------
+def test_auto_fp32_plan_runs_fp32_and_an_override_is_caught(monkeypatch, tmp_path):
+    """Auto keeps every Linear fp32 here (bf16 timed slower): with the f32 hint OpenVINO runs them fp32 and the
+    check finds nothing; with OpenVINO's default (bf16 on this CPU) it lowers them, and the check names each."""
+    from precast.pipeline import latency
+    from precast.policy.auto import AutoPolicy, OpLatency
+
+    monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(latency, "measure_node", lambda *a, **k: OpLatency(10.0, 20.0, 1.0, 1.0))
+    model, inputs = zoo.plain_mlp()
+    res = precast.convert(model, inputs, policy=AutoPolicy(dtype=BF16, confirm=False))
+    assert {res.report.node(n).dtype for n in ("linear", "linear_1", "linear_2", "linear_3")} == {"fp32"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = precast.compile(res.program, backend="openvino")
+    assert AUTO_NOTE in [str(w.message) for w in caught]  # says whose kernels auto timed
+    assert not [w for w in caught if issubclass(w.category, PlanOverrideWarning)]
+    plan = compiled.plan
+    assert plan.checked >= 4 and plan.overridden == [] and set(plan.by_runtime) == {"fp32"}
+    assert [layer.layer_type for layer in plan.layers].count("FullyConnected") == 4
+    assert_close(compiled(*inputs), res.program.module()(*inputs), rel=1e-4)
+
+    if "avx512_bf16" not in (_cpu_flags() or set()) and "amx_bf16" not in (_cpu_flags() or set()):
+        pytest.skip("OpenVINO's default is fp32 on a CPU without native bf16: nothing to override")
+    with pytest.warns(
+        PlanOverrideWarning, match=r"layer '.*' \(FullyConnected\) runs bf16 where precast decided fp32"
+    ):
+        default = compile_openvino(res.program, precision_hint=None)
+    overridden = default.plan.overridden
+    assert len([layer for layer in overridden if layer.layer_type == "FullyConnected"]) == 4
+    assert all(layer.planned == ("fp32",) and "bf16" in layer.runtime for layer in overridden)
+
+
+# ---- IR files ------------------------------------------------------------------------------------------------------
+def read_constants(ep) -> dict[str, int]:
+    """program_constants, renamed to precast's dtype names."""
+    return {DTYPE_NAMES[k]: v for k, v in program_constants(ep).items() if k in DTYPE_NAMES}
+
+
+def test_ir_weights_once_in_their_dtype_and_reloads(tmp_path):
+    import openvino as ov
+
+    model, inputs = zoo.plain_encoder(2)
+    with torch.no_grad():  # norms away from 1/0, which OpenVINO would fold away
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+    res = precast.convert(model, inputs, policy="torch", dtype=BF16)
+    compiled, _ = compile_quiet(res.program)
+    files = compiled.save(tmp_path / "enc.xml")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["enc.bin", "enc.xml"]
+    want = read_constants(res.program)
+    assert want == {"bf16": 66432, "fp32": 1024}  # the encoder's Linear weights bf16, LayerNorm's fp32
+    assert files["weights"] == want == weight_bytes(compiled.ov_model)
+    # the .bin holds those bytes at most once (OpenVINO's serializer also shares equal blobs), plus the graph's
+    # few shape constants: nothing widened to fp32, nothing stored twice
+    assert 0.98 * sum(want.values()) <= files["bin_bytes"] <= sum(want.values()) + 2048
+    reloaded = ov.Core().compile_model(
+        ov.Core().read_model(str(tmp_path / "enc.xml")), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
+    )
+    (out,) = reloaded(list(inputs)).values()
+    assert torch.equal(torch.from_numpy(out), compiled(*inputs))
+
+
+def test_ir_failure_leaves_no_file_and_keeps_the_old_pair(tmp_path, monkeypatch):
+    import openvino as ov
+
+    model, inputs = zoo.plain_mlp()
+    compiled, _ = compile_quiet(precast.convert(model, inputs, policy="torch", dtype=BF16).program)
+    compiled.save(tmp_path / "m.xml")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def half_written(model, path, compress_to_fp16=True):
+        Path(str(path)).with_suffix(".bin").write_bytes(b"partial")
+        raise RuntimeError("Exception from src/core/src/pass/serialize.cpp:1:\ndisk full")
+
+    monkeypatch.setattr(ov, "save_model", half_written)
+    with pytest.raises(PrecastError, match="could not write the IR: disk full"):
+        compiled.save(tmp_path / "m.xml")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temporary, old pair intact
+    with pytest.raises(PrecastError, match=r"OpenVINO IR is an \.xml file"):
+        compiled.save(tmp_path / "m.onnx")
+
+
+# ---- options --------------------------------------------------------------------------------------------------------
+def test_options_refused_with_one_line():
+    model, inputs = zoo.plain_mlp()
+    program = precast.convert(model, inputs, policy="torch", dtype=BF16).program
+    for options, message in (
+        ({"mode": "max-autotune"}, "mode= applies to backend='aoti' only"),
+        ({"cache_dir": "/tmp"}, "cache_dir= applies to backend='aoti' only"),
+        ({"precision_hint": "bf16"}, "precision_hint='bf16'"),
+        ({"threads": 0}, "threads=0"),
+    ):
+        with pytest.raises(PrecastError, match=message):
+            precast.compile(program, backend="openvino", **options)
+    with pytest.raises(PrecastError, match="backend='tensorrt'; choose one of aoti, openvino"):
+        precast.compile(program, backend="tensorrt")
+    with pytest.raises(PrecastError, match="pass an ExportedProgram"):
+        precast.compile(model, backend="openvino")
+
+
+def test_missing_openvino_names_the_extra(monkeypatch):
+    model, inputs = zoo.plain_mlp()
+    program = torch.export.export(model, inputs)
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    with pytest.raises(PrecastError, match=r"pip install 'precast\[openvino\]'"):
+        precast.compile(program, backend="openvino")
+
+
+# ---- the CLI --------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A bf16 CNN program (OpenVINO runs it) and a policy-"torch" LSTM one (its oneDNN RNN op it cannot)."""
+    root = tmp_path_factory.mktemp("programs")
+    model, inputs = zoo.plain_cnn(2)
+    torch.export.save(precast.convert(model, inputs, policy="torch", dtype=BF16).program, root / "cnn.pt2")
+    model, inputs = zoo.lstm()
+    torch.export.save(precast.convert(model, inputs, policy="torch", dtype=BF16).program, root / "lstm.pt2")
+    return root
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    from precast.cli import main
+
+    code = main(["compile", *argv])
+    return code, capsys.readouterr().err
+
+
+def one_line_error(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("precast compile: error:"), err
+    return lines[0]
+
+
+def test_cli_writes_the_ir_pair(saved, tmp_path, capsys):
+    import openvino as ov
+
+    code, err = run_cli(
+        capsys, str(saved / "cnn.pt2"), "--backend", "openvino", "-o", str(tmp_path / "cnn.xml")
+    )
+    assert code == 0, err
+    assert "exported for openvino" in err and "dynamic batch" in err and "overridden: 0" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cnn.bin", "cnn.xml"]
+    model = ov.Core().read_model(str(tmp_path / "cnn.xml"))
+    # the bf16 convolution and head weights once; batch norm's fp32 statistics folded into them by OpenVINO
+    assert weight_bytes(model) == {"bf16": read_constants(torch.export.load(saved / "cnn.pt2"))["bf16"]}
+    assert model.inputs[0].get_partial_shape()[0].is_dynamic
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--backend", "openvino"], "--backend openvino needs -o FILE (e.g. -o model.xml)"),
+        (["--backend", "openvino", "-o", "{tmp}/m.onnx"], "OpenVINO IR is an .xml file"),
+        (
+            ["--backend", "openvino", "--mode", "max-autotune", "-o", "{tmp}/m.xml"],
+            "--mode applies to --backend aoti",
+        ),
+        (
+            ["--backend", "openvino", "--cache-dir", "{tmp}", "-o", "{tmp}/m.xml"],
+            "--cache-dir applies to --backend",
+        ),
+        (["--backend", "openvino", "-o", "{tmp}/no/such/dir/m.xml"], "does not exist"),
+    ],
+)
+def test_cli_user_errors_exit_2(saved, tmp_path, capsys, argv, message):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    code, err = run_cli(capsys, str(saved / "cnn.pt2"), *argv)
+    assert code == 2
+    assert message in one_line_error(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_conversion_failure_and_missing_openvino_leave_no_file(saved, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "lstm.xml"
+    code, err = run_cli(capsys, str(saved / "lstm.pt2"), "--backend", "openvino", "-o", str(out))
+    assert code == 2
+    assert "mkldnn_rnn_layer" in one_line_error(err) and "policy='rules'" in err
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setitem(sys.modules, "openvino", None)
+    code, err = run_cli(capsys, str(saved / "cnn.pt2"), "--backend", "openvino", "-o", str(out))
+    assert code == 2
+    assert "pip install 'precast[openvino]'" in one_line_error(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- precast bench ----------------------------------------------------------------------------------------------------
+def test_bench_openvino_rows(tmp_path):
+    from precast.bench import run_bench
+
+    rows = run_bench(
+        ["mlp"],
+        [2],
+        variants=("eager_fp32", "ov_default", "ov_precast"),
+        repeats=2,
+        measure_rss=False,
+        workdir=tmp_path,
+        progress=False,
+    )
+    by = {r.variant: r for r in rows}
+    for variant in ("ov_default", "ov_precast"):
+        r = by[variant]
+        assert r.error is None and r.latency_ms > 0 and r.cosine > 0.999, r
+    assert "OpenVINO's default precision hint" in by["ov_default"].note
+    assert "overridden: 0" in by["ov_precast"].note
+    assert by["ov_precast"].package_mb < by["ov_default"].package_mb  # bf16 weights against fp32 ones
+
+
+def test_ir_files_get_the_umask_permissions(tmp_path):
+    import os
+
+    model, inputs = zoo.plain_mlp()
+    compiled, _ = compile_quiet(precast.convert(model, inputs, policy="torch", dtype=BF16).program)
+    compiled.save(tmp_path / "m.xml")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in ("m.xml", "m.bin"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask
