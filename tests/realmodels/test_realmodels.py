@@ -9,6 +9,7 @@ loaded, its report rebuilt with one row per op, and ``precast check`` run on it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import subprocess
@@ -21,10 +22,11 @@ import torch
 import precast
 from precast.metrics import row_cosine
 from tests.helpers import assert_bitwise, constant_casts
-from tests.realmodels.builders import BATCHES, BUILDERS
-from tests.realmodels.conftest import POLICIES
+from tests.realmodels.builders import BATCHES
+from tests.realmodels.conftest import BUILDERS, POLICIES, VISION_MODELS
 
 MODELS = sorted(BUILDERS)
+BASE = ("none", "torch-bf16", "torch-fp16", "rules-fp16", "rules-bf16")
 ROOT = Path(__file__).resolve().parents[2]
 
 # Which policies each model runs (default: all five). minilm_st is minilm_hf's network (same weights) behind
@@ -32,7 +34,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # its time budget (the largest cost here is MiniLM's conversions and decompositions).
 # gpt2_upcast exists for its nested region: policy None on the region program, and policy torch, which traces the
 # module under autocast so transformers opens that region too (see builders.gpt2_upcast).
-RUNS = {"minilm_st": ("none", "rules-fp16"), "gpt2_upcast": ("none", "torch-bf16", "torch-fp16")}
+# The vision models add policy "auto" (bf16: native on this CPU, where auto has a real choice to make).
+RUNS = {"minilm_st": ("none", "rules-fp16"), "gpt2_upcast": ("none", "torch-bf16", "torch-fp16")} | {
+    m: (*BASE, "auto-bf16") for m in VISION_MODELS
+}
 # run_decompositions() of a converted program costs a conversion again (MiniLM rules-fp16: ~20 s CPU): the
 # decomposed check runs on the region program (policy None) and rules fp16 (every weight stored fp16) of the
 # small models, and on MiniLM's region program.
@@ -40,9 +45,7 @@ DECOMPOSE = {m: ("none", "rules-fp16") for m in MODELS} | {"minilm_hf": ("none",
 
 
 def cases(policy_ids: list[str], runs: dict = RUNS) -> list:
-    return [
-        pytest.param(m, p, id=f"{m}-{p}") for m in MODELS for p in policy_ids if p in runs.get(m, POLICIES)
-    ]
+    return [pytest.param(m, p, id=f"{m}-{p}") for m in MODELS for p in policy_ids if p in runs.get(m, BASE)]
 
 
 # Lowest cosine to fp32 eager under policy "rules", per output row (token / sentence / image), minimum over the
@@ -55,6 +58,51 @@ RULES_MIN_COSINE = {
     "bf16": {m: 0.9997 for m in MODELS}
     | {"wav2vec2": 0.9985, "t5": 0.9995, "minilm_hf": 0.9995, "minilm_st": 0.9995},
 }
+# The vision models (latest lane, torch 2.15.0, 2-core AMD EPYC AVX512-bf16): lowest row cosine over 10 logits
+# of random-weight classifiers, the worse of "rules" and "auto" (auto may put fewer ops low, not more, but a
+# different set of casts can land worse). Bounds leave 10x margin on 1 - cosine, 2x where 10x would go below
+# 0.8 (efficientnet_b0, mobilenetv3_small_050 in bf16: squeeze-excitation gates and hard-swish after many
+# depthwise blocks; measured, not yet investigated).
+VISION_MIN_COSINE = {
+    "fp16": {
+        "convnext_atto": 0.9999959,  # measured 1 - cosine 4e-07
+        "densenet121": 0.9947,  # measured 1 - cosine 0.00052
+        "efficientformerv2_s0": 0.99916,  # measured 1 - cosine 8.3e-05
+        "efficientnet_b0": 0.83,  # measured 1 - cosine 0.017
+        "ghostnet_050": 0.99949,  # measured 1 - cosine 5e-05
+        "levit_128s": 0.9954,  # measured 1 - cosine 0.00045
+        "mobilenetv3_small_050": 0.9985,  # measured 1 - cosine 0.00014
+        "mobilevit_xxs": 0.99985,  # measured 1 - cosine 1.5e-05
+        "regnetx_002": 0.9983,  # measured 1 - cosine 0.00016
+        "resnet10t": 0.99984,  # measured 1 - cosine 1.6e-05
+        "swin_tiny_patch4_window7_224": 0.999983,  # measured 1 - cosine 1.6e-06
+        "tv_mobilenet_v3_small": 0.9988,  # measured 1 - cosine 0.00011
+        "tv_resnet18": 0.99965,  # measured 1 - cosine 3.5e-05
+        "tv_swin_t": 0.999989,  # measured 1 - cosine 1e-06
+        "tv_vit_b_16": 0.999962,  # measured 1 - cosine 3.7e-06
+        "vit_tiny_patch16_224": 0.999997,  # measured 1 - cosine 3e-07
+    },
+    "bf16": {
+        "convnext_atto": 0.99966,  # measured 1 - cosine 3.4e-05
+        "densenet121": 0.913,  # measured 1 - cosine 0.0086
+        "efficientformerv2_s0": 0.949,  # measured 1 - cosine 0.0051
+        "efficientnet_b0": 0.73,  # measured 1 - cosine 0.13
+        "ghostnet_050": 0.947,  # measured 1 - cosine 0.0053
+        "levit_128s": 0.928,  # measured 1 - cosine 0.0071
+        "mobilenetv3_small_050": 0.923,  # measured 1 - cosine 0.038
+        "mobilevit_xxs": 0.977,  # measured 1 - cosine 0.0023
+        "regnetx_002": 0.82,  # measured 1 - cosine 0.017
+        "resnet10t": 0.973,  # measured 1 - cosine 0.0027
+        "swin_tiny_patch4_window7_224": 0.9983,  # measured 1 - cosine 0.00016
+        "tv_mobilenet_v3_small": 0.89,  # measured 1 - cosine 0.011
+        "tv_resnet18": 0.984,  # measured 1 - cosine 0.0015
+        "tv_swin_t": 0.9994,  # measured 1 - cosine 6e-05
+        "tv_vit_b_16": 0.9982,  # measured 1 - cosine 0.00017
+        "vit_tiny_patch16_224": 0.99973,  # measured 1 - cosine 2.6e-05
+    },
+}
+for _dtype, _bounds in VISION_MIN_COSINE.items():
+    RULES_MIN_COSINE[_dtype].update(_bounds)
 
 
 def _batches(model):
@@ -76,7 +124,7 @@ def _regions(program) -> list[tuple]:
 
 
 # ---- 1. policy None: bitwise the unconverted program -------------------------------------------------------
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [m for m in MODELS if "none" in RUNS.get(m, BASE)])
 def test_policy_none_bitwise_equal_to_program(zoo, name):
     model = zoo.model(name)
     _, program = model.policy_none_source()
@@ -119,11 +167,21 @@ def decompose(program, model, policy_id: str):
 
 
 # ---- 3. policy "torch": bitwise eager autocast ----------------------------------------------------------------
+@contextlib.contextmanager
+def no_mha_fastpath():
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
 def eager_fp32_gap(model) -> float:
     """Max |eager fp32 - exported fp32 program| over the batch sizes: 0 where export records eager exactly."""
     gap = 0.0
     program_module = model.program.module()
-    with torch.no_grad():
+    with torch.no_grad(), no_mha_fastpath():
         for _, x in _batches(model):
             gap = max(gap, _max_diff(model.module(*x), program_module(*x)))
     return gap
@@ -139,7 +197,9 @@ def test_policy_torch_bitwise_equal_to_eager_autocast(zoo, name, policy_id):
     with torch.no_grad():
         for b, x in _batches(model):
             got = got_module(*x)
-            with torch.autocast("cpu", dtype=dtype, cache_enabled=False):
+            # nn.MultiheadAttention's fused inference path (torchvision's ViT) is never recorded by export:
+            # eager autocast runs without it, as precast's own verification does (README, caveats)
+            with no_mha_fastpath(), torch.autocast("cpu", dtype=dtype, cache_enabled=False):
                 want = model.module(*x)
             if gap == 0.0:
                 assert_bitwise(got, want)
@@ -170,7 +230,33 @@ def test_policy_rules_finite_and_close_to_fp32(zoo, name, policy_id):
     assert worst >= bound
 
 
-# ---- 5. save / load, report, precast check ---------------------------------------------------------------
+# ---- 5. policy "auto": the rules' accuracy, low only where measured faster ------------------------------------
+@pytest.mark.parametrize("name, policy_id", cases(["auto-bf16"]))
+def test_policy_auto_within_rules_and_close_to_fp32(zoo, name, policy_id):
+    """Which ops auto puts in bf16 depends on this machine's timings; what holds whatever it chose: only ops
+    the rules put low (auto never overrides an accuracy rule), outputs finite and as close to fp32 as the
+    rules' bound, and with nothing low the program is bitwise the fp32 program."""
+    model = zoo.model(name)
+    res = zoo.convert(name, policy_id).result
+    rules = zoo.convert(name, "rules-bf16").result
+    low = {r.name for r in res.report.nodes if r.dtype == "bf16"}
+    assert low <= {r.name for r in rules.report.nodes if r.dtype == "bf16"}
+    assert [d for d in res.report.diagnostics if d.code == "auto-latency"]
+    bound = RULES_MIN_COSINE["bf16"][name]
+    got_module, fp32_module = res.program.module(), model.program.module()
+    worst = 1.0
+    with torch.no_grad():
+        for b, x in _batches(model):
+            got, want = got_module(*x), model.module(*x)
+            assert got.dtype == want.dtype and bool(torch.isfinite(got).all()), f"batch {b}"
+            if not low:
+                assert_bitwise(got, fp32_module(*x))
+            worst = min(worst, row_cosine(got, want))
+    print(f"\n{name} {policy_id}: {len(low)} ops bf16, min row cosine vs fp32 {worst:.7f} (bound {bound})")
+    assert worst >= bound
+
+
+# ---- 6. save / load, report, precast check ---------------------------------------------------------------
 def _op_rows(rep) -> list[str]:
     return [r.name for r in rep.nodes]
 
@@ -198,7 +284,9 @@ def test_save_load_report_and_check(zoo, name, policy_id, tmp_path):
     out = check(path, inputs)
     (row,) = out["outputs"]
     assert out["reference"] == "float32" and row["cosine"] is not None and math.isfinite(row["max_abs"])
-    assert row["cosine"] >= 0.99, row
+    # a bf16 region around the whole forward (policy None) or rules fp16: no worse than 0.99, or than the
+    # model's own rules-bf16 bound where that is lower (levit_128s's region program: 0.987 measured)
+    assert row["cosine"] >= min(0.99, RULES_MIN_COSINE["bf16"][name]), row
     if policy_id == "none" and not model.built.region:
         assert row["bitwise"], row  # no region, no low precision: the program is its own fp32 reference
 
