@@ -79,7 +79,7 @@ def check(res, inputs_by_batch) -> None:
         assert cos >= 0.9999, cos
 
 
-@pytest.mark.parametrize("name", ["bert", "minilm_hf", "vit", "convnext_atto", "resnet18"])
+@pytest.mark.parametrize("name", ["bert", "minilm_hf", "vit", "convnext_atto", "tv_resnet18"])
 def test_openvino_runs_the_converted_program(zoo, name):
     model = zoo.model(name)
     res = zoo.convert(name, "torch-bf16").result
