@@ -41,7 +41,8 @@ _CODES = (
         "autocast-category-unknown",
         "warning",
         "the installed torch registers an autocast kernel for an op of the program that precast has no category "
-        "for (a torch newer than precast's tables): the op is left as written, where eager autocast may cast it",
+        "for (a torch newer than precast's tables, or another library's op: torchvision's `nms`, `roi_align`): the "
+        "op is left as written, where eager autocast may cast it",
         "upgrade precast, or keep the op out of autocast (exclude it, or run it in an fp32 region); "
         "`precast.policy.torch_tables.unknown_registrations(device)` lists every such op",
     ),

@@ -23,7 +23,7 @@ from precast.policy.torch_tables import (
     BANNED_MESSAGES,
     Category,
     category,
-    unknown_registrations,
+    is_unknown_registration,
 )
 
 # the rule of a Decision for an op the installed torch's autocast registers and precast has no category for
@@ -59,7 +59,7 @@ def autocast_decision(
     if not isinstance(op, torch._ops.OpOverload):
         return None
     cat = category(device_type, op)
-    if cat is None and registration(op) in unknown_registrations(device_type):
+    if cat is None and is_unknown_registration(device_type, registration(op)):
         # eager autocast has a kernel for it on this torch, and precast does not know what it does: say so
         return Decision(
             None,
