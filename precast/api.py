@@ -31,6 +31,7 @@ from precast.policy.plan import with_plan
 from precast.policy.resolve import POLICY_NAMES, resolve_policy, rule_options
 from precast.report.build import fill_report, new_report, unchanged_report, write_program_info
 from precast.report.model import Report
+from precast.threads import TORCH_LOCK
 
 __all__ = ["POLICY_NAMES", "ConvertResult", "convert"]
 
@@ -80,18 +81,23 @@ def convert(
     ``report.diagnostics`` instead of stopping the conversion.
     ``plan``: a ``precast.Plan`` (or its JSON file): its ops stay fp32, a custom rule (docs/sensitivity.md).
     """
-    policy, custom_rules, dtype = with_plan(plan, policy, custom_rules, dtype)
-    chosen, low = resolve_policy(policy, dtype, device_type, rule_options(locals()))
-    state = begin(program_or_module, example_inputs, chosen, low, device_type, dynamic_shapes, keep_io_types)
-    state.log = report = new_report(state, allow)
-    run_checks(state)
-    if state.unchanged:  # a program of its own (same graph, its own copies of the state it writes)
-        return ConvertResult(private_state(state.ep), unchanged_report(report))
-    prepare(state)
-    state.lower_program()
-    after_lowering(state)
-    fill_report(state, report)
-    if verify:
-        report.verification = verify_conversion(state, report.verification)
-    write_program_info(state.lowered.exported, report)
-    return ConvertResult(state.lowered.exported, report)
+    # one conversion at a time per process: torch 2.15's export picks up another thread's fake tensors as
+    # constants (measured: 'fake tensor in the exported program constant's list'); see precast/threads.py
+    with TORCH_LOCK:
+        policy, custom_rules, dtype = with_plan(plan, policy, custom_rules, dtype)
+        chosen, low = resolve_policy(policy, dtype, device_type, rule_options(locals()))
+        state = begin(
+            program_or_module, example_inputs, chosen, low, device_type, dynamic_shapes, keep_io_types
+        )
+        state.log = report = new_report(state, allow)
+        run_checks(state)
+        if state.unchanged:  # a program of its own (same graph, its own copies of the state it writes)
+            return ConvertResult(private_state(state.ep), unchanged_report(report))
+        prepare(state)
+        state.lower_program()
+        after_lowering(state)
+        fill_report(state, report)
+        if verify:
+            report.verification = verify_conversion(state, report.verification)
+        write_program_info(state.lowered.exported, report)
+        return ConvertResult(state.lowered.exported, report)

@@ -4,8 +4,9 @@ logger silencing by filters (never a global level change another thread could ob
 torch.export's tracing keeps process-global state (non-strict export's ``CURRENT_PATCHER``, the
 deserializer's ``_CURRENT_DESERIALIZER``, AOTInductor's compile context): two threads inside it at once fail.
 precast holds ``TORCH_LOCK`` around ``torch.export.export``, ``run_decompositions``, ``torch.export.load`` /
-``save`` and AOTInductor compile and load; the rest of a conversion (graph passes on the thread's own program)
-runs in parallel. ``TORCH_LOCK`` is reentrant, so nested precast calls in one thread do not deadlock.
+``save``, AOTInductor compile and load, and a whole ``convert`` (on torch 2.15 an export in one thread picked up
+another thread's fake tensors as constants while that thread's conversion propagated fake values): conversions
+in several threads are safe and run one at a time. ``TORCH_LOCK`` is reentrant, so nested precast calls in one thread do not deadlock.
 
 Input: a logger name and level. Output: context managers.
 """
