@@ -53,7 +53,7 @@ from precast.backends.cache import (
     warn_rebuilding,
     write_durable,
 )
-from precast.backends.signature import ProgramSignature
+from precast.backends.signature import ProgramSignature, exported_program
 from precast.errors import PrecastError, first_line
 from precast.io import check_space, file_lock
 from precast.threads import TORCH_LOCK
@@ -195,12 +195,7 @@ def compile(
     process compiling the same key (default ``$PRECAST_LOCK_TIMEOUT`` or 600); a line on stderr after 5 s.
     Safe to call from several threads (torch's compile and load are serialized; see precast/threads.py).
     """
-    ep = getattr(program, "program", program)  # a ConvertResult
-    if not isinstance(ep, ExportedProgram):
-        raise PrecastError(
-            f"precast.compile: got {type(program).__name__}; pass an ExportedProgram "
-            "(torch.export.export(...) or precast.convert(...).program)"
-        )
+    ep = exported_program(program, "precast.compile")
     if mode not in MODES:
         raise PrecastError(f"precast.compile: mode={mode!r}; choose one of {', '.join(MODES)}")
     configs = dict(inductor_configs or {})

@@ -35,6 +35,7 @@ import torch
 from torch.export import ExportedProgram
 
 from precast.backends.aoti import batch_symbols
+from precast.backends.signature import exported_program
 from precast.errors import PrecastError, first_line
 from precast.io import atomic_path
 from precast.threads import quiet_logger
@@ -95,12 +96,7 @@ def export_onnx(
     require_modules("onnx", "onnxscript")
     import onnx
 
-    ep = getattr(program, "program", program)  # a ConvertResult
-    if not isinstance(ep, ExportedProgram):
-        raise PrecastError(
-            f"export_onnx: got {type(program).__name__}; pass an ExportedProgram "
-            "(torch.export.export(...) or precast.convert(...).program)"
-        )
+    ep = exported_program(program, "export_onnx")
     started = time.perf_counter()
     if dynamic_batch:
         ep = _dynamic(ep)

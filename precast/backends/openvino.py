@@ -7,11 +7,13 @@
 
 ``openvino.convert_model`` reads the ExportedProgram itself (after ``run_decompositions`` with OpenVINO's table),
 so every cast precast wrote is a ``Convert`` on an activation and every folded weight a constant in its stored
-dtype. The model is compiled for the CPU with ``INFERENCE_PRECISION_HINT=f32``: OpenVINO then runs each op in
-the precision the graph states (precast's bf16 ops in bf16, the ops it kept fp32 in fp32). Its default on CPUs
-with native bf16 is the ``bf16`` hint, which lowers every op OpenVINO's own heuristics allow, fp32 decisions
-included. ``check_plan`` (``openvino_plan``) reads the compiled model back and warns for every layer where
-OpenVINO runs another precision than precast decided.
+dtype. The precision hint (``openvino_precision``): a bf16 plan on a CPU with native bf16 is compiled with
+OpenVINO's own ``bf16`` hint (its speed, its correctly rounded conversions) when every layer then runs the dtype
+precast decided; otherwise with ``INFERENCE_PRECISION_HINT=f32``, under which OpenVINO runs each op in the
+precision the graph states (precast's bf16 ops in bf16, the ops it kept fp32 in fp32), with precast's casts to
+bf16 corrected to round to nearest. ``check_plan`` (``openvino_plan``) reads the compiled model back and warns for
+every layer where OpenVINO runs another precision than precast decided. ``save`` writes the model as converted
+(no correction: those depend on the hint it is compiled with).
 
 Dynamic batch: a program whose dim 0 is static is re-exported with a dynamic one (``aoti.dynamic_batch``, as
 ``precast.compile`` does); every other dimension keeps its size. Needs ``pip install 'precast[openvino]'``.
@@ -38,8 +40,15 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from precast.backends.aoti import batch_symbols, dynamic_batch
-from precast.backends.openvino_plan import PlanCheck, check_plan, rounded_batch_norms, warn_overrides
-from precast.backends.signature import ProgramSignature
+from precast.backends.openvino_plan import (
+    PlanCheck,
+    check_plan,
+    planned_dtypes,
+    rounded_batch_norms,
+    warn_overrides,
+)
+from precast.backends.openvino_precision import HINTS, hints_to_try, prepare
+from precast.backends.signature import ProgramSignature, exported_program
 from precast.errors import PrecastError, first_line
 from precast.io import check_writable
 from precast.ir.program import node_records
@@ -50,7 +59,6 @@ AUTO_NOTE = (
     "kernels on this CPU (what eager and AOTInductor run), not OpenVINO's; on OpenVINO, policy='torch' or "
     "'rules' gives a plan that does not depend on those timings"
 )
-PRECISION_HINTS = ("f32", None)  # f32: the graph's own dtypes; None: OpenVINO's default (bf16 where native)
 
 
 def require_openvino() -> Any:
@@ -117,27 +125,25 @@ def compile_openvino(
     *,
     dynamic: bool = True,
     threads: int | None = None,
-    precision_hint: str | None = "f32",
+    precision_hint: str | None = "auto",
     warn: bool = True,
 ) -> OpenVINOModel:
     """Convert ``program`` with ``openvino.convert_model`` and compile it for the CPU.
 
-    ``precision_hint``: ``"f32"`` (default) runs the dtypes the graph states; ``None`` leaves OpenVINO's own
-    default (bf16 on CPUs with native bf16), whose overrides of precast's decisions are then warned about.
-    ``threads``: OpenVINO's ``INFERENCE_NUM_THREADS`` (default: its own choice). ``dynamic``: keep or make
-    dim 0 dynamic. ``warn``: a ``PlanOverrideWarning`` per layer that does not run precast's dtype.
+    ``precision_hint`` (see ``openvino_precision``): ``"auto"`` (default) compiles a bf16 plan with OpenVINO's
+    bf16 hint where the CPU has native bf16 and every layer then honours the plan, else with ``"f32"``, which runs
+    the dtypes the graph states (its bf16 casts corrected to round to nearest); ``"bf16"`` forces the bf16 hint;
+    ``None`` leaves OpenVINO's own default untouched (bf16 on CPUs with native bf16), whose overrides of
+    precast's decisions are then warned about. ``threads``: OpenVINO's ``INFERENCE_NUM_THREADS`` (default: its
+    own choice). ``dynamic``: keep or make dim 0 dynamic. ``warn``: a ``PlanOverrideWarning`` per layer that does
+    not run precast's dtype.
     """
     ov = require_openvino()
-    ep = getattr(program, "program", program)  # a ConvertResult
-    if not isinstance(ep, ExportedProgram):
+    ep = exported_program(program, "precast.compile(backend='openvino')")
+    if precision_hint not in HINTS:
         raise PrecastError(
-            f"precast.compile(backend='openvino'): got {type(program).__name__}; pass an ExportedProgram "
-            "(torch.export.export(...) or precast.convert(...).program)"
-        )
-    if precision_hint not in PRECISION_HINTS:
-        raise PrecastError(
-            f"precast.compile(backend='openvino'): precision_hint={precision_hint!r}; use 'f32' (the program's "
-            "own dtypes) or None (OpenVINO's default)"
+            f"precast.compile(backend='openvino'): precision_hint={precision_hint!r}; use 'auto' (default), 'f32' "
+            "(the program's own dtypes), 'bf16' or None (OpenVINO's default)"
         )
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise PrecastError(f"precast.compile(backend='openvino'): threads={threads!r}; give a positive int")
@@ -146,19 +152,21 @@ def compile_openvino(
     if dynamic and not batch_symbols(ep):
         ep = dynamic_batch(ep)  # warns when the graph fixes the batch size
     ov_model, graph_module = convert(ep)
-    config: dict[str, Any] = {}
-    if precision_hint is not None:
-        config["INFERENCE_PRECISION_HINT"] = precision_hint
-    if threads is not None:
-        config["INFERENCE_NUM_THREADS"] = threads
-    try:
-        compiled = ov.Core().compile_model(ov_model, "CPU", config)
-    except RuntimeError as exc:
-        raise PrecastError(
-            f"precast.compile(backend='openvino'): OpenVINO cannot compile the model for the CPU: "
-            f"{_ov_message(exc)}"
-        ) from exc
-    plan = check_plan(compiled, graph_module)
+    core = ov.Core()
+    planned = {dtype for dtype, _ in planned_dtypes(graph_module).values()}
+    hints = hints_to_try(precision_hint, planned, core)
+    fallback = ""
+    for hint in hints:
+        compiled = _compile(core, prepare(ov_model, hint), hint, threads)
+        plan = check_plan(compiled, graph_module)
+        if not plan.overridden or hint == hints[-1]:
+            break
+        first = plan.overridden[0].describe()
+        fallback = (
+            f"the {hint} hint overrides {len(plan.overridden)} layer(s) of the plan (e.g. {first}): compiled "
+            f"with {hints[-1]}"
+        )
+    plan.hint, plan.fallback = hint, fallback
     plan.batch_norms = rounded_batch_norms(ep.graph)
     if warn:
         warn_overrides(plan, stacklevel=4)
@@ -169,10 +177,25 @@ def compile_openvino(
         compiled,
         ep,
         plan,
-        precision_hint=precision_hint,
+        precision_hint=hint,
         threads=threads,
         compile_seconds=time.perf_counter() - started,
     )
+
+
+def _compile(core: Any, model: Any, hint: str | None, threads: int | None) -> Any:
+    config: dict[str, Any] = {}
+    if hint is not None:
+        config["INFERENCE_PRECISION_HINT"] = hint
+    if threads is not None:
+        config["INFERENCE_NUM_THREADS"] = threads
+    try:
+        return core.compile_model(model, "CPU", config)
+    except RuntimeError as exc:
+        raise PrecastError(
+            f"precast.compile(backend='openvino'): OpenVINO cannot compile the model for the CPU: "
+            f"{_ov_message(exc)}"
+        ) from exc
 
 
 def convert(ep: ExportedProgram) -> tuple[Any, torch.fx.GraphModule]:

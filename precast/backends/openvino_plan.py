@@ -17,6 +17,9 @@ runs, and its precision can be compared with theirs.
   graph gives it) the floating precisions of its inputs and outputs.
 - A layer that does not is an **override**: ``check_plan`` returns them, and ``warn_overrides`` emits one
   ``PlanOverrideWarning`` naming each such layer, its precision and precast's decision.
+- A layer that runs no decided node but computes (not only moves data) is an override too when it runs only in a
+  low precision while every value its nodes make is fp32 in the program (``LayerPrecision.undecided``): under
+  OpenVINO's bf16 hint the plugin lowers ops of its own choosing, decided or not.
 
 Input: an ``openvino.CompiledModel`` and the decomposed GraphModule OpenVINO converted. Output: ``PlanCheck``.
 """
@@ -68,6 +71,7 @@ class LayerPrecision:
     runtime: tuple[str, ...]  # the precision(s) it computes in (precast names: fp32, bf16, fp16)
     planned: tuple[str, ...]  # the dtypes precast decided for its nodes
     nodes: tuple[str, ...]  # those nodes, by their names in precast's converted program
+    undecided: bool = False  # no decided node: ``planned`` is the dtype the program computes its nodes in
 
     @property
     def honoured(self) -> bool:
@@ -75,8 +79,9 @@ class LayerPrecision:
 
     def describe(self) -> str:
         runs = "/".join(self.runtime) or "?"
+        what = "the program computes" if self.undecided else "precast decided"
         return (
-            f"layer {self.layer!r} ({self.layer_type}) runs {runs} where precast decided "
+            f"layer {self.layer!r} ({self.layer_type}) runs {runs} where {what} "
             f"{'/'.join(self.planned)} for {', '.join(self.nodes)}"
         )
 
@@ -91,6 +96,9 @@ class PlanCheck:
     # batch norms with a low-precision input and fp32 statistics, which OpenVINO's frontend rounds (see
     # ``rounded_batch_norms``)
     batch_norms: list[str] = field(default_factory=list)
+    lowered: list[LayerPrecision] = field(default_factory=list)  # undecided fp32 layers run in low precision
+    hint: str | None = None  # the precision hint the model was compiled with (None: OpenVINO's default)
+    fallback: str = ""  # why an earlier hint was given up (``precision_hint="auto"``), when it was
 
     @property
     def checked(self) -> int:
@@ -98,14 +106,14 @@ class PlanCheck:
 
     @property
     def overridden(self) -> list[LayerPrecision]:
-        return [layer for layer in self.layers if not layer.honoured]
+        return [layer for layer in self.layers if not layer.honoured] + self.lowered
 
     def summary(self) -> str:
         runs = ", ".join(f"{k} {v}" for k, v in sorted(self.by_runtime.items()))
         norms = f"; batch norms with rounded statistics: {len(self.batch_norms)}" if self.batch_norms else ""
         return (
             f"{self.checked} layers checked ({runs}), overridden: {len(self.overridden)}{norms}; "
-            f"{self.unchecked} layers without a precast decision or moving data only"
+            f"{self.unchecked} layers without a precast decision or moving data only; hint {self.hint or 'default'}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,6 +123,8 @@ class PlanCheck:
             "unchecked": self.unchecked,
             "by_runtime": dict(self.by_runtime),
             "batch_norms": list(self.batch_norms),
+            "hint": self.hint,
+            "fallback": self.fallback,
         }
 
 
@@ -126,6 +136,21 @@ def planned_dtypes(graph_module: torch.fx.GraphModule) -> dict[str, tuple[str, s
         decision = ((node.meta.get("custom") or {}).get(META_KEY) or {}).get("decision") or {}
         if decision.get("dtype") in _PLANNED:
             out[node.name] = (decision["dtype"], decision.get("name", node.name))
+    return out
+
+
+def _computed_dtypes(graph_module: torch.fx.GraphModule) -> dict[str, str]:
+    """FX node name -> the dtype name of the floating value it makes (its first tensor), for fp32/bf16/fp16."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    out = {}
+    for node in graph_module.graph.nodes:
+        val = node.meta.get("val")
+        first = next(
+            (v for v in (val if isinstance(val, (tuple, list)) else (val,)) if isinstance(v, torch.Tensor)),
+            None,
+        )
+        if first is not None and first.dtype in names:
+            out[node.name] = names[first.dtype]
     return out
 
 
@@ -156,6 +181,7 @@ def check_plan(compiled: Any, graph_module: torch.fx.GraphModule) -> PlanCheck:
     """Compare each executed layer of ``compiled`` (an ``openvino.CompiledModel``) with the decisions on
     ``graph_module`` (the decomposed program OpenVINO converted)."""
     planned = planned_dtypes(graph_module)
+    computed = _computed_dtypes(graph_module)
     check = PlanCheck()
     for op in compiled.get_runtime_model().get_ordered_ops():
         info = op.get_rt_info()
@@ -165,6 +191,14 @@ def check_plan(compiled: Any, graph_module: torch.fx.GraphModule) -> PlanCheck:
         decided = [planned[n] for n in fx_names if n in planned]
         if layer_type in _DATA_MOVEMENT or not decided:
             check.unchecked += 1
+            made = {computed[n] for n in fx_names if n in computed}
+            runtime = _runtime(op, layer_type, info) if layer_type not in _DATA_MOVEMENT else ()
+            if made == {"fp32"} and runtime and "fp32" not in runtime:
+                check.lowered.append(
+                    LayerPrecision(
+                        op.get_friendly_name(), layer_type, runtime, ("fp32",), tuple(fx_names), True
+                    )
+                )
             continue
         layer = LayerPrecision(
             layer=op.get_friendly_name(),
@@ -213,8 +247,8 @@ def warn_overrides(check: PlanCheck, stacklevel: int = 3) -> None:
         )
     for layer in check.overridden:
         warnings.warn(
-            f"OpenVINO overrides precast's plan: {layer.describe()}; compile with precision_hint='f32' "
-            "(the default) to run the program's own dtypes, or keep that op out of the low-precision plan",
+            f"OpenVINO overrides precast's plan: {layer.describe()}; compile with precision_hint='auto' (the "
+            "default) or 'f32' to run the program's own dtypes, or keep that op out of the low-precision plan",
             PlanOverrideWarning,
             stacklevel=stacklevel,
         )

@@ -26,6 +26,19 @@ from torch.utils import _pytree as pytree
 
 from precast.errors import PrecastError, first_line
 
+
+def exported_program(program: Any, caller: str) -> ExportedProgram:
+    """The ExportedProgram a backend is handed: ``program`` itself or a ConvertResult's ``.program``; anything else
+    is one PrecastError line naming ``caller`` (e.g. "precast.compile")."""
+    ep = getattr(program, "program", program)  # a ConvertResult
+    if not isinstance(ep, ExportedProgram):
+        raise PrecastError(
+            f"{caller}: got {type(program).__name__}; pass an ExportedProgram "
+            "(torch.export.export(...) or precast.convert(...).program)"
+        )
+    return ep
+
+
 # a compound size expression as ``str(sympy expr)`` writes it (``2*s0``, ``s0 + s1``): only size symbols, integers
 # and arithmetic, so evaluating one read from a manifest cannot run anything else
 _EXPR = re.compile(r"^(?:[su]\d+|\d+|\s|[-+*/()]|Mod|FloorDiv|,)+$")

@@ -3,8 +3,9 @@ run as precast decided (``precast.compile(program, backend="openvino")``).
 
   ov_default   the model with its autocast regions off, compiled with OpenVINO's default precision hint (bf16
                on CPUs with native bf16: it lowers whatever its own heuristics allow)
-  ov_precast   ``precast.convert(model, inputs)`` (the model's regions at --dtype) compiled with the f32 hint,
-               so OpenVINO runs the dtypes the graph states; the note carries the plan check's summary
+  ov_precast   ``precast.convert(model, inputs)`` (the model's regions at --dtype) compiled with
+               ``precast.compile(backend="openvino")``'s hint (see precast.backends.openvino_precision), so
+               OpenVINO runs the dtypes the graph states; the note carries the plan check's summary
 
 Needs ``pip install 'precast[openvino]'``; without it both rows say so. Policy ``auto`` times torch's kernels
 (eager / AOTInductor), not OpenVINO's: its row is ``auto_aoti``.

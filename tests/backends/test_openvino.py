@@ -27,6 +27,7 @@ from precast.backends.aoti import dynamic_batch  # noqa: E402
 from precast.backends.executorch import program_constants  # noqa: E402
 from precast.backends.openvino import AUTO_NOTE, compile_openvino, weight_bytes  # noqa: E402
 from precast.backends.openvino_plan import PlanOverrideWarning  # noqa: E402
+from precast.backends.openvino_precision import prepare  # noqa: E402
 from precast.backends.signature import ProgramSignature  # noqa: E402
 from precast.errors import PrecastError  # noqa: E402
 from precast.pipeline.latency import _cpu_flags  # noqa: E402
@@ -79,7 +80,14 @@ def test_zoo_outputs_and_plan(name):
     assert_close(compiled(*inputs), res.program.module()(*inputs))
     plan = compiled.plan
     assert plan.checked > 0
-    assert compiled.runtime_precision() == "f32"
+    # the hint precision_hint="auto" kept: bf16 (OpenVINO's own, on a CPU with native bf16) for a bf16 plan it
+    # honours layer by layer, else f32 (a plan with fp16 decisions, or one the bf16 hint overrides)
+    assert compiled.runtime_precision() == plan.hint
+    planned = {d for layer in plan.layers for d in layer.planned}
+    native = "avx512_bf16" in (_cpu_flags() or set()) or "amx_bf16" in (_cpu_flags() or set())
+    assert plan.hint == ("bf16" if native and "fp16" not in planned and not plan.fallback else "f32"), plan
+    if plan.fallback:
+        assert plan.fallback.startswith("the bf16 hint overrides") and plan.hint == "f32"
     for layer in plan.overridden:  # only fp16 where the CPU has none, run in fp32 instead
         assert not NATIVE_FP16 and layer.planned == ("fp16",) and layer.runtime == ("fp32",), layer
     norms = [w for w in overrides if "batch norm" in str(w.message)]
@@ -236,9 +244,11 @@ def test_ir_weights_once_in_their_dtype_and_reloads(tmp_path):
     # the .bin holds those bytes at most once (OpenVINO's serializer also shares equal blobs), plus the graph's
     # few shape constants: nothing widened to fp32, nothing stored twice
     assert 0.98 * sum(want.values()) <= files["bin_bytes"] <= sum(want.values()) + 2048
-    reloaded = ov.Core().compile_model(
-        ov.Core().read_model(str(tmp_path / "enc.xml")), "CPU", {"INFERENCE_PRECISION_HINT": "f32"}
-    )
+    # the IR is the program as converted; the corrections for the hint it runs under
+    # (precast.backends.openvino_precision.prepare) give back the compiled model's outputs bitwise
+    hint = compiled.plan.hint
+    read = prepare(ov.Core().read_model(str(tmp_path / "enc.xml")), hint)
+    reloaded = ov.Core().compile_model(read, "CPU", {"INFERENCE_PRECISION_HINT": hint})
     (out,) = reloaded(list(inputs)).values()
     assert torch.equal(torch.from_numpy(out), compiled(*inputs))
 
@@ -270,7 +280,7 @@ def test_options_refused_with_one_line():
     for options, message in (
         ({"mode": "max-autotune"}, "mode= applies to backend='aoti' only"),
         ({"cache_dir": "/tmp"}, "cache_dir= applies to backend='aoti' only"),
-        ({"precision_hint": "bf16"}, "precision_hint='bf16'"),
+        ({"precision_hint": "fp8"}, "precision_hint=.fp8."),
         ({"threads": 0}, "threads=0"),
     ):
         with pytest.raises(PrecastError, match=message):

@@ -1,0 +1,182 @@
+"""The precision hint precast compiles OpenVINO models with, and the corrections each hint needs
+(precast.backends.openvino_precision).
+
+Measured facts the tests hold (OpenVINO 2026.4.1, this CPU: AVX512 with native bf16):
+- under the f32 hint OpenVINO's Convert layer f32 -> bf16 (a cast it does not fuse into an element-wise Subgraph,
+  e.g. with a dynamic batch) rounds up only when the last kept bit is 1 (about a quarter of random values differ
+  from torch's round-to-nearest-even by one ulp); precast's correction makes every cast round to nearest (ties to
+  even included) below |x| = 5.2e33;
+- under the bf16 hint OpenVINO's conversions round to nearest, and it flushes bf16 subnormals to zero;
+- ``precision_hint="auto"`` keeps OpenVINO's bf16 hint only where every layer then runs precast's dtype.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("openvino", reason="openvino not installed (pip install 'precast[openvino]')")
+
+import precast  # noqa: E402
+from precast.backends.openvino import compile_openvino, convert  # noqa: E402
+from precast.backends.openvino_plan import PlanOverrideWarning  # noqa: E402
+from precast.backends.openvino_precision import SPLIT_LIMIT, hints_to_try, native_bf16  # noqa: E402
+from precast.metrics import flat_error  # noqa: E402
+from tests import models as zoo  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def native() -> bool:
+    import openvino as ov
+
+    return native_bf16(ov.Core())
+
+
+class Cast(torch.nn.Module):
+    def forward(self, x):
+        return x.to(BF16)
+
+
+def cast_inputs() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * 3
+    ties = ((x.view(torch.int32) & ~0xFFFF) | 0x8000).view(torch.float32)[:512]  # exactly halfway: to even
+    special = torch.tensor([float("inf"), float("-inf"), 0.0, -0.0, 3e33, -3e33, 1e-30, -1e-30])
+    return torch.cat([x, ties, special])
+
+
+def raw_f32_hint(ep, x: torch.Tensor) -> torch.Tensor:
+    """OpenVINO's own Convert layer under the f32 hint, without precast's correction (the control). With a dynamic
+    batch (as precast.compile makes it) the cast is a Convert layer of its own; with static shapes OpenVINO fuses
+    it into an element-wise Subgraph, which rounds correctly."""
+    import openvino as ov
+
+    from precast.backends.aoti import dynamic_batch
+    from precast.backends.openvino import _to_torch
+
+    model, _ = convert(dynamic_batch(ep))
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    types = [
+        str(op.get_rt_info()["layerType"].astype(str))
+        for op in compiled.get_runtime_model().get_ordered_ops()
+    ]
+    assert types == ["Input", "Convert", "Output"], types
+    request = compiled.create_infer_request()
+    request.infer([ov.Tensor(x.numpy())])
+    return _to_torch(request.get_output_tensor(0))
+
+
+def test_f32_hint_casts_round_to_nearest_even():
+    x = cast_inputs()
+    ep = torch.export.export(Cast(), (x,))
+    want = x.to(BF16)
+    model = compile_openvino(ep, precision_hint="f32", warn=False)
+    got = model(x)
+    assert got.dtype == BF16 and torch.equal(got, want)  # == on values: -0.0 and 0.0 compare equal
+    # the control: OpenVINO's Convert alone truncates where the last kept bit is 0
+    raw = raw_f32_hint(ep, x)[:4096]
+    wrong = (raw != want[:4096]).float().mean().item()
+    assert 0.2 < wrong < 0.3, wrong
+    low_bits = x[:4096].view(torch.int32) & 0xFFFF
+    last_bit = (x[:4096].view(torch.int32) >> 16) & 1
+    truncated = (low_bits > 0x8000) & (last_bit == 0)
+    assert torch.equal(raw != want[:4096], truncated)
+    # beyond the split's range a value is converted as it is (never inf or NaN from the split itself)
+    big = torch.tensor([1e36, -3e38, float("nan")])
+    out = compile_openvino(torch.export.export(Cast(), (big,)), precision_hint="f32", warn=False)(big)
+    assert torch.isfinite(out[:2]).all() and out[2].isnan() and SPLIT_LIMIT < 1e36
+
+
+@pytest.mark.skipif(not native(), reason="OpenVINO's default is f32 on a CPU without native bf16")
+def test_bf16_hint_rounds_to_nearest_and_flushes_subnormals():
+    x = cast_inputs()
+    got = compile_openvino(torch.export.export(Cast(), (x,)), precision_hint="bf16", warn=False)(x)
+    want = x.to(BF16)
+    normal = want.float().abs() >= torch.finfo(BF16).tiny
+    assert torch.equal(got[normal | (want == 0)], want[normal | (want == 0)])
+    assert (got[~normal & (want != 0)] == 0).all()  # bf16 subnormals flushed to zero under this hint
+
+
+def test_hints_to_try():
+    class Core:
+        def __init__(self, default):
+            self.default = default
+
+        def get_property(self, device, key):
+            assert (device, key) == ("CPU", "INFERENCE_PRECISION_HINT")
+            return self.default
+
+    assert hints_to_try("auto", {"bf16", "fp32"}, Core("bf16")) == ["bf16", "f32"]
+    assert hints_to_try("auto", {"bf16", "fp16"}, Core("bf16")) == ["f32"]  # fp16 decisions: f32 hint
+    assert hints_to_try("auto", {"fp32"}, Core("bf16")) == ["f32"]
+    assert hints_to_try("auto", {"bf16"}, Core("f32")) == ["f32"]  # no native bf16
+    assert hints_to_try("f32", {"bf16"}, Core("bf16")) == ["f32"]
+    assert hints_to_try(None, {"bf16"}, Core("bf16")) == [None]
+
+
+@pytest.mark.skipif(not native(), reason="OpenVINO's default is f32 on a CPU without native bf16")
+def test_auto_keeps_the_bf16_hint_only_where_the_plan_is_honoured():
+    model, inputs = zoo.plain_encoder(2)
+    res = precast.convert(model, inputs, policy="torch", dtype=BF16)
+    compiled = precast.compile(res.program, backend="openvino")
+    assert compiled.plan.hint == "bf16" and compiled.plan.overridden == [] and compiled.plan.fallback == ""
+    assert compiled.runtime_precision() == "bf16"
+    # a Linear kept fp32: OpenVINO's bf16 hint lowers it, so auto compiles with the f32 hint instead
+    mlp, x = zoo.plain_mlp()
+    kept = precast.convert(mlp, x, policy="rules", dtype=BF16, exclude_nodes=["linear_3"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanOverrideWarning)  # none: the model compiled honours the plan
+        compiled = precast.compile(kept.program, backend="openvino")
+    plan = compiled.plan
+    assert plan.hint == "f32" and plan.overridden == [], plan
+    assert "the bf16 hint overrides 1 layer(s)" in plan.fallback and "linear_3" in plan.fallback
+    fc = [layer for layer in plan.layers if "linear_3" in layer.nodes]
+    assert [layer.runtime for layer in fc] == [("fp32",)]
+    # forcing the bf16 hint names that layer
+    with pytest.warns(UserWarning, match=r"runs bf16 where precast decided fp32 for linear_3"):
+        forced = compile_openvino(kept.program, precision_hint="bf16")
+    assert [layer.nodes for layer in forced.plan.overridden] == [("linear_3",)]
+
+
+@pytest.mark.skipif(not native(), reason="OpenVINO's default is f32 on a CPU without native bf16")
+def test_undecided_fp32_layers_lowered_by_the_bf16_hint_are_overrides():
+    """The unconverted program has no precast decision: under the bf16 hint OpenVINO lowers its Linears, which the
+    program computes in fp32, and the check names each one; under auto (no bf16 plan) it stays f32."""
+    mlp, x = zoo.plain_mlp()
+    ep = torch.export.export(mlp, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        forced = compile_openvino(ep, precision_hint="bf16")
+    lowered = [layer for layer in forced.plan.overridden if layer.layer_type == "FullyConnected"]
+    assert len(lowered) == 4 and all(layer.undecided for layer in lowered)
+    assert "where the program computes fp32" in lowered[0].describe()
+    auto = compile_openvino(ep)
+    assert auto.plan.hint == "f32" and auto.plan.overridden == []
+    assert torch.allclose(auto(*x), mlp(*x), rtol=0, atol=1e-4 * mlp(*x).abs().max().item())
+
+
+@pytest.mark.skipif(not native(), reason="OpenVINO's default is f32 on a CPU without native bf16")
+def test_bf16_attention_keeps_fp32_scores_as_torch_does():
+    """torch's bf16 attention (eager autocast, precast's program) keeps scores and softmax in fp32; OpenVINO
+    decomposes a bf16 attention in bf16. With the correction OpenVINO's output is closer to the program's."""
+    from precast.backends import openvino_precision
+
+    g = torch.Generator().manual_seed(0)
+    model = zoo.Attention(d=64, heads=4).eval()
+    x = torch.randn(4, 64, 64, generator=g) * 2
+    res = precast.convert(model, (x,), policy="torch", dtype=BF16)
+    want = res.program.module()(x)
+    corrected = precast.compile(res.program, backend="openvino")
+    assert corrected.plan.hint == "bf16" and corrected.plan.overridden == []
+    errors = {"corrected": 1 - flat_error(corrected(x), want)[1]}
+    original = openvino_precision.attention_in_f32
+    try:
+        openvino_precision.attention_in_f32 = lambda model: 0
+        plain = precast.compile(res.program, backend="openvino")
+    finally:
+        openvino_precision.attention_in_f32 = original
+    errors["bf16 scores"] = 1 - flat_error(plain(x), want)[1]
+    assert errors["corrected"] < 0.8 * errors["bf16 scores"], errors  # measured: 5.4e-6 against 8.8e-6
