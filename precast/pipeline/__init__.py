@@ -37,7 +37,7 @@ from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.program import Program
 from precast.pipeline import checks
 from precast.pipeline.classify import classify as classify_program  # keeps the submodule name free
-from precast.pipeline.fold import fold_constant_casts
+from precast.pipeline.fold import CastCache, fold_constant_casts
 from precast.pipeline.restore_io import restore_output_dtypes
 from precast.pipeline.rewrite import insert_casts
 from precast.pipeline.runner import run_stage
@@ -105,15 +105,17 @@ def lower(
     *,
     restore: list[torch.dtype | None] | None = None,
     keep_io: bool = False,
+    casts: CastCache | None = None,
 ) -> LowerStats:
     """classify -> insert casts -> fold -> simplify (-> restore output dtypes when ``restore`` is given: the
-    input program's output dtypes), each checked by the runner. Diagnostics go to ``log``."""
+    input program's output dtypes), each checked by the runner. Diagnostics go to ``log``. ``casts``: constant
+    casts shared by several lowerings of one program (the sensitivity estimator's, a tolerance search's)."""
     stats = LowerStats()
     result = run_stage(program, "classify", classify_program, policy, checks.classify_error_handler(log))
     stats.decomposed = result.decomposed or []
     record_unknown_categories(program, log)
     run_stage(program, "insert_casts", insert_casts, check=True)
-    fold = run_stage(program, "fold_constant_casts", fold_constant_casts, check=True)
+    fold = run_stage(program, "fold_constant_casts", fold_constant_casts, casts, check=True)
     stats.casts_folded, stats.constants_created, stats.constants_dropped = (
         fold.folded,
         fold.created,

@@ -52,13 +52,62 @@ def cast_constant(value: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor
         value.is_floating_point()
         and dtype.is_floating_point
         and torch.finfo(dtype).max < torch.finfo(value.dtype).max
+        and value.numel()
     ):
         limit = torch.finfo(dtype).max
-        over = torch.isfinite(value) & (value.abs() > limit)
-        count = int(over.sum().item())
-        if count:
-            return value.clamp(-limit, limit).to(dtype), count
+        # one reduction says whether any value can need the clamp (NaN compares false: counted below)
+        peak = torch.linalg.vector_norm(value.detach(), float("inf"))
+        if not bool(peak <= limit):
+            over = torch.isfinite(value) & (value.abs() > limit)
+            count = int(over.sum().item())
+            if count:
+                return value.clamp(-limit, limit).to(dtype), count
     return value.to(dtype), 0
+
+
+@dataclass
+class _Cast:
+    source: torch.Tensor  # held: its id is never reused while the entry lives
+    version: int
+    layout: tuple
+    value: torch.Tensor
+    clamped: int
+
+
+class CastCache:
+    """The constant casts of several lowerings of one program (the sensitivity estimator's, one tolerance
+    search's), made once: ``cast(value, dtype)`` is ``cast_constant(value, dtype)``, computed again whenever
+    ``value`` is another tensor object or was written since (its version counter, storage, shape and strides
+    are part of the key). The cast tensors are shared by the programs lowered with the cache, which only read
+    them (a constant the program writes is never folded); a conversion handed to the user never uses one."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, torch.dtype], _Cast] = {}
+        self.hits = 0
+
+    def cast(self, value: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        if value.is_inference():  # no version counter to tell a write by: never cached
+            return cast_constant(value, dtype)
+        layout = (
+            value.data_ptr(),
+            value.device,
+            value.dtype,
+            value.shape,
+            value.stride(),
+            value.storage_offset(),
+        )
+        entry = self._entries.get((id(value), dtype))
+        if (
+            entry is not None
+            and entry.source is value
+            and entry.version == value._version
+            and entry.layout == layout
+        ):
+            self.hits += 1
+            return entry.value, entry.clamped
+        cast, clamped = cast_constant(value, dtype)
+        self._entries[(id(value), dtype)] = _Cast(value, value._version, layout, cast, clamped)
+        return cast, clamped
 
 
 def _chain_to_constant(program: Program, node: torch.fx.Node) -> list[torch.fx.Node] | None:
@@ -83,7 +132,9 @@ def _chain_to_constant(program: Program, node: torch.fx.Node) -> list[torch.fx.N
     return list(reversed(chain))
 
 
-def fold_constant_casts(program: Program) -> FoldResult:
+def fold_constant_casts(program: Program, casts: CastCache | None = None) -> FoldResult:
+    """Fold the casts of read-only constants (the module docstring); ``casts``: a cache of constant casts
+    shared with other lowerings of the same program (``CastCache``), else each is computed here."""
     result = FoldResult(bytes_before=constant_bytes(program))
     graph = program.graph
     cast_constants: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
@@ -112,7 +163,9 @@ def fold_constant_casts(program: Program) -> FoldResult:
         else:
             key = (const, dtype)
             if key not in cast_constants:
-                cast_value, clamped = cast_constant(value, dtype)
+                cast_value, clamped = (
+                    casts.cast(value, dtype) if casts is not None else cast_constant(value, dtype)
+                )
                 new = program.add_constant_like(const, cast_value, f"_{dtype_name(dtype)}")
                 if clamped:
                     result.clamped[program.constant_target(new)] = clamped

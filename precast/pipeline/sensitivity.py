@@ -7,7 +7,7 @@ Input: the input ExportedProgram, a rules policy and what it was prepared with f
 
 The estimate is the tolerance search's (``precast.pipeline.tolerance``): one instrumented forward of the reference
 program taps every value each computing op reads (``Tapping``), and ``PROBES`` backward passes of that forward
-give, per read, the expected output error its rounding to the low dtype causes (``_energies``). A read is
+give, per read, the expected output error its rounding to the low dtype causes (``probe_energies``). A read is
 rounded unless every op that makes the value and the op that reads it run in fp32 (``Source.members``), so with
 op X alone in low precision (every other op in fp32) exactly the sources X is a member of are rounded: X's
 estimate is the sum of their energies. Unlike the search, the matmul/convolution family is ranked too (the user
@@ -36,7 +36,9 @@ from precast.ir.graph import output_dtypes
 from precast.ir.inputs import placeholder_values, user_values
 from precast.ir.program import Program
 from precast.ir.regions import REGION_META
+from precast.metrics import WorstError
 from precast.pipeline import lower
+from precast.pipeline.fold import CastCache
 from precast.pipeline.nonfinite import NonFinite, first_nonfinite
 from precast.pipeline.regions import inline_regions
 from precast.pipeline.tolerance import (
@@ -44,7 +46,7 @@ from precast.pipeline.tolerance import (
     check_program,
     computing_producers,
     op_roles,
-    random_probe,
+    probe_energies,
     rounding_error,
     user_outputs,
 )
@@ -122,6 +124,7 @@ class Estimator:
         self.ep, self.policy, self.binding, self.batch, self.metric = ep, policy, binding, batch, metric
         self.low = binding.options.low
         self.forwards = self.backwards = self.conversions = 0
+        self.casts = CastCache()  # every lowering here casts the same weights: once
         program = Program(ep)
         inline_regions(program.gm)
         self.restore = output_dtypes(program.graph)
@@ -133,6 +136,13 @@ class Estimator:
             self.all_low.gm, placeholder_values(self.all_low, self.user), self.low
         )
         self.low_env = env if self.nonfinite is not None else {}  # for the repro; else dropped now
+        # a run that found no such op went to the end: its outputs are the policy's program's on the batch
+        # (the graph ``to_exported_program`` hands over, the same kernels), measured without another forward
+        out_node = self.all_low.graph.output_node()
+        self.low_outputs = (
+            user_outputs(self.all_low, env[out_node]) if self.nonfinite is None and out_node in env else None
+        )
+        del env
         ops = [n for n in self.all_low.graph.nodes if n.op == "call_function"]
         decisions = {n.name: n.meta.get("precast") for n in ops}
         # every op the policy's own rules put in low precision (not the user's include rules nor regions)
@@ -156,17 +166,28 @@ class Estimator:
         scratch = DiagnosticLog()
         self.conversions += 1
         if kept is None:
-            lower(fresh, None, scratch)
+            lower(fresh, None, scratch, casts=self.casts)
         else:
             b = self.binding
             decider = self.policy.bind(fresh, b.options, b.calibration, fallback=kept, **b.extra)
-            lower(fresh, decider, scratch, restore=self.restore, keep_io=True)
+            lower(fresh, decider, scratch, restore=self.restore, keep_io=True, casts=self.casts)
         return fresh
 
     def measure(self, kept: dict[str, float]) -> dict:
         """Errors of the program converted with ``kept`` in fp32 against the reference, on the batch."""
+        program = self.lower(kept)
         self.forwards += 1
-        return check_program(self.lower(kept).to_exported_program(), [self.batch], self.refs)
+        return output_errors(run_lowered(program, self.user), self.refs[0])
+
+    def all_low_errors(self) -> dict:
+        """Errors of the policy's program: from the watched run when it went to the end, else measured (the run
+        stopped at the first non-finite op)."""
+        if self.low_outputs is not None:
+            outs, self.low_outputs = self.low_outputs, None
+            self.all_low.graph.eliminate_dead_code()  # the graph plans are keyed on: as the conversion's
+            return output_errors(outs, self.refs[0])
+        self.forwards += 1
+        return check_program(self.all_low.to_exported_program(), [self.batch], self.refs)
 
     def _reference(self) -> tuple[list, list[Source], dict, str]:
         ref, roles = self.ref, self.roles
@@ -187,7 +208,7 @@ class Estimator:
             with torch.enable_grad():
                 self.forwards += 1
                 outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
-                energy = _energies(outs, interp, self.low, tol, PROBES)
+                energy = probe_energies(outs, interp, self.low, tol, PROBES)
             self.backwards += PROBES
         except Exception as exc:  # noqa: BLE001 - said in ranked_by: the estimate falls back to local rounding
             ranked_by = f"local rounding error (no gradients: {type(exc).__name__}: {first_line(exc)})"
@@ -197,7 +218,7 @@ class Estimator:
                     self.forwards += 1
                     outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
             energy = {
-                k: (t.to(self.low).to(t.dtype) - t).double().pow(2).sum().item()
+                k: rounding_error(t, self.low).double().pow(2).sum().item()
                 / max(t.double().pow(2).sum().item(), 1e-300)
                 for k, t in interp.taps.items()
             }
@@ -222,7 +243,7 @@ class Estimator:
         return refs, sources, ranges, ranked_by
 
     def to_metric(self, energy: float) -> float:
-        """Estimated error in the metric from an error energy (see ``_energies``): rel, the square root; cosine,
+        """Estimated error in the metric from an error energy (see ``probe_energies``): rel, the square root; cosine,
         1 - cosine averaged over output rows; max_abs, the RMS error times sqrt(2 ln n), the expected largest
         of n Gaussian errors."""
         if self.metric == "rel":
@@ -281,9 +302,7 @@ def estimate(
     est = Estimator(ep, policy, binding, batch, metric)
     ops = est.rank_ops()
     ranking = rank(est.candidates, est.sources)
-    all_low_prog = est.all_low
-    est.forwards += 1
-    all_low = check_program(all_low_prog.to_exported_program(), [batch], est.refs)
+    all_low = est.all_low_errors()
     curve = [CurvePoint(k, est.to_metric(left)) for k, left in enumerate(ranking.left)]
     curve[0].measured = metric_value(all_low, metric)
     total = ranking.left[0]
@@ -313,6 +332,24 @@ def estimate(
     return result, est
 
 
+def run_lowered(program: Program, user: list) -> list:
+    """The user outputs of a lowered ``program`` on one batch (``user``: its user inputs), its graph module run
+    directly on private copies of the constants it writes (``placeholder_values``): bitwise what
+    ``check_program`` measures of ``program.to_exported_program()`` (the same graph and kernels), without
+    building and unlifting an ExportedProgram."""
+    program.graph.eliminate_dead_code()  # as ``to_exported_program`` does
+    program.gm.recompile()
+    with torch.no_grad():
+        return user_outputs(program, program.gm(*placeholder_values(program, user)))
+
+
+def output_errors(outs: list, refs: list) -> dict:
+    """Errors of one batch's outputs against its reference outputs (``check_program``'s metrics)."""
+    errs = WorstError()
+    errs.update(outs, refs)
+    return errs.m
+
+
 def ablate(est: Estimator, ops: list[OpSensitivity]) -> None:
     """The truth for each op: the program converted with that op alone in low precision (every other op of the
     ranking kept in fp32), measured against the reference. One conversion and one forward per op."""
@@ -320,35 +357,6 @@ def ablate(est: Estimator, ops: list[OpSensitivity]) -> None:
     for o in ops:
         kept = {k: v for k, v in everything.items() if k != o.name}
         o.truth = metric_value(est.measure(kept), est.metric)
-
-
-def _energies(outs: list, interp: Tapping, low: torch.dtype, tol: Tolerance, probes: int) -> dict:
-    """``precast.pipeline.tolerance._energies`` with ``probes`` random-sign vector-Jacobian products."""
-    key = next(iter(tol.spec))
-    ys = [y for y in outs if isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad]
-    names = list(interp.leaves)
-    energy = dict.fromkeys(interp.taps, 0.0)
-    if not ys or not names:
-        return energy
-    gen = torch.Generator().manual_seed(0)
-    # E[(g . rho)_elementwise^2] over probes = rho^2 * mean(g^2): accumulate g^2 (float32), multiply once
-    gsq: dict = {}
-    for j in range(probes):
-        vs = [random_probe(y.detach(), key, gen) for y in ys]
-        grads = torch.autograd.grad(
-            ys, [interp.leaves[k] for k in names], vs, retain_graph=j < probes - 1, allow_unused=True
-        )
-        for k, g in zip(names, grads, strict=True):
-            if g is not None:
-                g = g.float()
-                if k in gsq:
-                    gsq[k].addcmul_(g, g)
-                else:
-                    gsq[k] = g * g
-    for k, acc in gsq.items():
-        rho = rounding_error(interp.taps[k], low).float()
-        energy[k] = float((acc.double() * rho.double().square()).sum().item()) / probes
-    return energy
 
 
 def _range(t: torch.Tensor, tiny: float) -> tuple[float, float | None, int, int]:

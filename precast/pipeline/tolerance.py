@@ -46,6 +46,7 @@ from precast.ir.program import Program, private_state, written_targets
 from precast.ir.regions import REGION_META, region_autocast
 from precast.metrics import WorstError
 from precast.pipeline import lower
+from precast.pipeline.fold import CastCache
 from precast.pipeline.regions import inline_regions
 from precast.policy.base import Policy
 from precast.policy.hooks import hook
@@ -107,6 +108,7 @@ class _Search:
         self.restore = output_dtypes(program.graph)
         self.batches = cal.sample
         self.forwards = self.backwards = 0
+        self.casts = CastCache()  # every try casts the same weights: once
         candidate = hook(policy, "tolerance_candidate")
         # the all-low program: its decisions say which ops are candidates and how every op computes
         self.all_low = self._lower({})
@@ -132,10 +134,10 @@ class _Search:
         inline_regions(fresh.gm)
         scratch = DiagnosticLog(allowed=self.allowed)
         if kept is None:
-            lower(fresh, None, scratch)
+            lower(fresh, None, scratch, casts=self.casts)
         else:
             decider = self.policy.bind(fresh, self.opts, self.cal, fallback=kept, **self.bind_kw)
-            lower(fresh, decider, scratch, restore=self.restore, keep_io=True)
+            lower(fresh, decider, scratch, restore=self.restore, keep_io=True, casts=self.casts)
         return fresh
 
     def measure(self, kept: dict[str, float]) -> dict:
@@ -161,7 +163,7 @@ class _Search:
             with torch.enable_grad():
                 self.forwards += 1
                 outs = user_outputs(ref, interp.run(*placeholder_values(ref, users[0])))
-                energy = _energies(outs, interp, low, self.tol)
+                energy = probe_energies(outs, interp, low, self.tol)
             self.backwards += PROBES
         except Exception as exc:  # noqa: BLE001 - said in the tolerance diagnostic: the ranking falls back
             ranked_by = f"local rounding error (no gradients: {type(exc).__name__}: {first_line(exc)})"
@@ -289,10 +291,13 @@ class Tapping(torch.fx.Interpreter):
             return getattr(self, n.op)(n.target, args, kwargs)
 
 
-def _energies(outs: list, interp: Tapping, low: torch.dtype, tol: Tolerance) -> dict[tuple[str, str], float]:
+def probe_energies(
+    outs: list, interp: Tapping, low: torch.dtype, tol: Tolerance, probes: int = PROBES
+) -> dict[tuple[str, str], float]:
     """Per tapped read, the expected output error its rounding to ``low`` causes, in the metric of the
     tolerance (cosine: the sum over output rows of 1 - cos; rel: squared relative error; max_abs: squared
-    error), estimated with PROBES random-sign vector-Jacobian products of the instrumented forward."""
+    error), estimated with ``probes`` random-sign vector-Jacobian products of the instrumented forward (the
+    search uses ``PROBES``; sensitivity, whose product is the ranking itself, more)."""
     key = "cosine" if "cosine" in tol.spec else ("rel" if "rel" in tol.spec else "max_abs")
     ys = [y for y in outs if isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad]
     names = list(interp.leaves)
@@ -300,15 +305,24 @@ def _energies(outs: list, interp: Tapping, low: torch.dtype, tol: Tolerance) -> 
     if not ys or not names:
         return energy
     gen = torch.Generator().manual_seed(0)
-    rho = {k: rounding_error(interp.taps[k], low).double() for k in names}
-    for j in range(PROBES):
-        probes = [random_probe(y.detach(), key, gen) for y in ys]
+    # E over probes of (g * rho)**2 = rho**2 * mean(g**2): accumulate g**2 in float32 (a gradient is float32;
+    # its square's rounding is far below the probes' own sampling error), multiply by rho**2 once per read
+    gsq: dict[tuple[str, str], torch.Tensor] = {}
+    for j in range(probes):
+        vs = [random_probe(y.detach(), key, gen) for y in ys]
         grads = torch.autograd.grad(
-            ys, [interp.leaves[k] for k in names], probes, retain_graph=j < PROBES - 1, allow_unused=True
+            ys, [interp.leaves[k] for k in names], vs, retain_graph=j < probes - 1, allow_unused=True
         )
         for k, g in zip(names, grads, strict=True):
             if g is not None:
-                energy[k] += (g.double() * rho[k]).pow(2).sum().item() / PROBES
+                g = g.float()
+                if k in gsq:
+                    gsq[k].addcmul_(g, g)
+                else:
+                    gsq[k] = g * g
+    for k, acc in gsq.items():
+        rho = rounding_error(interp.taps[k], low).double()
+        energy[k] = float((acc.double() * rho.square()).sum().item()) / probes
     return energy
 
 

@@ -363,7 +363,7 @@ def test_ranking_without_gradients_falls_back_and_says_so(monkeypatch):
     def no_grad(*_a, **_k):
         raise RuntimeError("element 0 of tensors does not require grad")
 
-    monkeypatch.setattr(stage, "_energies", no_grad)
+    monkeypatch.setattr(stage, "probe_energies", no_grad)
     model, inputs = model_inputs()
     res = precast.convert(
         model,
