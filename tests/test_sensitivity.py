@@ -239,3 +239,57 @@ def test_cli(tmp_path, capsys):
     assert main([*conv, "--plan", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err
     assert "not a precast plan" in err and len(err.strip().splitlines()) == 1
+
+
+class Counting(nn.Module):
+    """Writes a buffer on every call (a running count) and reads it after the write."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.register_buffer("calls", torch.zeros(16))
+
+    def forward(self, x):
+        self.calls.add_(1.0)
+        return self.norm(torch.nn.functional.gelu(self.lin(x)) + self.calls).softmax(-1)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_measured_errors_are_the_exported_programs_bitwise(dtype):
+    """The all-low errors (taken from the watched run) and each measured point (the lowered graph run on private
+    state) are bitwise what ``check_program`` measures of the same program exported and unlifted; the
+    estimator runs one forward fewer for the all-low program; nobody's buffer moves."""
+    from precast.ir.diagnostics import DiagnosticLog
+    from precast.ir.program import private_state
+    from precast.pipeline.conversion import begin
+    from precast.pipeline.prepare import prepare
+    from precast.pipeline.sensitivity import estimate, run_lowered
+    from precast.pipeline.tolerance import check_program
+    from tests.helpers import assert_bitwise
+
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    ep = torch.export.export(Counting().eval(), (x,))
+    before = {k: v.clone() for k, v in ep.state_dict.items()}
+    state = begin(
+        ep, (x,), ALL_LOW, getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype]), None, None, None
+    )
+    state.log = DiagnosticLog()
+    prepare(state)
+    batch = ((x,), {})
+    result, est = estimate(state.ep, state.policy, state.binding, batch, "rel", measure_points=1)
+    # the reference forward (tapped), the watched all-low run, one measured point: no forward for the all-low
+    assert result.nonfinite is None and result.forwards == 3 and result.conversions == 2
+    assert result.all_low == check_program(est.lower({}).to_exported_program(), [batch], est.refs)
+    assert result.all_low["rel"] > 0
+    for kept in ({}, dict.fromkeys(result.order[:2], 0.0), dict.fromkeys(est.candidates, 0.0)):
+        program = est.lower(kept)
+        for _ in range(2):  # each run starts from the program's own state
+            got = run_lowered(program, est.user)
+            exported = private_state(est.lower(kept).to_exported_program())
+            with torch.no_grad():
+                want = exported.module()(x)
+            assert_bitwise(got, [want])
+        assert est.measure(kept) == check_program(est.lower(kept).to_exported_program(), [batch], est.refs)
+    assert all(torch.equal(before[k], v) for k, v in ep.state_dict.items())
