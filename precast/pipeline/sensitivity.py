@@ -364,11 +364,16 @@ def _range(t: torch.Tensor, tiny: float) -> tuple[float, float | None, int, int]
     a = t.detach().abs()
     if a.numel() == 0:
         return (0.0, None, 0, 0)
+    lo, hi = torch.aminmax(a)
+    absmin = lo.item()
+    if absmin > 0:  # no zero (nor NaN): one pass said it all, unless some values are below tiny
+        small = int(torch.count_nonzero(a < tiny).item()) if absmin < tiny else 0
+        return (hi.item(), absmin, small, a.numel())
     nonzero = a > 0
     count = int(nonzero.sum().item())
     absmin = torch.where(nonzero, a, torch.full_like(a, float("inf"))).amin().item() if count else None
     small = int((nonzero & (a < tiny)).sum().item())
-    return (a.amax().item(), absmin, small, count)
+    return (hi.item(), absmin, small, count)
 
 
 def _merge(a: tuple, b: tuple) -> tuple:

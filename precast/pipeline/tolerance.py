@@ -320,9 +320,9 @@ def probe_energies(
                     gsq[k].addcmul_(g, g)
                 else:
                     gsq[k] = g * g
-    for k, acc in gsq.items():
-        rho = rounding_error(interp.taps[k], low).double()
-        energy[k] = float((acc.double() * rho.square()).sum().item()) / probes
+    for k, acc in gsq.items():  # products in float32 (exact enough for an estimate), summed in float64
+        rho = rounding_error(interp.taps[k], low)
+        energy[k] = float(acc.mul_(rho.square_()).sum(dtype=torch.float64).item()) / probes
     return energy
 
 
