@@ -14,8 +14,10 @@ estimate is the sum of their energies. Unlike the search, the matmul/convolution
 asks which op breaks, and may keep any in fp32).
 
 Every program measured here is the one the conversion builds (``policy.bind(..., fallback=kept)`` then
-``precast.pipeline.lower``), run on private copies of its state (``check_program``): the measured points of the
-curve and the single-op ablation (``ablate``) are real conversions, not simulations.
+``precast.pipeline.lower``, its weight casts shared through one ``CastCache``), its graph run on private
+copies of the state it writes (``run_lowered``: bitwise what ``check_program`` measures of the exported
+program): the measured points of the curve and the single-op ablation (``ablate``) are real conversions, not
+simulations. The policy's own program is measured by the watched run that looks for the first non-finite op.
 """
 
 from __future__ import annotations
