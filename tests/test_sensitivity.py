@@ -143,6 +143,8 @@ def test_first_nonfinite_op_named_and_reproduced(case, tmp_path):
     s = precast.sensitivity(model, inputs, dtype="fp16", policy=ALL_LOW, measure_points=0, repro=tmp_path)
     nf = s.nonfinite
     assert nf is not None and nf.op == op and nf.module == module, nf
+    # the watched run stopped at that op: the all-low program is measured by a forward of its own
+    assert s.estimate.all_low["rel"] == float("inf") and s.estimate.forwards == 3
     assert "overflow" in nf.reason and "65504" in nf.reason
     path, line = nf.location.rsplit(":", 1)
     if case == "t5_feed_forward":
