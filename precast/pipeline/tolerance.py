@@ -258,7 +258,8 @@ class _Plain(torch.fx.Interpreter):
 class Tapping(torch.fx.Interpreter):
     """The reference forward, keeping the fp32 value each computing op (and the output) reads from each input,
     keyed (input node, reader). With ``grad``, the reader gets it through ``t + (-0.0)``, the zero a leaf that
-    requires grad: bitwise the same value, and a backward pass gives d outputs / d (that use of t)."""
+    requires grad: bitwise the same value, and a backward pass gives d outputs / d (that use of t); a value no
+    op of this forward computed (a weight, an input) is read through a detached alias that is the leaf itself."""
 
     def __init__(self, gm: torch.fx.GraphModule, readers: set[str], grad: bool = True):
         super().__init__(gm)
@@ -279,7 +280,13 @@ class Tapping(torch.fx.Interpreter):
                 if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
                     key = (a.name, n.name)
                     self.taps[key] = value.detach()
-                    if self.grad:
+                    if self.grad and value.grad_fn is None:
+                        # nothing this forward computed makes it (a weight, an input): an alias of the value is
+                        # the leaf, no copy (a weight's reads are most of the tapped values)
+                        leaf = value.detach().requires_grad_()
+                        self.leaves[key] = leaf
+                        value = leaf
+                    elif self.grad:
                         zero = torch.full_like(value, -0.0, requires_grad=True)
                         self.leaves[key] = zero
                         value = value + zero
