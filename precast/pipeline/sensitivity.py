@@ -245,9 +245,9 @@ class Estimator:
         return refs, sources, ranges, ranked_by
 
     def to_metric(self, energy: float) -> float:
-        """Estimated error in the metric from an error energy (see ``probe_energies``): rel, the square root; cosine,
-        1 - cosine averaged over output rows; max_abs, the RMS error times sqrt(2 ln n), the expected largest
-        of n Gaussian errors."""
+        """Estimated error in the metric from an error energy (see ``probe_energies``): rel, the square root;
+        cosine, 1 - cosine averaged over output rows; max_abs, the RMS error times sqrt(2 ln n), the expected
+        largest of n Gaussian errors."""
         if self.metric == "rel":
             return math.sqrt(max(energy, 0.0))
         rows = sum(max(1, math.prod(s[:-1])) for s in self.out_shapes) or 1

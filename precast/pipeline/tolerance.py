@@ -10,8 +10,8 @@ Every program the search measures is the one the conversion would build: a fresh
 inlined, ``policy.bind(program, opts, cal, fallback=kept)``, ``precast.pipeline.lower`` (classify with its
 composite decomposition, casts, folding with the weight casts shared by every try through one ``CastCache``
 (bitwise the casts a lowering makes alone), simplification, restored output dtypes), run as an
-ExportedProgram on private copies of the state it writes. So the error the search measures for its choice is, bit for bit,
-the error of the converted program (``tolerance_check`` measures that one again).
+ExportedProgram on private copies of the state it writes. So the error the search measures for its choice
+is, bit for bit, the error of the converted program (``tolerance_check`` measures that one again).
 
 The ranking (``precast.policy.rules.tolerance_search.rank``) needs, for each value an op reads that the low dtype
 would round, how much output error that rounding causes. One instrumented forward of the reference program
