@@ -47,7 +47,7 @@ from precast.backends.openvino_plan import (
     rounded_batch_norms,
     warn_overrides,
 )
-from precast.backends.openvino_precision import HINTS, hints_to_try, prepare
+from precast.backends.openvino_precision import HINTS, exact_attention_scales, hints_to_try, prepare
 from precast.backends.signature import ProgramSignature, exported_program
 from precast.errors import PrecastError, first_line
 from precast.io import check_writable
@@ -157,8 +157,10 @@ def compile_openvino(
     hints = hints_to_try(precision_hint, planned, core)
     fallback = ""
     for hint in hints:
-        compiled = _compile(core, prepare(ov_model, hint), hint, threads)
+        prepared, form = prepare(ov_model, hint)
+        compiled = _compile(core, prepared, hint, threads)
         plan = check_plan(compiled, graph_module)
+        plan.form = form
         if not plan.overridden or hint == hints[-1]:
             break
         first = plan.overridden[0].describe()
@@ -233,6 +235,7 @@ def convert(ep: ExportedProgram) -> tuple[Any, torch.fx.GraphModule]:
         raise PrecastError(
             f"precast.compile(backend='openvino'): openvino.convert_model failed: {cause}; {route}"
         ) from exc
+    exact_attention_scales(model, decoder.pt_module)
     return model, decoder.pt_module
 
 

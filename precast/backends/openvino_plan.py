@@ -99,6 +99,7 @@ class PlanCheck:
     lowered: list[LayerPrecision] = field(default_factory=list)  # undecided fp32 layers run in low precision
     hint: str | None = None  # the precision hint the model was compiled with (None: OpenVINO's default)
     fallback: str = ""  # why an earlier hint was given up (``precision_hint="auto"``), when it was
+    form: str = ""  # how the model was made for its hint (``openvino_precision.prepare``)
 
     @property
     def checked(self) -> int:
@@ -114,6 +115,7 @@ class PlanCheck:
         return (
             f"{self.checked} layers checked ({runs}), overridden: {len(self.overridden)}{norms}; "
             f"{self.unchecked} layers without a precast decision or moving data only; hint {self.hint or 'default'}"
+            + (f" ({self.form})" if self.form else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -125,6 +127,7 @@ class PlanCheck:
             "batch_norms": list(self.batch_norms),
             "hint": self.hint,
             "fallback": self.fallback,
+            "form": self.form,
         }
 
 

@@ -1,32 +1,38 @@
-"""Which precision hint OpenVINO compiles precast's program with, and the two corrections each hint needs so that
-OpenVINO computes the dtypes the program states as well as it can.
+"""Which precision hint OpenVINO compiles precast's program with, and the form the program takes under each, so that
+OpenVINO runs precast's plan as accurately as it can.
 
-Measured on OpenVINO 2026.4.1's CPU plugin (2-core AMD EPYC with avx512_bf16), all-MiniLM-L6-v2 batch 8 x 128:
+Measured on OpenVINO 2026.4.1's CPU plugin (2-core AMD EPYC with avx512_bf16), all-MiniLM-L6-v2 batch 8 x 128
+(cosine vs the fp32 model; OpenVINO's own default: 0.99998620, eager autocast's plan in torch: 0.99998417):
 
-- **Under the f32 hint a ``Convert`` layer f32 -> bf16 does not round to nearest.** It rounds up only when the last
-  kept bit is 1: of the values whose discarded half is above one half, half are truncated (a quarter of all random
-  values differ from torch's ``.to(torch.bfloat16)``, each by one bf16 ulp; tested bitwise). A cast OpenVINO fuses
-  into an element-wise ``Subgraph`` rounds correctly; one it runs as a layer of its own (with a dynamic batch, or
-  after a layer norm) does not. In MiniLM most casts precast writes before a bf16 op are such layers, so the program
-  ran with a worse rounding than it states (cosine vs fp32 0.999979 instead of 0.999984). ``round_to_nearest`` puts Veltkamp's split in
-  front of each such Convert: ``c = x * 65537; hi = c - (c - x)`` is ``x`` rounded to bf16's 8 significant bits,
-  to nearest (ties aside, 1 in 65536 values), in f32 arithmetic, so the Convert that follows is exact. Where
-  ``x * 65537`` overflows (|x| > 5.2e33) the split is skipped for that value (``Select``). It costs about 4% of the
-  model's time. Under the bf16 hint the plugin's own conversions round to nearest, and the split must NOT be used:
-  its f32 arithmetic would itself be lowered to bf16.
-- **A bf16 ``ScaledDotProductAttention`` is decomposed in bf16**: the scores are rounded to bf16 before the softmax.
-  torch's CPU kernel (what eager autocast and precast's plan mean by attention in bf16) multiplies in bf16 but
-  keeps the scores and the softmax in fp32, and so does OpenVINO for an f32 attention under the bf16 hint.
-  ``attention_in_f32`` gives the attention f32 inputs (exact upcasts of the bf16 values) and casts its output
-  back to bf16, for the bf16 hint only (under the f32 hint it would compute the whole attention in f32: 8% slower).
+- **``hints_to_try``.** With ``precision_hint="auto"`` (the default), a program whose plan lowers ops to bf16, on
+  a CPU whose OpenVINO default is bf16 (native bf16), is compiled with the bf16 hint first; if the plan check
+  (``openvino_plan.check_plan``) then finds any layer not running precast's dtype (OpenVINO lowers a Linear precast
+  kept fp32; it keeps only the graph's tail after the last Linear/convolution and some element-wise ops in fp32),
+  the program is compiled again with the f32 hint, which runs every dtype the graph states.
+- **Under the bf16 hint: lowered by OpenVINO** (``lowered_by_openvino``). precast's casts to bf16 are read
+  through (each bf16 value as the f32 value it was cast from) and bf16 weights through exact casts to f32, so
+  OpenVINO lowers the graph itself: each bf16 layer rounds its inputs (correctly) and keeps its fused epilogue in
+  fp32, where the plan as written rounds every layer's output. The plan check still holds each layer to precast's
+  decision. MiniLM: 0.99998620 at OpenVINO's default speed (0.99998569 with precast's casts as written). Where
+  the f32 typing does not type-check (an op made in bf16 other than by a cast), the casts stay as written and
+  only the attention gets f32 inputs (``attention_in_f32``): OpenVINO decomposes a bf16
+  ``ScaledDotProductAttention`` in bf16, rounding the scores before the softmax, where torch's CPU kernel (what
+  autocast and precast's plan mean by attention in bf16) keeps scores and softmax in fp32.
+- **The attention's ``scale=``** (``exact_attention_scales``, at conversion): OpenVINO's frontend stores it in the
+  query's dtype, for bf16 attention a bf16 constant (1/sqrt(32) as 0.1767578): the softmax's temperature off by
+  up to 2**-9 in every layer. precast stores the exact f32 value behind a cast, which the bf16-hint forms read
+  directly. This and the form above together close MiniLM's gap to OpenVINO's default.
+- **Under the f32 hint a ``Convert`` layer f32 -> bf16 does not round to nearest** (``round_to_nearest``). It
+  rounds up only when the last kept bit is 1 (a quarter of random values come out one bf16 ulp away from torch's
+  ``.to(torch.bfloat16)``; tested bitwise). A cast OpenVINO fuses into an element-wise ``Subgraph`` rounds
+  correctly; one it runs as a layer of its own (with a dynamic batch, or after a layer norm) does not: the plan
+  as written ran at 0.999979 instead of 0.999984. Veltkamp's split in front of each such cast, ``c = x * 65537;
+  hi = c - (c - x)``, is ``x`` rounded to bf16's 8 significant bits, to nearest (ties to even, tested) in f32
+  arithmetic, so the cast that follows is exact; where ``x * 65537`` would overflow (|x| > 5.2e33) the value is
+  converted as it is (``Select``). About 4% of MiniLM's time. Never under the bf16 hint, which would lower the
+  split's own arithmetic.
 
-``hints_to_try``: with ``precision_hint="auto"`` (the default), a program whose plan lowers ops to bf16, on a CPU
-whose OpenVINO default is bf16 (native bf16), is compiled with the bf16 hint first: it runs at OpenVINO's own bf16
-speed and rounds correctly. Under that hint OpenVINO may still lower an op precast kept in fp32 (its heuristics keep
-only the graph's tail and some element-wise ops in fp32); the plan check (``openvino_plan.check_plan``) then finds
-the override and the program is compiled again with the f32 hint, which honours every dtype the graph states.
-
-Input: an ``openvino.Model`` converted from precast's program. Output: a corrected copy, and the hints to try.
+Input: an ``openvino.Model`` converted from precast's program. Output: a copy made for the hint, and its form.
 """
 
 from __future__ import annotations
@@ -55,16 +61,64 @@ def hints_to_try(precision_hint: str | None, planned: set[str], core: Any) -> li
     return ["f32"]
 
 
-def prepare(model: Any, hint: str | None) -> Any:
-    """A copy of ``model`` corrected for ``hint`` (the model itself is kept as converted: it is what ``save``
-    writes)."""
+def prepare(model: Any, hint: str | None) -> tuple[Any, str]:
+    """A copy of ``model`` made for ``hint`` (the model itself is kept as converted: it is what ``save`` writes),
+    and the form it takes: "as written" (no hint), "casts rounded to nearest" (f32), "lowered by OpenVINO"
+    (bf16: ``lowered_by_openvino``) or, where that form does not type-check, "casts as written, attention in
+    f32" (bf16: ``attention_in_f32``)."""
     if hint == "f32":
         model = model.clone()
         round_to_nearest(model)
-    elif hint == "bf16":
+        return model, "casts rounded to nearest"
+    if hint != "bf16":
+        return model, "as written"
+    lowered = model.clone()
+    try:
+        lowered_by_openvino(lowered)
+        return lowered, "lowered by OpenVINO"
+    except (
+        RuntimeError
+    ) as exc:  # an op made in bf16 other than by a cast (a bf16 arange...): said in the form
         model = model.clone()
         attention_in_f32(model)
-    return model
+        return (
+            model,
+            f"casts as written, attention in f32 (f32 typing failed: {str(exc).splitlines()[0][:120]})",
+        )
+
+
+def lowered_by_openvino(model: Any) -> int:
+    """Under the bf16 hint: every bf16 value precast's casts make is read as the f32 value it was cast from, and
+    every bf16 constant through an exact cast to f32, so the graph computes in f32 and OpenVINO's bf16 hint
+    lowers it, rounding where its own bf16 layers round (their inputs, correctly; their fused epilogues stay f32).
+    The plan check then holds each layer to precast's decision: an op precast kept fp32 that OpenVINO lowers, or
+    a bf16 op it leaves in f32, is an override and the model is compiled with the f32 hint instead. Measured on
+    MiniLM: OpenVINO's default's cosine to the last digit (0.99998620, against 0.99998569 with precast's casts
+    as written). Returns how many casts were bypassed."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    outputs = {id(r): (r, r.get_input_element_type(0)) for r in model.get_results()}  # the program's dtypes
+    bypassed = 0
+    for op in list(model.get_ordered_ops()):
+        if _is_f32_to_bf16(op):
+            readers = [
+                r for r in op.output(0).get_target_inputs() if r.get_node().get_type_name() != "Result"
+            ]
+            for reader in readers:
+                reader.replace_source_output(op.input_value(0))
+            bypassed += bool(readers)
+        elif op.get_type_name() == "Constant" and op.get_output_element_type(0) == ov.Type.bf16:
+            readers = list(op.output(0).get_target_inputs())
+            up = ops.convert(op.output(0), "f32")
+            for reader in readers:
+                reader.replace_source_output(up.output(0))
+    model.validate_nodes_and_infer_types()
+    for result, dtype in outputs.values():  # each output keeps the dtype the program gives it
+        if result.get_input_element_type(0) != dtype:
+            result.input(0).replace_source_output(ops.convert(result.input_value(0), dtype).output(0))
+    model.validate_nodes_and_infer_types()
+    return bypassed
 
 
 def _is_f32_to_bf16(op: Any) -> bool:
@@ -93,6 +147,36 @@ def round_to_nearest(model: Any) -> int:
     return len(converts)
 
 
+def exact_attention_scales(model: Any, graph_module: Any) -> int:
+    """OpenVINO's frontend turns ``scaled_dot_product_attention``'s ``scale=`` (a Python float: torch's kernel
+    multiplies by it in fp32) into a constant of the query's dtype, for a bf16 attention a bf16 constant: the
+    softmax's temperature off by up to 2**-9 in every layer (MiniLM: 1/sqrt(32) = 0.1767767 stored as 0.1767578).
+    Each such constant becomes the exact f32 value cast to the query's dtype, which ``attention_in_f32`` reads
+    through; under the f32 hint OpenVINO folds the cast (as before). Returns how many."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    nodes = {n.name: n for n in graph_module.graph.nodes}
+    fixed = 0
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "ScaledDotProductAttention" or op.get_input_size() < 5:
+            continue
+        const = op.input_value(4).get_node()
+        node = nodes.get(op.get_friendly_name().split("/", 1)[0])
+        scale = node.kwargs.get("scale") if node is not None else None
+        low = const.get_output_element_type(0)
+        if const.get_type_name() != "Constant" or low not in (ov.Type.bf16, ov.Type.f16):
+            continue
+        if not isinstance(scale, float):
+            continue
+        exact = ops.constant(np.array(scale, dtype=np.float32).reshape(const.get_output_shape(0)))
+        op.input(4).replace_source_output(ops.convert(exact, low).output(0))
+        fixed += 1
+    if fixed:
+        model.validate_nodes_and_infer_types()
+    return fixed
+
+
 def attention_in_f32(model: Any) -> int:
     """Every ScaledDotProductAttention with bf16 inputs given f32 inputs and its output cast back to bf16 (see the
     module docstring); returns how many."""
@@ -108,7 +192,12 @@ def attention_in_f32(model: Any) -> int:
         readers = list(op.output(0).get_target_inputs())
         for i in range(op.get_input_size()):
             if op.get_input_element_type(i) == ov.Type.bf16:
-                op.input(i).replace_source_output(ops.convert(op.input_value(i), "f32").output(0))
+                source = op.input_value(i)
+                node = source.get_node()
+                if node.get_type_name() == "Convert" and node.get_input_element_type(0) == ov.Type.f32:
+                    op.input(i).replace_source_output(node.input_value(0))  # the exact f32 value itself
+                else:
+                    op.input(i).replace_source_output(ops.convert(source, "f32").output(0))
         op.validate_and_infer_types()
         back = ops.convert(op.output(0), "bf16")
         for reader in readers:

@@ -247,7 +247,7 @@ def test_ir_weights_once_in_their_dtype_and_reloads(tmp_path):
     # the IR is the program as converted; the corrections for the hint it runs under
     # (precast.backends.openvino_precision.prepare) give back the compiled model's outputs bitwise
     hint = compiled.plan.hint
-    read = prepare(ov.Core().read_model(str(tmp_path / "enc.xml")), hint)
+    read, _ = prepare(ov.Core().read_model(str(tmp_path / "enc.xml")), hint)
     reloaded = ov.Core().compile_model(read, "CPU", {"INFERENCE_PRECISION_HINT": hint})
     (out,) = reloaded(list(inputs)).values()
     assert torch.equal(torch.from_numpy(out), compiled(*inputs))
