@@ -46,10 +46,10 @@ from precast.pipeline.regions import inline_regions
 from precast.pipeline.tolerance import (
     Tapping,
     check_program,
-    computing_producers,
+    local_energies,
     op_roles,
     probe_energies,
-    rounding_error,
+    read_sources,
     user_outputs,
 )
 from precast.policy.rules.taxonomy import op_name
@@ -219,22 +219,10 @@ class Estimator:
                 with torch.no_grad():
                     self.forwards += 1
                     outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
-            energy = {
-                k: rounding_error(t, self.low).double().pow(2).sum().item()
-                / max(t.double().pow(2).sum().item(), 1e-300)
-                for k, t in interp.taps.items()
-            }
+            energy = local_energies(interp.taps, self.low)
         refs = [[o.detach() if isinstance(o, torch.Tensor) else o for o in outs]]
         self.out_shapes = [o.shape for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()]
-        nodes = {n.name: n for n in ref.graph.nodes}
-        sources = []
-        for (value, reader), e in energy.items():
-            members = computing_producers(nodes[value], roles)
-            if roles.get(reader) in ("cand", "low"):
-                members.add(reader)
-            members = {m for m in members if roles.get(m) != "fp32"}
-            if members and e > 0:
-                sources.append(Source(e, frozenset(members), f"{value}->{reader}"))
+        sources = read_sources(ref, energy, roles)
         ranges = dict(interp.ranges)
         seen: dict[str, tuple] = {}  # one range per value, however many ops read it
         for (value, reader), t in interp.taps.items():  # an op's range covers the values it reads

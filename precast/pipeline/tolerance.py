@@ -153,7 +153,6 @@ class _Search:
         """Reference outputs for every batch; the first batch's forward is instrumented for the sources."""
         users = [user_values(ref, self.ep, b, i) for i, b in enumerate(self.batches)]
         refs: list = []
-        sources: list[Source] = []
         ranked_by = "first-order sensitivity"
         low = self.low
         readers = {n.name for n in ref.graph.nodes if roles.get(n.name) in ("cand", "low", "fp32")}
@@ -173,25 +172,13 @@ class _Search:
                 with torch.no_grad():
                     self.forwards += 1
                     outs = user_outputs(ref, interp.run(*placeholder_values(ref, users[0])))
-            energy = {
-                k: rounding_error(t, low).double().pow(2).sum().item()
-                / max(t.double().pow(2).sum().item(), 1e-300)
-                for k, t in interp.taps.items()
-            }
+            energy = local_energies(interp.taps, low)
         refs.append([o.detach() if isinstance(o, torch.Tensor) else o for o in outs])
         del interp
         with torch.no_grad():
             for u in users[1:]:
                 refs.append(user_outputs(ref, _Plain(ref.gm).run(*placeholder_values(ref, u))))
-        nodes = {n.name: n for n in ref.graph.nodes}
-        for (value, reader), e in energy.items():
-            members = computing_producers(nodes[value], roles)
-            if roles.get(reader) in ("cand", "low"):
-                members.add(reader)
-            members = {m for m in members if roles.get(m) != "fp32"}
-            if members and e > 0:
-                sources.append(Source(e, frozenset(members), f"{value}->{reader}"))
-        return refs, sources, ranked_by
+        return refs, read_sources(ref, energy, roles), ranked_by
 
 
 def op_roles(ref: Program, original: set[str], decisions: dict, candidates: set[str]) -> dict[str, str]:
@@ -240,6 +227,31 @@ def computing_producers(node: torch.fx.Node, roles: dict[str, str]) -> set[str]:
         else:
             out.add(n.name)
     return out
+
+
+def read_sources(ref: Program, energy: dict[tuple[str, str], float], roles: dict[str, str]) -> list[Source]:
+    """One ``Source`` per tapped read (value, reader) with a positive energy: the ops whose low precision rounds
+    that read (the computing producers of the value and, when it computes low, the reader), fp32 ops left out."""
+    nodes = {n.name: n for n in ref.graph.nodes}
+    sources = []
+    for (value, reader), e in energy.items():
+        members = computing_producers(nodes[value], roles)
+        if roles.get(reader) in ("cand", "low"):
+            members.add(reader)
+        members = {m for m in members if roles.get(m) != "fp32"}
+        if members and e > 0:
+            sources.append(Source(e, frozenset(members), f"{value}->{reader}"))
+    return sources
+
+
+def local_energies(
+    taps: dict[tuple[str, str], torch.Tensor], low: torch.dtype
+) -> dict[tuple[str, str], float]:
+    """The ranking without gradients: each read's own relative rounding error (squared) in ``low``."""
+    return {
+        k: rounding_error(t, low).double().pow(2).sum().item() / max(t.double().pow(2).sum().item(), 1e-300)
+        for k, t in taps.items()
+    }
 
 
 def rounding_error(t: torch.Tensor, low: torch.dtype) -> torch.Tensor:

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import precast
+from benchmarks.cli_bad_inputs import FACTORIES
 from precast.backends.cache import cache_key, resolve_cache_dir
 from precast.cli import main
 from precast.errors import PrecastError
@@ -462,17 +463,6 @@ def test_memo_is_keyed_by_content(converted_a, compiled_a, aoti_cache):
     assert torch.equal(again(*inputs), clone.module()(*inputs))
 
 
-FACTORIES = """
-import sys, torch
-def raises():
-    raise ValueError("no weights here")
-def exits():
-    sys.exit(7)
-def wrong():
-    return 3
-"""
-
-
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -486,7 +476,7 @@ def wrong():
 )
 def test_every_cli_path_ends_in_one_line(saved, tmp_path, capsys, monkeypatch, argv, words):
     _, good = saved
-    (tmp_path / "trust_factories.py").write_text(FACTORIES)
+    (tmp_path / "trust_factories.py").write_text(FACTORIES)  # the bad-input table's factories
     (tmp_path / "afile").write_text("keep me")
     monkeypatch.syspath_prepend(str(tmp_path))
     err = one_line_exit_2(capsys, [a.format(d=tmp_path, good=good) for a in argv])
