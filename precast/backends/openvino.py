@@ -7,13 +7,14 @@
 
 ``openvino.convert_model`` reads the ExportedProgram itself (after ``run_decompositions`` with OpenVINO's table),
 so every cast precast wrote is a ``Convert`` on an activation and every folded weight a constant in its stored
-dtype. The precision hint (``openvino_precision``): a bf16 plan on a CPU with native bf16 is compiled with
-OpenVINO's own ``bf16`` hint (its speed, its correctly rounded conversions) when every layer then runs the dtype
-precast decided; otherwise with ``INFERENCE_PRECISION_HINT=f32``, under which OpenVINO runs each op in the
-precision the graph states (precast's bf16 ops in bf16, the ops it kept fp32 in fp32), with precast's casts to
-bf16 corrected to round to nearest. ``check_plan`` (``openvino_plan``) reads the compiled model back and warns for
+dtype (the attention's ``scale=`` kept exact). The precision hint (``openvino_precision``): a bf16 plan on a CPU
+with native bf16 is compiled with OpenVINO's own ``bf16`` hint, OpenVINO lowering the plan itself (precast's casts
+read through), when every layer then runs the dtype precast decided; otherwise with
+``INFERENCE_PRECISION_HINT=f32``, under which OpenVINO runs each op in the precision the graph states (precast's
+bf16 ops in bf16, the ops it kept fp32 in fp32), with precast's casts to bf16 corrected to round to nearest.
+``check_plan`` (``openvino_plan``) reads the compiled model back and warns for
 every layer where OpenVINO runs another precision than precast decided. ``save`` writes the model as converted
-(no correction: those depend on the hint it is compiled with).
+(no hint-specific form: ``openvino_precision.prepare`` makes one from a model read back).
 
 Dynamic batch: a program whose dim 0 is static is re-exported with a dynamic one (``aoti.dynamic_batch``, as
 ``precast.compile`` does); every other dimension keeps its size. Needs ``pip install 'precast[openvino]'``.
