@@ -1,0 +1,747 @@
+"""LLM decode on a CPU: prefill latency, per-token decode latency, tokens/s, resident memory and weight bytes read
+per token against the machine's measured memory bandwidth, for fp32, eager autocast, the hand-cast bf16 forms and
+precast (policy "torch" and "auto", through ``precast.compile``), in one interleaved run at each thread count.
+
+    PYTHONPATH=. python -m benchmarks.llm_decode [--quick] [--threads 1 2] [--out docs/benchmarks]
+
+The model is a Llama-shaped decoder with random weights (default 0.24 B parameters: hidden 1024, 16 layers, 16
+heads / 4 kv heads, intermediate 2816, vocab 32000), exported with transformers' ExecuTorch recipe
+(``TorchExportableModuleForDecoderOnlyLM``: a static KV cache of ``--cache-len`` held in buffers written by
+``index_copy_``), batch 1. Each compiled variant is one program taking ``input_ids`` of any length up to the
+cache (the sequence dimension exported dynamic): the prefill runs ``--context`` tokens at positions 0..context-1,
+then decode runs one token at a time at positions context, context+1, ... (the static cache's attention reads all
+``--cache-len`` slots whatever the position, so every decode step costs the same).
+
+Variants (``--variant`` picks a subset):
+  eager_fp32          the fp32 module, eager
+  eager_autocast      the fp32 module under ``torch.autocast("cpu", bfloat16)``
+  eager_bf16          hand-cast: ``model.to(torch.bfloat16)`` before wrapping (cache bf16 too), eager
+  aoti_fp32           AOTInductor on the fp32 program (weights reloadable)
+  aoti_fp32_frozen    ... with ``freezing=True`` (weights packed into the code's constants: not reloadable)
+  aoti_bf16           AOTInductor on the hand-cast program
+  aoti_bf16_frozen    ... with ``freezing=True``
+  precast_torch       ``precast.convert(ep, policy="torch", cache_dtype=bf16)`` then ``precast.compile``
+  precast_auto        ``policy="auto"`` (each matmul kept fp32 unless bf16 is faster here at its shapes)
+  precast_torch_packed / precast_auto_packed   the same through ``precast.compile(..., mode="packed")``
+
+Targets (issue 27 item 6; printed, never asserted): precast through precast.compile, weights reloadable with
+load_weights, >= 0.97x the fastest hand-cast bf16 form's speed and >= 1.5x the fastest fp32 form's at 2 threads,
+resident memory <= 0.55x fp32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a file: the repository root is importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+
+EAGER = ("eager_fp32", "eager_autocast", "eager_bf16")
+HAND = ("aoti_fp32", "aoti_fp32_frozen", "aoti_bf16", "aoti_bf16_frozen")
+PRECAST = ("precast_torch", "precast_auto", "precast_torch_packed", "precast_auto_packed")
+VARIANTS = EAGER + HAND + PRECAST
+FP32_FORMS = ("eager_fp32", "aoti_fp32", "aoti_fp32_frozen")
+BF16_HAND_FORMS = ("eager_bf16", "aoti_bf16", "aoti_bf16_frozen")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    layers: int = 16
+    hidden: int = 1024
+    heads: int = 16
+    kv_heads: int = 4
+    intermediate: int = 2816
+    vocab: int = 32000
+    cache_len: int = 512
+    context: int = 256
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def tag(self) -> str:
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self)).encode()).hexdigest()[:10]
+
+
+QUICK = Shape(
+    layers=2, hidden=128, heads=4, kv_heads=2, intermediate=352, vocab=512, cache_len=64, context=32
+)
+
+
+# ---- the model ----------------------------------------------------------------------------------------------
+def llama(shape: Shape, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The seeded random Llama-shaped ``LlamaForCausalLM`` (eval), in ``dtype``, set up for a static cache."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    cfg = AutoConfig.for_model(
+        "llama",
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        vocab_size=shape.vocab,
+        max_position_embeddings=max(1024, shape.cache_len),
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.generation_config = GenerationConfig(
+        use_cache=True,
+        cache_implementation="static",
+        max_length=shape.cache_len,
+        cache_config={"batch_size": 1, "max_cache_len": shape.cache_len},
+    )
+    return model.to(dtype)
+
+
+def wrapped(model: torch.nn.Module, shape: Shape) -> torch.nn.Module:
+    """transformers' export wrapper (``TorchExportableModuleForDecoderOnlyLM``): the static cache in buffers."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    return TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=shape.cache_len)
+
+
+def export(model: torch.nn.Module, shape: Shape) -> torch.export.ExportedProgram:
+    """The recipe's strict export, with the sequence dimension dynamic (1 .. cache_len - 1)."""
+    from torch.export import Dim
+
+    w = wrapped(model, shape)
+    seq = Dim("seq", min=1, max=shape.cache_len - 1)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return w.export(
+            input_ids=ids,
+            cache_position=torch.arange(4),
+            dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}},
+        )
+
+
+def inputs(shape: Shape) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The prompt (``context`` tokens) and the decode tokens' ids, seeded."""
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, shape.vocab, (1, shape.context), generator=g)
+    tokens = [
+        torch.randint(0, shape.vocab, (1, 1), generator=g) for _ in range(shape.cache_len - shape.context)
+    ]
+    return prompt, tokens
+
+
+# ---- the variants -------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Variant:
+    name: str
+    run: Callable[..., Any] | None  # run(input_ids=, cache_position=) -> logits
+    package: Path | None = None  # a compiled package (for the fresh-process memory), None for eager
+    stored_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # weights / cache bytes held
+    read_bytes: int = 0  # bytes a decode step reads (every weight but the embedding table, + the whole cache)
+    reloadable: str = ""  # "yes" / "no" / why
+    compile_s: float | None = None
+    error: str | None = None
+    note: str = ""
+
+
+def _bytes(program_or_state: dict[str, torch.Tensor], shape: Shape) -> tuple[dict[str, int], int]:
+    """(bytes held as weights / as cache, bytes one decode step reads) from a state dict of tensors."""
+    weights = cache = read = 0
+    for name, t in program_or_state.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        n = t.numel() * t.element_size()
+        if "cache" in name and ("key" in name or "value" in name or "keys" in name or "values" in name):
+            cache += n
+            read += n
+        elif "cumulative_length" in name or "inv_freq" in name:
+            continue
+        else:
+            weights += n
+            # the embedding table is indexed (one row read per token); every other weight is read whole
+            read += n // t.shape[0] if "embed_tokens" in name else n
+    return {"weights": weights, "cache": cache}, read
+
+
+def _state(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    return {**ep.state_dict, **{k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}}
+
+
+def _module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def _aoti(ep: torch.export.ExportedProgram, path: Path, configs: dict[str, Any]) -> tuple[Any, float]:
+    import torch._inductor
+
+    started = time.perf_counter()
+    if not path.exists():
+        tmp = path.with_suffix(".tmp.pt2")
+        with torch.no_grad():  # freezing applies only under no_grad
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=configs)
+        os.replace(tmp, path)
+    seconds = time.perf_counter() - started
+    return torch._inductor.aoti_load_package(str(path)), seconds
+
+
+def _call(model: Any) -> Callable[..., Any]:
+    def run(input_ids: torch.Tensor, cache_position: torch.Tensor) -> Any:
+        return model(input_ids=input_ids, cache_position=cache_position)
+
+    return run
+
+
+def build_variants(
+    names: tuple[str, ...], shape: Shape, work: Path, cache_dir: str | None, log: Callable[[str], None]
+) -> tuple[dict[str, Variant], dict[str, torch.Tensor]]:
+    """Every asked variant built (compiled packages reused from ``work`` when the shape matches); a variant that
+    fails carries its error. Also returns the fp32 state dict by original name (for load_weights)."""
+    import precast
+
+    variants: dict[str, Variant] = {}
+    fp32 = llama(shape)
+    fp32_state = {k: v.detach().clone() for k, v in fp32.state_dict().items()}
+    need_fp32_ep = any(n.startswith(("aoti_fp32", "precast")) for n in names)
+    need_bf16_ep = any(n.startswith("aoti_bf16") for n in names)
+    t0 = time.perf_counter()
+    ep32 = export(fp32, shape) if need_fp32_ep else None
+    bf16_model = llama(shape, torch.bfloat16) if need_bf16_ep or "eager_bf16" in names else None
+    ep16 = export(bf16_model, shape) if need_bf16_ep else None
+    log(f"exported in {time.perf_counter() - t0:.1f}s")
+    tag = f"{shape.tag()}-torch{torch.__version__}"
+
+    for name in names:
+        log(f"building {name}")
+        v = Variant(name, None)
+        try:
+            if name == "eager_fp32":
+                m = wrapped(fp32, shape).model
+                v.run, v.reloadable = _call(m), "yes (module)"
+                v.stored_bytes, v.read_bytes = _bytes(_module_state(m), shape)
+            elif name == "eager_autocast":
+                m = wrapped(llama(shape), shape).model
+
+                def run(input_ids, cache_position, m=m):
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        return m(input_ids=input_ids, cache_position=cache_position)
+
+                v.run, v.reloadable = run, "yes (module)"
+                v.stored_bytes, v.read_bytes = _bytes(_module_state(m), shape)
+            elif name == "eager_bf16":
+                m = wrapped(bf16_model, shape).model
+                v.run, v.reloadable = _call(m), "yes (module)"
+                v.stored_bytes, v.read_bytes = _bytes(_module_state(m), shape)
+            elif name in HAND:
+                ep = ep32 if "fp32" in name else ep16
+                configs = {"freezing": True} if name.endswith("frozen") else {}
+                v.package = work / f"{name}-{tag}.pt2"
+                model, v.compile_s = _aoti(ep, v.package, configs)
+                v.run = _call(model)
+                v.reloadable = "no (frozen)" if configs else "yes (load_constants)"
+                v.stored_bytes, v.read_bytes = _bytes(_state(ep), shape)
+            elif name in PRECAST:
+                policy = name.split("_")[1]
+                res = convert_llm(ep32, policy)
+                v.note = res.note
+                mode = "packed" if name.endswith("packed") else "default"
+                started = time.perf_counter()
+                cm = precast.compile(res.program, cache_dir=cache_dir, dynamic=False, mode=mode)
+                v.compile_s = time.perf_counter() - started
+                v.package, v.run = cm.package_path, _call(cm)
+                v.stored_bytes, v.read_bytes = _bytes(_state(res.program), shape)
+                v.reloadable = _check_reload(cm, fp32_state, shape)
+        except Exception as exc:  # noqa: BLE001 - one variant failing is a row of the table, not the end of the run
+            v.run, v.error = (
+                None,
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+            )
+            log(f"  {name} failed: {v.error}")
+            if os.environ.get("LLM_DECODE_DEBUG"):
+                traceback.print_exc()
+        variants[name] = v
+    return variants, fp32_state
+
+
+@dataclasses.dataclass
+class Converted:
+    program: torch.export.ExportedProgram
+    note: str
+
+
+def convert_llm(ep: torch.export.ExportedProgram, policy: str) -> Converted:
+    """``precast.convert(ep, policy=..., dtype=bf16, cache_dtype=bf16)``; without ``cache_dtype`` where this
+    precast has no such option (the cache then stays fp32 and the note says so)."""
+    import inspect
+
+    import precast
+
+    kw: dict[str, Any] = {"policy": policy, "dtype": torch.bfloat16}
+    note = ""
+    if "cache_dtype" in inspect.signature(precast.convert).parameters:
+        kw["cache_dtype"] = torch.bfloat16
+    else:
+        note = "cache fp32 (this precast has no cache_dtype=)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = precast.convert(ep, **kw)
+    if policy == "auto":
+        mms = [r for r in res.report.nodes if r.op.split(".")[-2:][0] in ("mm", "addmm", "bmm", "linear")]
+        low = sum(1 for r in mms if r.dtype and "bf" in r.dtype)
+        note = (note + "; " if note else "") + f"auto: {low} of {len(mms)} matmuls bf16"
+    return Converted(res.program, note)
+
+
+def _check_reload(cm: Any, fp32_state: dict[str, torch.Tensor], shape: Shape) -> str:
+    """load_weights with the fp32 state dict (by original names): 'yes' when it loads and the logits do not
+    move (the same weights), else why not."""
+    prompt = torch.zeros(1, 1, dtype=torch.long)
+    pos = torch.tensor([0])
+    with torch.no_grad():
+        before = cm(input_ids=prompt, cache_position=pos).clone()
+        try:
+            cm.load_weights(fp32_state)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            return f"no ({str(exc)[:120]})"
+        after = cm(input_ids=prompt, cache_position=pos)
+    return (
+        "yes"
+        if torch.equal(before, after)
+        else f"loads, logits moved by {float((before - after).abs().max()):.3g}"
+    )
+
+
+# ---- measuring ----------------------------------------------------------------------------------------------
+def bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 7) -> float:
+    """Memory read bandwidth (GB/s) at ``threads``: the median time of summing a ``mib`` MiB fp32 tensor."""
+    torch.set_num_threads(threads)
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def measure(
+    variants: dict[str, Variant],
+    shape: Shape,
+    threads: int,
+    repeats: int,
+    steps: int,
+    log: Callable[[str], None],
+) -> dict[str, dict[str, Any]]:
+    """Interleaved: every repeat times each variant's prefill once and ``steps`` decode steps; medians."""
+    torch.set_num_threads(threads)
+    prompt, tokens = inputs(shape)
+    ctx = shape.context
+    live = {n: v for n, v in variants.items() if v.run is not None}
+    out: dict[str, dict[str, Any]] = {}
+    prefill: dict[str, list[float]] = {n: [] for n in live}
+    decode: dict[str, list[float]] = {n: [] for n in live}
+    with torch.no_grad():
+        for name, v in list(live.items()):  # warm-up; a variant failing here is reported, not timed
+            try:
+                v.run(input_ids=prompt, cache_position=torch.arange(ctx))
+                for i in range(3):
+                    v.run(input_ids=tokens[i], cache_position=torch.tensor([ctx + i]))
+            except Exception as exc:  # noqa: BLE001
+                v.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                log(f"  {name} failed at run time: {v.error}")
+                v.run = None
+                del live[name]
+        positions = [torch.tensor([ctx + i]) for i in range(len(tokens))]
+        for r in range(repeats):
+            for name, v in live.items():
+                t = time.perf_counter()
+                v.run(input_ids=prompt, cache_position=torch.arange(ctx))
+                prefill[name].append((time.perf_counter() - t) * 1e3)
+                t = time.perf_counter()
+                for i in range(steps):
+                    v.run(input_ids=tokens[i], cache_position=positions[i])
+                decode[name].append((time.perf_counter() - t) * 1e3 / steps)
+            log(f"  threads={threads} repeat {r + 1}/{repeats}")
+    for name in live:
+        out[name] = {
+            "prefill_ms": round(statistics.median(prefill[name]), 2),
+            "decode_ms": round(statistics.median(decode[name]), 3),
+            "decode_samples_ms": [round(s, 3) for s in decode[name]],
+        }
+    return out
+
+
+def accuracy(variants: dict[str, Variant], shape: Shape) -> dict[str, dict[str, float]]:
+    """Logits of the first decoded token after the prompt, against eager fp32's: cosine and max abs error."""
+    from precast.metrics import flat_error
+
+    prompt, tokens = inputs(shape)
+    ctx = shape.context
+    logits = {}
+    with torch.no_grad():
+        for name, v in variants.items():
+            if v.run is None:
+                continue
+            v.run(input_ids=prompt, cache_position=torch.arange(ctx))
+            logits[name] = v.run(input_ids=tokens[0], cache_position=torch.tensor([ctx])).float()
+    ref = logits.get("eager_fp32")
+    if ref is None:
+        return {}
+    out = {}
+    for name, y in logits.items():
+        err, cos = flat_error(y, ref)
+        out[name] = {"cosine_vs_fp32": round(cos, 6), "max_abs_err_vs_fp32": float(f"{err:.4g}")}
+    return out
+
+
+_RSS_CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from benchmarks.llm_decode import rss_child
+rss_child(json.loads(sys.argv[2]))
+"""
+
+
+def _rss() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def rss_child(spec: dict[str, Any]) -> None:
+    """(In a fresh process.) Build or load one variant, run the prompt and a decode step; print the RSS gain."""
+    import torch._inductor  # noqa: F401 - imported before the first reading, as the loader needs it
+    import transformers  # noqa: F401
+
+    shape = Shape(**spec["shape"])
+    torch.set_num_threads(1)
+    prompt, tokens = inputs(shape)
+    before = _rss()
+    if spec["package"]:
+        model = torch._inductor.aoti_load_package(spec["package"])
+    else:
+        dtype = torch.bfloat16 if spec["name"] == "eager_bf16" else torch.float32
+        model = wrapped(llama(shape, dtype), shape).model
+    with torch.no_grad():
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if spec["name"] == "eager_autocast" else None
+        with ctx or contextlib.nullcontext():
+            model(input_ids=prompt, cache_position=torch.arange(shape.context))
+            model(input_ids=tokens[0], cache_position=torch.tensor([shape.context]))
+    print(json.dumps({"before": before, "after": _rss()}))
+
+
+def fresh_rss_mb(v: Variant, shape: Shape) -> float | None:
+    """Resident memory (MiB) a fresh process gains by building/loading ``v`` and running prefill + one step."""
+    if not Path("/proc/self/status").exists():
+        return None
+    spec = {
+        "name": v.name,
+        "package": str(v.package) if v.package else None,
+        "shape": dataclasses.asdict(shape),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD, str(ROOT), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        return None
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    return round(data["after"] - data["before"], 1)
+
+
+# ---- profile ------------------------------------------------------------------------------------------------
+def profile(v: Variant, shape: Shape, threads: int, steps: int = 8, top: int = 8) -> list[dict[str, Any]]:
+    """torch.profiler over ``steps`` decode steps: the ops with the most self CPU time (share of the step)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.set_num_threads(threads)
+    prompt, tokens = inputs(shape)
+    with torch.no_grad():
+        v.run(input_ids=prompt, cache_position=torch.arange(shape.context))
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
+            for i in range(steps):
+                v.run(input_ids=tokens[i], cache_position=torch.tensor([shape.context + i]))
+            wall = (time.perf_counter() - t) * 1e6
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [
+        {
+            "op": e.key,
+            "calls_per_step": round(e.count / steps, 1),
+            "self_ms_per_step": round(e.self_cpu_time_total / steps / 1e3, 3),
+            "share": round(e.self_cpu_time_total / wall, 3),
+        }
+        for e in rows
+    ]
+
+
+# ---- the report ---------------------------------------------------------------------------------------------
+def machine() -> dict[str, Any]:
+    from precast import bench
+
+    info = bench.machine_info()
+    flags = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    info["isa"] = sorted(
+        f for f in flags if f in {"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile"}
+    )
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    return info
+
+
+def targets(rows: dict[int, dict[str, dict[str, Any]]], rss: dict[str, float | None]) -> list[dict[str, Any]]:
+    """Each precast variant against the fastest hand-cast bf16 form and the fastest fp32 form at each thread
+    count, and its memory against fp32's."""
+    out = []
+    for threads, table in rows.items():
+
+        def fastest(names: tuple[str, ...], table=table) -> tuple[str, float] | None:
+            got = [(table[n]["decode_ms"], n) for n in names if n in table]
+            return (min(got)[1], min(got)[0]) if got else None
+
+        hand, f32 = fastest(BF16_HAND_FORMS), fastest(FP32_FORMS)
+        for name in PRECAST:
+            if name not in table:
+                continue
+            ms = table[name]["decode_ms"]
+            row: dict[str, Any] = {"threads": threads, "variant": name}
+            if hand:
+                row["vs_fastest_hand_cast"] = {
+                    "form": hand[0],
+                    "speed_ratio": round(hand[1] / ms, 3),
+                    "target": 0.97,
+                }
+            if f32:
+                row["vs_fastest_fp32"] = {
+                    "form": f32[0],
+                    "speed_ratio": round(f32[1] / ms, 3),
+                    "target": 1.5 if threads == 2 else None,
+                }
+            ref = rss.get("aoti_fp32") or rss.get("eager_fp32")
+            if rss.get(name) and ref:
+                row["memory_vs_fp32"] = {"ratio": round(rss[name] / ref, 3), "target": 0.55}
+            out.append(row)
+    return out
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    m = payload["machine"]
+    shape = payload["shape"]
+    lines = [
+        "# LLM decode on a CPU: fp32, eager autocast, hand-cast bf16 and precast",
+        "",
+        f"Command: `PYTHONPATH=. python -m benchmarks.llm_decode {payload['argv']}`",
+        "",
+        f"CPU: **{m.get('cpu')}** ({', '.join(m.get('isa', [])) or 'no bf16/fp16 ISA flags'}; torch capability "
+        f"{m.get('cpu_capability')}), {m.get('cores')} cores; torch {m.get('torch')}, transformers "
+        f"{m.get('transformers')}. Load average (1 min) {payload['load_start']} at the start, {payload['load_end']} "
+        "at the end (other jobs share the cores: medians of interleaved repeats, compare ratios within a row set).",
+        "",
+        f"Model: Llama-shaped, random weights, {payload['params'] / 1e9:.3f} B parameters (hidden {shape['hidden']}, "
+        f"{shape['layers']} layers, {shape['heads']} heads / {shape['kv_heads']} kv heads, intermediate "
+        f"{shape['intermediate']}, vocab {shape['vocab']}); transformers' static cache of {shape['cache_len']}, "
+        f"batch 1; prefill {shape['context']} tokens, then decode at positions {shape['context']}.. "
+        f"({payload['steps']} steps per sample, median of {payload['repeats']} interleaved repeats).",
+        "",
+        "Memory read bandwidth (summing a 512 MiB tensor): "
+        + ", ".join(f"{t} thread(s) {bw:.1f} GB/s" for t, bw in payload["bandwidth_gbs"].items())
+        + ".",
+        "",
+        "| threads | variant | prefill ms | decode ms/token | tokens/s | resident MiB (fresh process) | weights + cache MiB "
+        "| read/token MB | GB/s (of measured) | cosine vs fp32 | load_weights |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    var = payload["variants"]
+    for threads, table in payload["runs"].items():
+        for name, v in var.items():
+            r = table.get(name)
+            if r is None:
+                continue
+            bw = payload["bandwidth_gbs"][threads]
+            gbs = v["read_bytes"] / (r["decode_ms"] / 1e3) / 1e9
+            acc = payload["accuracy"].get(name, {})
+            lines.append(
+                f"| {threads} | {name} | {r['prefill_ms']:.1f} | **{r['decode_ms']:.2f}** | {1e3 / r['decode_ms']:.1f} | "
+                f"{v['rss_mb'] if v['rss_mb'] is not None else '-'} | "
+                f"{(v['stored_bytes'].get('weights', 0) + v['stored_bytes'].get('cache', 0)) / 2**20:.0f} | "
+                f"{v['read_bytes'] / 1e6:.0f} | {gbs:.1f} ({gbs / bw:.0%}) | {acc.get('cosine_vs_fp32', '-')} | "
+                f"{v['reloadable']} |"
+            )
+    failed = [(n, v["error"]) for n, v in var.items() if v["error"]]
+    if failed:
+        lines += ["", "Variants that did not run:", ""] + [f"- `{n}`: {e}" for n, e in failed]
+    notes = [(n, v["note"]) for n, v in var.items() if v["note"]]
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- `{n}`: {e}" for n, e in notes]
+    if payload["targets"]:
+        lines += [
+            "",
+            "## Targets",
+            "",
+            "| threads | precast variant | vs fastest hand-cast bf16 (>= 0.97) | "
+            "vs fastest fp32 (>= 1.5 at 2 threads) | memory vs fp32 (<= 0.55) |",
+            "|---|---|---|---|---|",
+        ]
+        for t in payload["targets"]:
+            h, f, mem = t.get("vs_fastest_hand_cast"), t.get("vs_fastest_fp32"), t.get("memory_vs_fp32")
+
+            def cell(d, key="speed_ratio"):
+                if not d:
+                    return "-"
+                ok = (
+                    ""
+                    if d.get("target") is None
+                    else (
+                        " met"
+                        if (d[key] <= d["target"] if key == "ratio" else d[key] >= d["target"])
+                        else " **missed**"
+                    )
+                )
+                return f"{d[key]}x{' (' + d['form'] + ')' if 'form' in d else ''}{ok}"
+
+            lines.append(
+                f"| {t['threads']} | {t['variant']} | {cell(h)} | {cell(f)} | {cell(mem, 'ratio')} |"
+            )
+    if payload.get("profiles"):
+        lines += ["", "## Profiles (torch.profiler, self CPU time per decode step)", ""]
+        for key, rows in payload["profiles"].items():
+            lines += [
+                f"`{key}`:",
+                "",
+                "| op | calls/step | self ms/step | share of step |",
+                "|---|---|---|---|",
+            ]
+            lines += [
+                f"| `{r['op']}` | {r['calls_per_step']} | {r['self_ms_per_step']} | {r['share']:.0%} |"
+                for r in rows
+            ]
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="a tiny model (2 layers, hidden 128, cache 64): a smoke run"
+    )
+    for field in dataclasses.fields(Shape):
+        ap.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=None)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--variant", nargs="+", default=None, choices=VARIANTS, metavar="V")
+    ap.add_argument("--skip", nargs="+", default=[], choices=VARIANTS, metavar="V")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 15; --quick 3)")
+    ap.add_argument("--steps", type=int, default=None, help="decode steps per sample (default 8; --quick 4)")
+    ap.add_argument("--work", default="/tmp/precast-llm-decode", help="compiled baseline packages (reused)")
+    ap.add_argument("--cache-dir", default=None, help="precast's package cache (default: its own)")
+    ap.add_argument("--no-rss", action="store_true", help="skip the fresh-process memory measurement")
+    ap.add_argument("--profile", nargs="*", default=None, metavar="V", help="profile these variants' decode")
+    ap.add_argument("--out", default=None, help="write llm_decode.json and llm_decode.md here")
+    args = ap.parse_args(argv)
+
+    base = QUICK if args.quick else Shape()
+    shape = Shape(
+        **{
+            f.name: getattr(args, f.name) if getattr(args, f.name) is not None else getattr(base, f.name)
+            for f in dataclasses.fields(Shape)
+        }
+    )
+    if shape.intermediate is None or shape.context >= shape.cache_len:
+        ap.error("--context must be below --cache-len")
+    repeats = args.repeats or (3 if args.quick else 15)
+    steps = args.steps or (4 if args.quick else 8)
+    names = tuple(n for n in (args.variant or VARIANTS) if n not in args.skip)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    load_start = round(os.getloadavg()[0], 2)
+    variants, fp32_state = build_variants(names, shape, work, args.cache_dir, log)
+    params = sum(v.numel() for k, v in fp32_state.items() if "cache" not in k and "inv_freq" not in k)
+    bandwidth = {}
+    runs = {}
+    for threads in args.threads:
+        bandwidth[threads] = round(bandwidth_gbs(threads), 2)
+        log(f"threads={threads}: bandwidth {bandwidth[threads]} GB/s")
+        runs[threads] = measure(variants, shape, threads, repeats, steps, log)
+    torch.set_num_threads(max(args.threads))
+    acc = accuracy(variants, shape)
+    rss = {}
+    for name, v in variants.items():
+        if v.run is not None and not args.no_rss:
+            log(f"fresh-process memory: {name}")
+            rss[name] = fresh_rss_mb(v, shape)
+        else:
+            rss[name] = None
+    profiles = {}
+    for name in args.profile if args.profile is not None else []:
+        if variants.get(name) and variants[name].run is not None:
+            for threads in args.threads:
+                profiles[f"{name} threads={threads}"] = profile(variants[name], shape, threads)
+    payload = {
+        "argv": " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine(),
+        "load_start": load_start,
+        "load_end": round(os.getloadavg()[0], 2),
+        "shape": dataclasses.asdict(shape),
+        "params": params,
+        "repeats": repeats,
+        "steps": steps,
+        "bandwidth_gbs": bandwidth,
+        "variants": {
+            n: {
+                "error": v.error,
+                "note": v.note,
+                "reloadable": v.reloadable,
+                "compile_s": None if v.compile_s is None else round(v.compile_s, 1),
+                "stored_bytes": v.stored_bytes,
+                "read_bytes": v.read_bytes,
+                "rss_mb": rss.get(n),
+                "package": str(v.package) if v.package else None,
+            }
+            for n, v in variants.items()
+        },
+        "runs": runs,
+        "accuracy": acc,
+        "targets": targets(runs, rss),
+        "profiles": profiles,
+    }
+    text = markdown(payload)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "llm_decode.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+        (out / "llm_decode.md").write_text(text)
+        log(f"wrote {out / 'llm_decode.json'}, {out / 'llm_decode.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
