@@ -13,6 +13,13 @@ loadable entry. An entry whose files do not match its manifest is rebuilt, never
 Every call's inputs are checked against the compiled program's signature (``backends/signature.py``) before
 the native code runs: AOTInductor itself reads past its buffers on a wrong shape.
 
+Packed weights: under ``mode="max-autotune"`` on a CPU, Inductor's C++ GEMM template (AMX / AVX512 micro-kernels)
+copies each weight it uses into a blocked (and for bf16 VNNI-interleaved) constant at compile time and reads only
+that copy. The compile records those copies (``_record_new_constants``), finds the stored weight and the packing
+that reproduces each bit for bit (``match_packed``), and writes the plan in the manifest; ``load_weights`` packs
+the new weights the same way (``gemm_pack``), so they stay swappable. A copy precast cannot reproduce makes
+``load_weights`` refuse, as for weights folded by freezing.
+
 Input: an ExportedProgram (converted or not) and compile options. Output: a ``CompiledModel`` (callable,
 ``load_weights`` by original names) backed by a cached AOTInductor package (``backends/cache.py``).
 """
@@ -80,8 +87,12 @@ class CompiledModel:
         from_cache: bool,
         compile_seconds: float,
         load_seconds: float,
+        packed: Mapping[str, Any] | None = None,
     ):
         self._runner = runner
+        # packed constant -> {"source": stored name, "transposed", "block_n", "vnni"}; "unmatched": [names]
+        self._packed = dict((packed or {}).get("plans", {}))
+        self._packed_unmatched = list((packed or {}).get("unmatched", []))
         self.package_path = Path(package_path)
         self.key = key
         self._stored = stored
@@ -154,6 +165,11 @@ class CompiledModel:
             problems.append(
                 f"compiled code folded {folded} into itself (freezing?); recompile without freezing to swap them"
             )
+        if self._packed_unmatched:
+            problems.append(
+                f"compiled code packed weights into {sorted(self._packed_unmatched)} in a layout precast cannot "
+                "reproduce; recompile with mode='default' to swap them"
+            )
         if problems:
             raise PrecastError(
                 f"load_weights({self.package_path.name}): {len(problems)} problem(s): {'; '.join(problems)}; "
@@ -171,6 +187,17 @@ class CompiledModel:
                 # a fresh contiguous copy in the stored dtype: the same rounding fold_constant_casts applied
                 update[st.source.stored] = value.to(
                     device=st.device, dtype=st.source.dtype, copy=True, memory_format=torch.contiguous_format
+                )
+        for (
+            name,
+            plan,
+        ) in self._packed.items():  # the GEMM template's copies, packed as the compile packed them
+            if plan["source"] in update:
+                update[name] = gemm_pack(
+                    update[plan["source"]],
+                    transposed=plan["transposed"],
+                    block_n=plan["block_n"],
+                    vnni=plan["vnni"],
                 )
         self._runner.load_constants(update, check_full_update=set(update) >= swappable)
         return {"loaded": sorted(n for n in by_original if n not in kept), "kept": kept}
@@ -232,6 +259,7 @@ def compile(
         from_cache=from_cache,
         compile_seconds=compile_seconds,
         load_seconds=time.perf_counter() - started - compile_seconds,
+        packed=manifest.get("packed"),
     )
     with _MEMO_LOCK:
         _MEMO.setdefault(ep, {})[options] = model
@@ -277,7 +305,7 @@ def _build_locked(
                 ),
                 TORCH_LOCK,
             ):
-                compiled = _aoti_compile(ep, build / PACKAGE, configs, dynamic)
+                compiled, packed = _aoti_compile(ep, build / PACKAGE, configs, dynamic)
             seconds = time.perf_counter() - started
             manifest = {
                 "format": FORMAT,
@@ -293,6 +321,7 @@ def _build_locked(
                     name: [st.source.original, str(st.source.original_dtype), str(st.source.dtype)]
                     for name, st in stored.items()
                 },
+                "packed": packed,
             }
             write_durable(build / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=str))
             fsync_dir(build)
@@ -365,22 +394,114 @@ def dynamic_batch(ep: ExportedProgram) -> ExportedProgram:
 
 def _aoti_compile(
     ep: ExportedProgram, package: Path, configs: dict[str, Any], dynamic: bool
-) -> ExportedProgram:
-    """Compile ``ep`` (made batch-dynamic if asked) into ``package``; returns the program actually compiled."""
+) -> tuple[ExportedProgram, dict[str, Any]]:
+    """Compile ``ep`` (made batch-dynamic if asked) into ``package``; returns the program actually compiled and
+    the plan of the weights the compiled code reads through packed copies (``{"plans": ..., "unmatched": ...}``,
+    see ``match_packed``)."""
     import torch._inductor
 
     with torch.no_grad():
         program = dynamic_batch(ep) if dynamic else ep
         try:
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(package), inductor_configs=dict(configs)
-            )
+            with _record_new_constants() as added:
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(package), inductor_configs=dict(configs)
+                )
         except Exception as exc:
             raise PrecastError(
                 f"precast.compile: AOTInductor failed: {type(exc).__name__}: {first_line(exc)[:300]}; "
                 "run with TORCH_LOGS=output_code for details, or try dynamic=False"
             ) from exc
-    return program
+    sources = {
+        name: value
+        for name, value in {**program.state_dict, **program.constants}.items()
+        if isinstance(value, torch.Tensor)
+    }
+    plans, unmatched = match_packed(added, sources)
+    return program, {"plans": plans, "unmatched": unmatched}
+
+
+# ---- weights packed by the compiled code (the C++ GEMM template) ------------------------------------------------
+@contextlib.contextmanager
+def _record_new_constants() -> Iterator[dict[str, torch.Tensor]]:
+    """Record the 3-d floating constants Inductor adds while lowering, by the name the package gives them.
+
+    The C++ GEMM template (CPU, ``max_autotune``) adds one per weight it uses: the weight blocked into
+    ``[n / block_n, k, block_n]`` (VNNI-interleaved for 16-bit types), computed from the weight's value at
+    compile time; its code reads only that copy. Call under ``TORCH_LOCK`` (the hook is process-wide)."""
+    from torch._inductor.graph import GraphLowering
+
+    added: dict[str, torch.Tensor] = {}
+    original = GraphLowering.add_tensor_constant
+
+    def add_tensor_constant(self: Any, data: torch.Tensor, name: str | None = None) -> Any:
+        box = original(self, data, name)
+        with contextlib.suppress(
+            Exception
+        ):  # a recording failure only leaves a copy unmatched, never a compile
+            real = type(data) is torch.Tensor or type(data) is torch.nn.Parameter
+            if real and data.dim() == 3 and data.is_floating_point() and not data.is_mkldnn:
+                added[box.get_name()] = data
+        return box
+
+    GraphLowering.add_tensor_constant = add_tensor_constant  # type: ignore[method-assign]
+    try:
+        yield added
+    finally:
+        GraphLowering.add_tensor_constant = original  # type: ignore[method-assign]
+
+
+def gemm_pack(weight: torch.Tensor, *, transposed: bool, block_n: int, vnni: int) -> torch.Tensor:
+    """``weight`` laid out as Inductor's C++ GEMM template stores a constant B (``k x n``): padded to a multiple of
+    ``block_n`` columns, blocked into ``[n / block_n, k, block_n]``, then with ``vnni`` > 1 consecutive rows of k
+    interleaved (``CppGemmTemplate.block_weight`` / ``pack_vnni_weight``). ``transposed``: ``weight`` is a Linear's
+    ``[n, k]`` (B is its transpose)."""
+    b = weight.t() if transposed else weight
+    k, n = b.shape
+    blocks = -(-n // block_n)
+    out = torch.nn.functional.pad(b, (0, blocks * block_n - n)).reshape(k, blocks, block_n).transpose(0, 1)
+    if vnni > 1:
+        out = out.reshape(blocks, k // vnni, vnni, block_n).transpose(-1, -2).reshape(blocks, k, block_n)
+    return out.contiguous()
+
+
+def match_packed(
+    added: Mapping[str, torch.Tensor], sources: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """For each packed constant, the stored weight and the ``gemm_pack`` arguments that reproduce it bit for bit
+    (``{name: {"source", "transposed", "block_n", "vnni"}}``), and the names of those no weight reproduces."""
+    candidates = [(name, w) for name, w in sources.items() if w.dim() == 2 and w.is_floating_point()]
+    plans: dict[str, dict[str, Any]] = {}
+    unmatched: list[str] = []
+    for pname, packed in added.items():
+        blocks, k, block_n = packed.shape
+        found = None
+        for sname, w in candidates:
+            if w.dtype != packed.dtype:
+                continue
+            for transposed in (True, False):
+                kk, n = (w.shape[1], w.shape[0]) if transposed else (w.shape[0], w.shape[1])
+                if kk != k or not (blocks - 1) * block_n < n <= blocks * block_n:
+                    continue
+                head = w[:block_n] if transposed else w[:, :block_n]  # the first block: a cheap test first
+                for vnni in (1, 2, 4):
+                    if k % vnni:
+                        continue
+                    kw = {"transposed": transposed, "block_n": block_n, "vnni": vnni}
+                    if torch.equal(gemm_pack(head, **kw), packed[:1]) and torch.equal(
+                        gemm_pack(w, **kw), packed
+                    ):
+                        found = {"source": sname, **kw}
+                        break
+                if found:
+                    break
+            if found:
+                break
+        if found:
+            plans[pname] = found
+        else:
+            unmatched.append(pname)
+    return plans, unmatched
 
 
 def _load(package: Path) -> Any:

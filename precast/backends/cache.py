@@ -35,7 +35,8 @@ from precast.ir.program import CONSTANT_KINDS, ConstantSource, constant_sources
 
 MANIFEST = "manifest.json"
 PACKAGE = "model.pt2"
-FORMAT = 2  # 2: the manifest carries the compiled program's input signature; the key covers the toolchain
+FORMAT = 3  # 2: the manifest carries the compiled program's input signature; the key covers the toolchain;
+# 3: and the plan of the weights the compiled code reads through packed copies (backends/aoti.py, "packed")
 
 # environment variables that change what inductor or the C++ compiler emits (read at compile time)
 TOOLCHAIN_ENV_PREFIXES = ("TORCHINDUCTOR_", "AOT_INDUCTOR", "TORCH_COMPILE", "INDUCTOR_")
