@@ -2,7 +2,10 @@
 
 - ``measure_program``: per matmul / convolution / attention op (``precast.policy.auto.is_measured``), its
   latency in fp32 and in the low dtype with its real shapes (from the fake values of its inputs), and the
-  casts the low choice forces at its boundaries. Cached per device, op, shapes and dtype in
+  casts the low choice forces at its boundaries. A dynamic dimension is measured at its example size and at
+  the low end of its range (a decode step's single token under a dynamic sequence length), and the op is
+  given the measurement least favourable to the low dtype: auto never lowers an op that is slower low at
+  some size the program runs at. Cached per device, op, shapes and dtype in
   ``<cache dir>/latency.json`` (``$PRECAST_CACHE_DIR`` or the user cache dir), so a second conversion of the
   same shapes times nothing.
 - ``time_programs``: the converted program against the fp32 one on the example inputs (interleaved repeats).
@@ -156,30 +159,64 @@ def _hint(d: Any) -> int:
     return int(hint) if hint is not None else 1
 
 
-def _signature(v: Any) -> Any:
+def low_ends(program: Program) -> dict[str, int]:
+    """Each symbol of the program's dynamic dimensions at the low end of its range (at least 1): the exported
+    range (``Dim(min=1)`` reads 1 there, where the tracer's own range starts at 2)."""
+    out = {}
+    for sym, vr in program.source.range_constraints.items():
+        try:
+            out[str(sym)] = max(1, int(vr.lower))
+        except (TypeError, ValueError, OverflowError):  # an unbounded range: no low end to measure at
+            continue
+    return out
+
+
+def _size(d: Any, at: dict[str, int] | None) -> int:
+    """``d`` at its example size (``at`` None) or with its symbols at the sizes ``at`` gives (the low ends)."""
+    if at is None or isinstance(d, int):
+        return _hint(d)
+    expr = getattr(getattr(d, "node", None), "expr", None)
+    try:
+        value = expr.subs({s: at[str(s)] for s in expr.free_symbols if str(s) in at})
+        return max(1, int(value)) if value.is_number else _hint(d)
+    except Exception:  # noqa: BLE001 - an expression we cannot evaluate: its example size
+        return _hint(d)
+
+
+def varies(v: Any, at: dict[str, int]) -> bool:
+    """Whether some dimension in ``v`` (fake values) is another size with its symbols at ``at``."""
+    return any(
+        isinstance(d, torch.SymInt) and _size(d, at) != _hint(d)
+        for t in pytree.tree_leaves(v)
+        if isinstance(t, torch.Tensor)
+        for d in t.shape
+    )
+
+
+def _signature(v: Any, at: dict[str, int] | None = None) -> Any:
     if isinstance(v, torch.Tensor):
-        return ["T", [_hint(d) for d in v.shape], [_hint(s) for s in v.stride()], str(v.dtype)]
+        return ["T", [_size(d, at) for d in v.shape], [_size(s, at) for s in v.stride()], str(v.dtype)]
     if isinstance(v, (list, tuple)):
-        return [_signature(x) for x in v]
+        return [_signature(x, at) for x in v]
     if isinstance(v, dict):
-        return {k: _signature(x) for k, x in sorted(v.items())}
+        return {k: _signature(x, at) for k, x in sorted(v.items())}
     if isinstance(v, torch.SymInt):
-        return _hint(v)
+        return _size(v, at)
     if isinstance(v, (int, float, bool, str)) or v is None:
         return v
     return repr(v)
 
 
-def _real(v: Any, gen: torch.Generator) -> Any:
+def _real(v: Any, gen: torch.Generator, at: dict[str, int] | None = None) -> Any:
     """A real tensor shaped like the fake value ``v`` (its strides when they are concrete and dense)."""
     if isinstance(v, (list, tuple)):
-        return type(v)(_real(x, gen) for x in v)
+        return type(v)(_real(x, gen, at) for x in v)
     if isinstance(v, torch.SymInt):
-        return _hint(v)
+        return _size(v, at)
     if not isinstance(v, torch.Tensor):
         return v
-    shape = [_hint(d) for d in v.shape]
-    stride = [_hint(s) for s in v.stride()]
+    shape = [_size(d, at) for d in v.shape]
+    stride = [_size(s, at) for s in v.stride()]
     try:
         t = torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
     except RuntimeError:
@@ -228,13 +265,20 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def measure_node(node: torch.fx.Node, constants: set[str], low: torch.dtype, device: str) -> OpLatency:
+def measure_node(
+    node: torch.fx.Node,
+    constants: set[str],
+    low: torch.dtype,
+    device: str,
+    at: dict[str, int] | None = None,
+) -> OpLatency:
     """Time one op here: fp32, low (every fp32 tensor input already low), the casts of its activation inputs
-    to low and of its outputs back to fp32. µs."""
+    to low and of its outputs back to fp32. µs. ``at``: dynamic sizes at their example (None) or with their
+    symbols at these sizes (``low_ends``)."""
     gen = torch.Generator().manual_seed(0)
     val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
-    args = _real(torch.fx.node.map_aggregate(node.args, val), gen)
-    kwargs = _real(torch.fx.node.map_aggregate(node.kwargs, val), gen)
+    args = _real(torch.fx.node.map_aggregate(node.args, val), gen, at)
+    kwargs = _real(torch.fx.node.map_aggregate(node.kwargs, val), gen, at)
     to_low = lambda t: t.to(low) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t  # noqa: E731
     largs, lkwargs = pytree.tree_map(to_low, (args, kwargs))
     acts = [
@@ -266,6 +310,7 @@ def measure_program(
     entries = _load(path)
     dkey = device_key(device)
     constants = {n.name for n in program.input_spec if program.constant_target(n) is not None}
+    lows = low_ends(program)
     run = LatencyRun(skipped={})
     table: dict[str, OpLatency] = {}
     new: dict[str, dict] = {}
@@ -277,31 +322,45 @@ def measure_program(
         acts = [isinstance(a, torch.fx.Node) and a.name not in constants for a in node.args]
         fake_args = torch.fx.node.map_aggregate(node.args, val)
         fake_kwargs = torch.fx.node.map_aggregate(node.kwargs, val)
-        sig = json.dumps(
-            [dkey, str(node.target), dtype_name(low), _signature(fake_args), _signature(fake_kwargs), acts],
-            default=repr,
-        )
-        key = hashlib.sha256(sig.encode()).hexdigest()[:32]
-        if key in new:
-            e = new[key]
-            table[node.name] = OpLatency(e["fp32"], e["low"], e["cast_in"], e["cast_out"])
-            continue
-        if key in entries:
-            e = entries[key]
-            table[node.name] = OpLatency(e["fp32"], e["low"], e["cast_in"], e["cast_out"], cached=True)
-            run.cached += key not in hits
-            hits.add(key)
-            continue
-        try:
-            lat = measure_node(node, constants, low, device)
-        except Exception as exc:  # noqa: BLE001 - an op that cannot be timed stays fp32, and the report says so
-            run.skipped[node.name] = f"{type(exc).__name__}: {first_line(exc)[:160]}"
-            continue
-        run.timed += 1
-        table[node.name] = lat
-        d = asdict(lat)
-        d.pop("cached")
-        new[key] = {**d, "op": str(node.target), "device": dkey}
+        measured: list[OpLatency] = []
+        for at in (None, lows) if varies((fake_args, fake_kwargs), lows) else (None,):
+            sig = json.dumps(
+                [
+                    dkey,
+                    str(node.target),
+                    dtype_name(low),
+                    _signature(fake_args, at),
+                    _signature(fake_kwargs, at),
+                    acts,
+                ],
+                default=repr,
+            )
+            key = hashlib.sha256(sig.encode()).hexdigest()[:32]
+            if key in new:
+                e = new[key]
+                measured.append(OpLatency(e["fp32"], e["low"], e["cast_in"], e["cast_out"]))
+                continue
+            if key in entries:
+                e = entries[key]
+                measured.append(OpLatency(e["fp32"], e["low"], e["cast_in"], e["cast_out"], cached=True))
+                run.cached += key not in hits
+                hits.add(key)
+                continue
+            try:
+                lat = measure_node(node, constants, low, device, at=at)
+            except Exception as exc:  # noqa: BLE001 - an op that cannot be timed stays fp32, and the report says so
+                run.skipped[node.name] = f"{type(exc).__name__}: {first_line(exc)[:160]}"
+                measured = []
+                break
+            run.timed += 1
+            measured.append(lat)
+            d = asdict(lat)
+            d.pop("cached")
+            new[key] = {**d, "op": str(node.target), "device": dkey}
+        if measured:  # the size least favourable to the low dtype decides
+            table[node.name] = max(
+                measured, key=lambda m: (m.low + m.cast_in + m.cast_out) / max(m.fp32, 1e-12)
+            )
     if new:
         _store(path, new)
     return table, run

@@ -178,3 +178,31 @@ def test_bench_fp32_program_and_note():
         program, inputs, policy=AutoPolicy(dtype=torch.bfloat16, latencies={}, confirm=False), verify=False
     )
     assert auto_note(res.report).startswith("no matmul/convolution/attention op to measure")
+
+
+def test_dynamic_dim_measured_at_its_low_end_too(tmp_path, monkeypatch):
+    """A matmul whose M is dynamic (a decode step runs it at M=1, the example at 64) is timed at both sizes and
+    stays fp32 when the low dtype loses at either: auto must not lower a matmul that is slower at the shapes
+    the program runs at (issue 27 item 6)."""
+    monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path))
+    seen = []
+
+    def fake(node, constants, low, device, at=None):
+        m = node.args[0].meta["val"].shape[0]
+        seen.append(("hint" if at is None else "min", latency._size(m, at)))
+        if at is not None:  # M=1: the bf16 kernel is the slower one
+            return OpLatency(1.0, 3.0, 0.1, 0.1)
+        return OpLatency(10.0, 2.0, 0.1, 0.1)  # M=64: bf16 pays
+
+    monkeypatch.setattr(latency, "measure_node", fake)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64)).eval()
+    x = torch.randn(64, 64)
+    pol = AutoPolicy(dtype=torch.bfloat16, confirm=False)
+    static = precast.convert(model, (x,), policy=pol, verify=False)
+    assert static.report.node("linear").dtype == "bf16" and seen == [("hint", 64)]
+    seen.clear()
+    monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path / "again"))  # the M=64 measurement timed again too
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    dynamic = precast.convert(model, (x,), policy=pol, verify=False, dynamic_shapes=({0: batch},))
+    assert sorted(seen) == [("hint", 64), ("min", 1)]
+    assert dynamic.report.node("linear").dtype == "fp32"
