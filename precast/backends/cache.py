@@ -282,6 +282,8 @@ def read_entry(entry: Path, key: str) -> tuple[dict[str, Any] | None, str | None
         ProgramSignature.from_dict(manifest.get("signature"))
     except PrecastError:
         return None, "malformed manifest (no valid input signature)"
+    if not packed_plan_ok(manifest.get("packed")):
+        return None, "malformed manifest (no valid packed-weights plan)"
     for name, digest in files.items():
         if "/" in name or name.startswith("."):
             return None, f"manifest names {name!r} outside the entry"
@@ -291,6 +293,21 @@ def read_entry(entry: Path, key: str) -> tuple[dict[str, Any] | None, str | None
         except OSError:
             return None, f"{name} is missing"
     return manifest, None
+
+
+def packed_plan_ok(packed: Any) -> bool:
+    """The manifest's ``"packed"``: ``{"plans": {name: {"source", "transposed", "block_n", "vnni"}}, "unmatched":
+    [names]}`` (backends/aoti.py)."""
+    if not isinstance(packed, dict) or not isinstance(packed.get("unmatched"), list):
+        return False
+    plans = packed.get("plans")
+    return isinstance(plans, dict) and all(
+        isinstance(p, dict)
+        and isinstance(p.get("source"), str)
+        and isinstance(p.get("transposed"), bool)
+        and all(type(p.get(k)) is int and p[k] > 0 for k in ("block_n", "vnni"))
+        for p in plans.values()
+    )
 
 
 def entry_problem(entry: Path, key: str) -> str | None:

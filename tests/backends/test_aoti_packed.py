@@ -105,3 +105,22 @@ def test_load_weights_refuses_a_packed_copy_it_cannot_reproduce(autotuned):
     stranger._packed_unmatched = ["constant99"]
     with pytest.raises(precast.PrecastError, match="cannot reproduce"):
         stranger.load_weights(model.state_dict())
+
+
+@pytest.mark.parametrize(
+    "packed",
+    [
+        None,
+        [],
+        {"plans": {}},
+        {"plans": [], "unmatched": []},
+        {"plans": {"c": {"source": "w"}}, "unmatched": []},
+    ],
+    ids=["absent", "list", "no-unmatched", "plans-list", "plan-fields"],
+)
+def test_a_malformed_packed_plan_is_a_miss_not_a_crash(packed):
+    from precast.backends.cache import packed_plan_ok
+
+    assert not packed_plan_ok(packed)
+    ok = {"plans": {"c": {"source": "w", "transposed": True, "block_n": 32, "vnni": 2}}, "unmatched": []}
+    assert packed_plan_ok(ok)
