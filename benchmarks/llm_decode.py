@@ -341,8 +341,9 @@ def _check_reload(cm: Any, fp32_state: dict[str, torch.Tensor]) -> str:
 
 
 # ---- measuring ----------------------------------------------------------------------------------------------
-def bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 7) -> float:
-    """Memory read bandwidth (GB/s) at ``threads``: the median time of summing a ``mib`` MiB fp32 tensor."""
+def bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 7, best: bool = False) -> float:
+    """Memory read bandwidth (GB/s) at ``threads``: the median (``best``: the shortest; load only ever adds time)
+    time of summing a ``mib`` MiB fp32 tensor."""
     torch.set_num_threads(threads)
     x = torch.ones(mib * 2**20 // 4)
     x.sum()
@@ -351,7 +352,7 @@ def bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 7) -> float:
         t = time.perf_counter()
         x.sum()
         times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    return x.numel() * 4 / (min(times) if best else statistics.median(times)) / 1e9
 
 
 def measure(
@@ -483,30 +484,74 @@ def fresh_rss_mb(v: Variant, shape: Shape) -> float | None:
 
 
 # ---- profile ------------------------------------------------------------------------------------------------
-def profile(v: Variant, shape: Shape, threads: int, steps: int = 8, top: int = 8) -> list[dict[str, Any]]:
-    """torch.profiler over ``steps`` decode steps: the ops with the most self CPU time (share of the step)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+# torch.profiler sees none of an AOTInductor package's kernels (only the few ATen calls its wrapper makes), so the
+# profile is what the compiled code calls per decode step, and how fast each kind of GEMM runs at decode shapes
+_GEMM_KINDS = {
+    "aten mm/addmm (unpacked weight)": ("aoti_torch_cpu_mm_out", "aoti_torch_cpu_addmm_out"),
+    "oneDNN linear (frozen, packed weight)": ("aoti_torch_cpu__linear_pointwise",),
+    "C++ GEMM template (packed weight)": ("CppMicroGemm", "cpp_fused_mm", "cpp_fused__unsafe_view_mm"),
+}
 
+
+def kernel_inventory(package: str | os.PathLike) -> dict[str, int]:
+    """Calls per forward, by kind, in an AOTInductor package's generated wrapper: GEMMs through ATen on the
+    weights as stored, through oneDNN on frozen packed weights, through the C++ GEMM template on packed copies."""
+    import zipfile
+
+    with zipfile.ZipFile(package) as z:
+        text = "\n".join(
+            z.read(n).decode(errors="replace") for n in z.namelist() if n.endswith(".wrapper.cpp")
+        )
+    run = text.split("run_impl(", 1)[-1]
+    out = {}
+    for kind, needles in _GEMM_KINDS.items():
+        out[kind] = sum(
+            1
+            for line in run.splitlines()
+            if any(n in line for n in needles)
+            and "(" in line
+            and not line.lstrip().startswith(("void ", "//", "#"))
+        )
+    return out
+
+
+def gemv_probe(shape: Shape, threads: int, repeats: int = 15) -> list[dict[str, Any]]:
+    """One decode step's GEMMs (M=1) per distinct weight shape: ms and GB/s of the weight read for ATen's mm on an
+    fp32 and a bf16 weight (what a package compiled without freezing calls) and eager ``F.linear`` in bf16."""
     torch.set_num_threads(threads)
-    prompt, tokens = inputs(shape)
+    kv = shape.kv_heads * shape.head_dim
+    shapes = {
+        "q/o proj": (shape.hidden, shape.hidden),
+        "k/v proj": (kv, shape.hidden),
+        "gate/up proj": (shape.intermediate, shape.hidden),
+        "down proj": (shape.hidden, shape.intermediate),
+        "lm_head": (shape.vocab, shape.hidden),
+    }
+    rows = []
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        v.run(input_ids=prompt, cache_position=torch.arange(shape.context))
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            t = time.perf_counter()
-            for i in range(steps):
-                v.run(input_ids=tokens[i], cache_position=torch.tensor([shape.context + i]))
-            wall = (time.perf_counter() - t) * 1e6
-    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return [
-        {
-            "op": e.key,
-            "calls_per_step": round(e.count / steps, 1),
-            "self_ms_per_step": round(e.self_cpu_time_total / steps / 1e3, 3),
-            "share": round(e.self_cpu_time_total / wall, 3),
-        }
-        for e in rows
-    ]
+        for name, (n, k) in shapes.items():
+            w32 = torch.randn(n, k, generator=g) * 0.02
+            x32 = torch.randn(1, k, generator=g)
+            w16, x16 = w32.to(torch.bfloat16), x32.to(torch.bfloat16)
+            fns = {
+                "fp32 mm": (lambda x=x32, w=w32: torch.mm(x, w.t()), 4),
+                "bf16 mm": (lambda x=x16, w=w16: torch.mm(x, w.t()), 2),
+                "bf16 F.linear": (lambda x=x16, w=w16: torch.nn.functional.linear(x, w), 2),
+            }
+            row: dict[str, Any] = {"gemm": name, "n x k": f"{n} x {k}"}
+            for label, (fn, size) in fns.items():
+                for _ in range(3):
+                    fn()
+                times = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t)
+                ms = statistics.median(times) * 1e3
+                row[label] = {"ms": round(ms, 4), "GB/s": round(n * k * size / (ms / 1e3) / 1e9, 2)}
+            rows.append(row)
+    return rows
 
 
 # ---- the report ---------------------------------------------------------------------------------------------
@@ -642,21 +687,54 @@ def markdown(payload: dict[str, Any]) -> str:
             lines.append(
                 f"| {t['threads']} | {t['variant']} | {cell(h)} | {cell(f)} | {cell(mem, 'ratio')} |"
             )
-    if payload.get("profiles"):
-        lines += ["", "## Profiles (torch.profiler, self CPU time per decode step)", ""]
-        for key, rows in payload["profiles"].items():
-            lines += [
-                f"`{key}`:",
-                "",
-                "| op | calls/step | self ms/step | share of step |",
-                "|---|---|---|---|",
-            ]
-            lines += [
-                f"| `{r['op']}` | {r['calls_per_step']} | {r['self_ms_per_step']} | {r['share']:.0%} |"
-                for r in rows
-            ]
-            lines.append("")
+    prof = payload.get("profiles") or {}
+    if prof.get("kernels"):
+        kinds = list(_GEMM_KINDS)
+        lines += [
+            "",
+            "## Profile: what each compiled variant calls per decode step (its generated wrapper)",
+            "",
+        ]
+        lines += ["| variant | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+        for name, inv in prof["kernels"].items():
+            lines.append(f"| {name} | " + " | ".join(str(inv.get(k, 0)) for k in kinds) + " |")
+    if prof.get("gemv"):
+        lines += [
+            "",
+            "## Profile: one decode step's GEMMs at M=1, outside any model (median ms, weight GB/s)",
+            "",
+        ]
+        if prof.get("bandwidth_best_gbs"):
+            bw = ", ".join(f"{t} thread(s) {v} GB/s" for t, v in prof["bandwidth_best_gbs"].items())
+            lines += [f"Read bandwidth when this profile was taken (best of 7 sums of 512 MiB): {bw}.", ""]
+        labels = ["fp32 mm", "bf16 mm", "bf16 F.linear"]
+        lines += [
+            "| threads | GEMM | n x k | " + " | ".join(labels) + " |",
+            "|---|---|---|" + "---|" * len(labels),
+        ]
+        for t, rows in prof["gemv"].items():
+            for r in rows:
+                cells = " | ".join(f"{r[lb]['ms']} ms ({r[lb]['GB/s']} GB/s)" for lb in labels)
+                lines.append(f"| {t} | {r['gemm']} | {r['n x k']} | {cells} |")
+    if payload.get("analysis"):
+        lines += ["", "## Why", "", payload["analysis"].strip()]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def profile_section(
+    variants: dict[str, Any], shape: Shape, threads: list[int], names: list[str]
+) -> dict[str, Any]:
+    """The kernel inventory of each compiled variant (``names``, or all) and the GEMV probe per thread count."""
+    out: dict[str, Any] = {"kernels": {}, "gemv": {}}
+    for name, v in variants.items():
+        package = v.package if isinstance(v, Variant) else v.get("package")
+        if package and (not names or name in names):
+            out["kernels"][name] = kernel_inventory(package)
+    out["bandwidth_best_gbs"] = {}
+    for t in threads:
+        out["gemv"][t] = gemv_probe(shape, t)
+        out["bandwidth_best_gbs"][t] = round(bandwidth_gbs(t, best=True), 2)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -676,8 +754,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-rss", action="store_true", help="skip the fresh-process memory measurement")
     ap.add_argument("--profile", nargs="*", default=None, metavar="V", help="profile these variants' decode")
     ap.add_argument("--out", default=None, help="write llm_decode.json and llm_decode.md here")
+    ap.add_argument(
+        "--reprofile",
+        default=None,
+        metavar="JSON",
+        help="re-take the profile section of an earlier run's llm_decode.json (its packages) and rewrite it",
+    )
+    ap.add_argument("--analysis", default=None, metavar="FILE", help="markdown for the 'Why' section")
     args = ap.parse_args(argv)
 
+    if args.reprofile:
+        payload = json.loads(Path(args.reprofile).read_text())
+        payload["runs"] = {int(k): v for k, v in payload["runs"].items()}
+        payload["bandwidth_gbs"] = {int(k): v for k, v in payload["bandwidth_gbs"].items()}
+        threads = sorted(payload["runs"])
+        payload["profiles"] = profile_section(
+            payload["variants"], Shape(**payload["shape"]), threads, args.profile or []
+        )
+        payload["profile_load"] = round(os.getloadavg()[0], 2)
+        if args.analysis:
+            payload["analysis"] = Path(args.analysis).read_text()
+        text = markdown(payload)
+        print(text)
+        out = Path(args.out or Path(args.reprofile).parent)
+        (out / "llm_decode.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+        (out / "llm_decode.md").write_text(text)
+        return 0
     base = QUICK if args.quick else Shape()
     shape = Shape(
         **{
@@ -714,11 +816,9 @@ def main(argv: list[str] | None = None) -> int:
             rss[name] = fresh_rss_mb(v, shape)
         else:
             rss[name] = None
-    profiles = {}
-    for name in args.profile if args.profile is not None else []:
-        if variants.get(name) and variants[name].run is not None:
-            for threads in args.threads:
-                profiles[f"{name} threads={threads}"] = profile(variants[name], shape, threads)
+    profiles: dict[str, Any] = {}
+    if args.profile is not None:
+        profiles = profile_section(variants, shape, args.threads, args.profile)
     payload = {
         "argv": " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
