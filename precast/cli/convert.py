@@ -39,6 +39,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--dtype", default=None, help="bf16 or fp16 (default: the device's autocast dtype)")
     p.add_argument("--device-type", default=None, choices=["cpu", "cuda"])
+    p.add_argument(
+        "--cache-dtype",
+        default=None,
+        metavar="DTYPE",
+        help="hold the caches the program stores into (a KV cache) in bf16/fp16, under any policy",
+    )
     p.add_argument("--exclude-nodes", nargs="*", default=(), metavar="REGEX")
     p.add_argument("--exclude-ops", nargs="*", default=(), metavar="OP")
     p.add_argument(
@@ -68,7 +74,8 @@ def add_parser(sub) -> None:
         "--plan",
         default=None,
         metavar="PLAN.json",
-        help="keep the ops a plan lists in fp32 (implies --policy rules; docs/sensitivity.md)",
+        help="keep the ops a plan lists in fp32: over --policy torch, rules or auto; without --policy, over the "
+        "program's regions for a plan written there (sensitivity --policy none), else rules (docs/sensitivity.md)",
     )
     p.add_argument(
         "--write-plan",
@@ -126,13 +133,20 @@ def check_options(args: argparse.Namespace) -> dict:
         low = parse_dtype(args.dtype)
     except PrecastError:
         raise PrecastError(f"--dtype {args.dtype}: choose bf16 or fp16") from None
+    if getattr(args, "cache_dtype", None) is not None:
+        from precast.api import cache_dtype_of
+
+        try:
+            cache_dtype_of(args.cache_dtype)
+        except PrecastError:
+            raise PrecastError(f"--cache-dtype {args.cache_dtype}: choose bf16, fp16 or fp32") from None
     opts = {name: getattr(args, name) for name in FLAGS if getattr(args, name) not in (None, (), [])}
     if args.patterns is not None:  # `--patterns` alone: none
         opts["patterns"] = tuple(args.patterns)
     rules_only = [FLAGS[name] for name in opts] + (["--calibration"] if args.calibration else [])
     plan = getattr(args, "plan", None)
-    if plan is not None and args.policy not in (None, "rules", "auto"):
-        raise PrecastError(f"--plan: applies to --policy rules or auto (it adds a rule), not {args.policy}")
+    if plan is not None and args.policy not in (None, "torch", "rules", "auto"):
+        raise PrecastError(f"--plan: applies to --policy torch, rules or auto, not {args.policy}")
     if args.policy not in ("rules", "auto") and not plan and rules_only:
         raise PrecastError(f"{', '.join(rules_only)}: these options need --policy rules (or auto)")
     try:
@@ -199,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
         device_type=args.device_type,
         verify=not args.no_verify,
         allow=tuple(args.allow),
+        cache_dtype=args.cache_dtype,
         **opts,
     )
     buffer = (

@@ -34,6 +34,7 @@ from precast.pipeline import checks
 from precast.pipeline.conversion import Conversion
 from precast.pipeline.runner import timed
 from precast.policy.hooks import hook
+from precast.policy.writes import CastWrites
 
 
 def compare(
@@ -72,6 +73,7 @@ def verify_stage(
     inputs: tuple[tuple, dict] | None = None,
     *,
     ran: PyTree = None,
+    promised: bool = True,
 ) -> dict:
     """Run the converted program against the reference semantics, each on private copies of the state it
     writes: neither the caller's module or program nor the returned program changes. ``reference``:
@@ -79,7 +81,8 @@ def verify_stage(
     program, promised bitwise) or "measured" (the unconverted program; the difference is information: rules,
     auto, a policy of the user's; ``precast.policy.hooks.PolicyHooks.reference``). ``ran``: the converted program's outputs on the
     example inputs when the device check already ran it there (``after_lowering.device_fallback``): not run
-    again.
+    again. ``promised=False`` (caches held in a low dtype: ``cache_dtype=``): a difference from the reference is
+    the measured error of that choice, not a broken promise.
     Returns the verification record ({} when it could not run; a diagnostic says why)."""
     if inputs is None and ep.example_inputs is None:
         diagnostics.record(
@@ -141,7 +144,9 @@ def verify_stage(
     if verification["bitwise"]:
         return verification
     baseline = (
-        _export_baseline(out, ep, batches) if reference == "autocast" and original is not None else None
+        _export_baseline(out, ep, batches)
+        if reference == "autocast" and original is not None and promised
+        else None
     )
     if baseline is not None:
         baseline["export_vs_eager"] = max(r["max_abs"] for r in results)
@@ -152,7 +157,7 @@ def verify_stage(
             f"outputs are bitwise the exported program; torch.export's record of the forward itself differs from "
             f"{name} by {baseline['export_vs_eager']:.3g} ({verification['verdict']} here)",
         )
-    elif reference in ("program", "autocast"):
+    elif reference in ("program", "autocast") and promised:
         diagnostics.record(rep, "not-bitwise", f"outputs differ from {name}: {verification['verdict']}")
     else:
         # nobody promised rules (or a policy of the user's) are bitwise: the measured difference is information
@@ -190,7 +195,9 @@ def _reference(ep: ExportedProgram, kind: str, device, low, original) -> tuple[A
         torch.backends.mha.set_fastpath_enabled(False)
         try:
             # cache off: eager's cast cache is keyed by tensor, not dtype (stale copies in nested regions)
-            with torch.autocast(device, dtype=low, cache_enabled=False):
+            # a value written into a tensor of another dtype (a KV cache) is cast at the write, as the
+            # conversion does (precast/policy/writes.py): eager autocast itself raises there
+            with torch.autocast(device, dtype=low, cache_enabled=False), CastWrites():
                 return reference(*a, **k)
         finally:
             torch.backends.mha.set_fastpath_enabled(fast)
@@ -276,5 +283,16 @@ def verify_conversion(state: Conversion, verification: dict[str, dict]) -> dict[
             original,
             state.inputs,
             ran=state.ran,
+            promised=promised(state),
         )
     return {**result, **verification} if result else verification
+
+
+def promised(state: Conversion) -> bool:
+    """Whether the conversion promises its reference bitwise: not when caches are held in a low dtype
+    (``cache_dtype=``), nor when ops are pinned to fp32 over the policy (a plan under policy torch or the regions):
+    then the difference from the reference is the measured error of that choice."""
+    caches = state.lowered.stats.caches  # type: ignore[union-attr]
+    if caches is not None and caches.caches:
+        return False
+    return bool(getattr(state.policy, "promises_reference", True))
