@@ -14,7 +14,7 @@ References per policy:
   values to the cache's dtype first (``cast_at_write``): eager autocast itself raises at ``index_copy_`` (the
   value arrives bf16/fp16, the cache is fp32), and a cast at the write is what precast does for a value written
   into a buffer of another dtype. With a low-precision cache (``cache_dtype``) the eager model's cache buffers
-  are that dtype.
+  are that dtype. The attention mask is built as under export (``mask_as_traced``).
 - ``"rules"`` / ``"auto"``: the fp32 program's trajectory; the tests state cosine and greedy-token agreement.
 
 Decode is teacher-forced: every run is fed the same tokens (the prompt, then the fp32 program's own greedy
@@ -273,7 +273,7 @@ def run_eager(
             if autocast is not None
             else contextlib.nullcontext()
         )
-        with ctx, cast_at_write():
+        with ctx, cast_at_write(), mask_as_traced():
             return m(input_ids=ids, cache_position=pos)
 
     return run(call, functools.partial(_buffers, m), tokens)
@@ -312,6 +312,23 @@ def cast_at_write():
         yield
     finally:
         StaticLayer.update = original
+
+
+@contextlib.contextmanager
+def mask_as_traced():
+    """transformers' attention mask built as under export: eager transformers drops the causal mask and calls
+    sdpa with ``is_causal`` when no token is padded (``masking_utils._ignore_causal_mask_sdpa``), but never while
+    tracing, so the program holds the explicit mask. Like a dtype read, that choice is made at trace time; the
+    reference makes the one the program recorded (with it, eager fp32 and the program agree to ~1e-6, and
+    eager autocast and precast's "torch" conversion bitwise)."""
+    from transformers import masking_utils
+
+    original = masking_utils._ignore_causal_mask_sdpa
+    masking_utils._ignore_causal_mask_sdpa = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = original
 
 
 # ---- comparing trajectories ---------------------------------------------------------------------------------

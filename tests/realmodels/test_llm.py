@@ -35,7 +35,11 @@ pytest.importorskip("transformers")
 import precast  # noqa: E402
 from tests.realmodels import llm  # noqa: E402
 
-FAMILIES = tuple(llm.FAMILIES)
+# Six families in CI (the table script runs every family in llm.FAMILIES): a plain decoder (llama), qkv biases
+# (qwen2), q/k norms (qwen3), fused qkv / gate-up projections (phi3), q/k norms and post-norms (olmo2), the hybrid
+# sliding/full cache with soft-capping and eager attention (gemma2). mistral is llama's graph here, and gemma3_text
+# gemma2's cache with qwen3's norms: they run in the table script, not in CI's budget.
+FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "olmo2", "gemma2")
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
@@ -64,9 +68,27 @@ CASES = {
     "torch-bf16-module": Case("torch", BF16, route="module"),
     "torch-fp16-module": Case("torch", FP16, route="module"),
 }
-PROGRAM_CASES = [c for c, case in CASES.items() if case.route == "program"]
 # the module route runs where it is the bitwise one, and on llama, whose program route is bitwise too
 MODULE_FAMILIES = tuple(f for f in FAMILIES if llm.BITWISE_ROUTE[f] == "module") + ("llama",)
+# What each family runs (CI's budget): every family the five policies without and with the bf16 cache under None
+# and torch; rules and auto with the bf16 cache on three families each, so each (policy, cache) pair runs on
+# families of every kind (plain, q/k norms, hybrid cache) at least once.
+_EVERY = ("none", "torch-bf16", "torch-fp16", "rules-fp16", "auto-bf16", "none-cache", "torch-bf16-cache")
+_MODULE = ("torch-bf16-module", "torch-fp16-module")
+RUNS = {
+    "llama": (*_EVERY, "rules-fp16-cache", *_MODULE),
+    "qwen2": (*_EVERY, "auto-bf16-cache"),
+    "qwen3": (*_EVERY, "rules-fp16-cache", *_MODULE),
+    "phi3": (*_EVERY, "auto-bf16-cache"),
+    "olmo2": (*_EVERY, "auto-bf16-cache", *_MODULE),
+    "gemma2": (*_EVERY, "rules-fp16-cache", *_MODULE),
+}
+assert all(set(RUNS[f]) >= set(_MODULE) for f in MODULE_FAMILIES)
+
+
+def cases(case_ids) -> list:
+    return [pytest.param(f, c, id=f"{f}-{c}") for f in FAMILIES for c in case_ids if c in RUNS[f]]
+
 
 # ---- bounds (measured: docs/benchmarks/llm_tier.md) ----------------------------------------------------------
 # rules fp16 / auto bf16, with and without the bf16 cache: lowest cosine of any position's logits vs the fp32
@@ -75,8 +97,14 @@ MIN_COSINE = {"fp16": 0.9995, "bf16": 0.995}
 MIN_AGREEMENT = 8
 # policy "torch" through the program route where export baked dtype reads (not bitwise): vs eager autocast
 PROGRAM_ROUTE_MIN_COSINE = 0.999
-# AOTInductor vs the converted program's own eager run, per step: greedy tokens equal, and the logits within
-AOTI_MIN_COSINE = 0.9999
+# AOTInductor vs the converted program's own eager run: greedy tokens equal at every step, and the lowest cosine
+# of any position's logits at least this (measured on torch 2.13.0 CPU; about 10x margin on 1 - cosine): Inductor
+# fuses the bf16 pointwise chains and rounds once where eager rounds after every op.
+AOTI_MIN_COSINE = {
+    "torch-bf16": 0.9988,  # llama: measured 1 - cosine 1.2e-4, max abs diff 0.094 (logits up to ~7)
+    "rules-fp16": 0.99999,  # gemma2: measured 1 - cosine 7e-7, max abs diff 0.0074
+    "auto-bf16-cache": 0.99999,  # qwen2: measured 1 - cosine < 1e-7, max abs diff 3.1e-6
+}
 
 
 @dataclass
@@ -192,7 +220,8 @@ def test_policy_none_forward_region_bitwise_equal_to_eager_autocast(llms, family
     m = llms.model(family)
     program = llm.region_program(m, "forward")
     w = m.region_programs["forward"][0]
-    with pytest.raises(RuntimeError, match="index_copy_"):
+    # index_copy_ (llama); qwen3's bf16 projection output first meets an fp32 dtype assertion export recorded
+    with pytest.raises(RuntimeError, match="index_copy_|dtype mismatch"):
         llm.run_program(program, m.tokens)
     res = precast.convert(program)
     got = llm.run_program(res.program, m.tokens)
@@ -208,7 +237,7 @@ def _torch_reference(llms: Zoo, family: str, case: Case) -> llm.Trajectory:
 
 @pytest.mark.parametrize(
     "family, case_id",
-    [(f, c) for f in FAMILIES for c in ("torch-bf16", "torch-fp16", "torch-bf16-cache")],
+    cases(("torch-bf16", "torch-fp16", "torch-bf16-cache")),
 )
 def test_policy_torch_program_route(llms, family, case_id):
     """The recipe's fp32 program under policy "torch": bitwise eager autocast at every step (logits and the
@@ -229,9 +258,7 @@ def test_policy_torch_program_route(llms, family, case_id):
         assert cos >= PROGRAM_ROUTE_MIN_COSINE, f"{family} {case_id}: cosine {cos:.6f}"
 
 
-@pytest.mark.parametrize(
-    "family, case_id", [(f, c) for f in MODULE_FAMILIES for c in ("torch-bf16-module", "torch-fp16-module")]
-)
+@pytest.mark.parametrize("family, case_id", cases(_MODULE))
 def test_policy_torch_module_route_bitwise_equal_to_eager_autocast(llms, family, case_id):
     """``precast.convert(w.model, inputs, policy="torch", dynamic_shapes=...)``: precast traces the recipe's
     module under autocast, so dtype reads are eager's: bitwise eager autocast at every step, logits and cache."""
@@ -244,7 +271,7 @@ def test_policy_torch_module_route_bitwise_equal_to_eager_autocast(llms, family,
 # ---- policy "rules" / "auto", and the low-precision cache -------------------------------------------------------
 @pytest.mark.parametrize(
     "family, case_id",
-    [(f, c) for f in FAMILIES for c in ("rules-fp16", "auto-bf16", "rules-fp16-cache", "auto-bf16-cache")],
+    cases(("rules-fp16", "auto-bf16", "rules-fp16-cache", "auto-bf16-cache")),
 )
 def test_rules_and_auto_finite_and_close_to_fp32(llms, family, case_id):
     case = CASES[case_id]
@@ -272,8 +299,7 @@ def test_low_precision_cache_policy_none(llms, family):
     assert all(v.dtype == BF16 for c in got.caches for v in c.values())
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("case_id", [c for c in PROGRAM_CASES if CASES[c].cache_dtype is not None])
+@pytest.mark.parametrize("family, case_id", cases([c for c in CASES if CASES[c].cache_dtype is not None]))
 def test_low_precision_cache_stored_low(llms, family, case_id):
     res = llms.convert(family, case_id).result
     program = llms.model(family).program
@@ -284,18 +310,16 @@ def test_low_precision_cache_stored_low(llms, family, case_id):
     assert {llm.constant_value(res.program, n).dtype for n in names} == {BF16}
     before, after = llm.cache_bytes(program), llm.cache_bytes(res.program)
     assert after * 2 == before, (before, after)
-    # the report states the cache's bytes before and after
-    text = res.report.summary()
-    assert "cache" in text.lower(), text
+    # the report states the caches and their bytes before and after
+    rep = res.report.cache
+    assert sorted(rep["caches"]) == names and rep["bytes_before"] == before and rep["bytes_after"] == after, (
+        rep
+    )
+    assert "caches held in" in res.report.summary()
 
 
 # ---- invariants of every converted program ---------------------------------------------------------------------
-INVARIANT_CASES = [(f, c) for f in FAMILIES for c in PROGRAM_CASES] + [
-    (f, c) for f in MODULE_FAMILIES for c in CASES if CASES[c].route == "module"
-]
-
-
-@pytest.mark.parametrize("family, case_id", INVARIANT_CASES)
+@pytest.mark.parametrize("family, case_id", cases(CASES))
 def test_converted_program_invariants(llms, family, case_id):
     """No run-time cast of a weight (they are stored in the dtype they are read in); each KV cache buffer is a
     BUFFER input of the program and written by it (in place, or a mutation output), in the dtype asked."""
@@ -323,9 +347,7 @@ def test_converted_program_invariants(llms, family, case_id):
 def test_caller_model_and_program_untouched(llms, family):
     """After every conversion of the family (program and module routes): the recipe's program (graph,
     signature, weights, cache) and the module (parameters, buffers, cache) are bitwise what they were."""
-    for case_id, case in CASES.items():
-        if case.route == "module" and family not in MODULE_FAMILIES:
-            continue
+    for case_id in RUNS[family]:
         # a conversion that fails is reported by its own tests; what it left behind is checked here
         with contextlib.suppress(Exception):
             llms.convert(family, case_id)
@@ -364,4 +386,4 @@ def test_aoti_decode_matches_converted_program(llms, compiled_runs, family, case
     assert [g.dtype for g in got.logits] == [w.dtype for w in want.logits]
     assert llm.all_finite(got)
     assert torch.equal(got.greedy, want.greedy)
-    assert cos >= AOTI_MIN_COSINE
+    assert cos >= AOTI_MIN_COSINE[case_id]
