@@ -9,6 +9,7 @@ import contextlib
 import copy
 import functools
 import importlib
+import inspect
 import io
 import sys
 import zipfile
@@ -106,35 +107,24 @@ def capture(
             "semantics"
         )
     module = program_or_module if autocast is None else _in_autocast(program_or_module, *autocast)
-
-    def export() -> ExportedProgram:
-        # non-strict export patches process-global state (CURRENT_PATCHER): one thread at a time
-        with TORCH_LOCK, KeepValuesDistinct() if distinct_values else contextlib.nullcontext():
-            return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
-
+    name = type(program_or_module).__name__
     try:
-        try:
-            ep = export()
-        except Exception:
-            if not torch.is_grad_enabled():
-                raise
-            # a module that runs only without autograd (a Parameter passed as batch_norm's running_var) traces
-            # as inference runs it; a module that fails under no_grad too reports its first failure
-            with torch.no_grad():
-                ep = export()
+        ep = _export(module, args, kwargs, dynamic_shapes, distinct_values)
     except PrecastError:
         raise
     except Exception as exc:
         first = first_line(exc)
-        if autocast is not None:
+        # blame autocast only when the forward exports without it: a forward that fails either way (example
+        # inputs bound to the wrong parameters) is the export's failure, and says how the inputs were bound
+        if autocast is not None and _exports(program_or_module, args, kwargs, dynamic_shapes):
             raise PrecastError(
-                f"policy='torch': {type(program_or_module).__name__} fails under eager torch.autocast("
-                f"{autocast[0]}, {autocast[1]}) itself while tracing: {first}; eager autocast has no result to "
-                "reproduce (export it yourself and convert with policy=None or 'rules')"
+                f"policy='torch': {name} fails under eager torch.autocast({autocast[0]}, {autocast[1]}) itself "
+                f"while tracing: {first}; eager autocast has no result to reproduce (export it yourself and "
+                "convert with policy=None or 'rules')"
             ) from exc
         raise PrecastError(
-            f"torch.export.export failed on {type(program_or_module).__name__}: {first} "
-            "(fix the export first: see https://pytorch.org/docs/stable/export.html)"
+            f"torch.export.export failed on {name}: {first} ({binding(program_or_module, args, kwargs)}; fix the "
+            "export first: see https://pytorch.org/docs/stable/export.html)"
         ) from exc
     if autocast is not None:
         for node in ep.graph.nodes:  # the top-level regions are the one the policy opened around the forward
@@ -144,6 +134,61 @@ def capture(
 
 
 POLICY_REGION = "precast_policy_region"
+
+
+def _export(
+    module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, distinct_values: bool
+) -> ExportedProgram:
+    """Non-strict ``torch.export.export``; a module that runs only without autograd (a Parameter passed as
+    batch_norm's running_var) is traced again under no_grad, as inference runs it, and a module that fails
+    under no_grad too reports its first failure."""
+
+    def export() -> ExportedProgram:
+        # non-strict export patches process-global state (CURRENT_PATCHER): one thread at a time
+        with TORCH_LOCK, KeepValuesDistinct() if distinct_values else contextlib.nullcontext():
+            return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+
+    try:
+        return export()
+    except Exception:
+        if not torch.is_grad_enabled():
+            raise
+        with torch.no_grad():
+            return export()
+
+
+def _exports(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> bool:
+    """Whether ``module`` exports without autocast: after a failure under autocast, says which message is true."""
+    try:
+        _export(module, args, kwargs, dynamic_shapes, distinct_values=True)
+    except Exception:  # noqa: BLE001 - the answer is the bool; the caller raises the first failure itself
+        return False
+    return True
+
+
+def binding(module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
+    """How the example inputs bind to ``module.forward``'s parameters, for an export failure's message:
+    ``forward(input_ids, inputs_embeds, cache_position)`` given two positional tensors fills ``inputs_embeds``,
+    not ``cache_position``."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # a forward without a signature (a builtin): nothing to say
+        return "the example inputs bound as given"
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        return f"the example inputs do not fit forward{sig}: {exc}"
+    filled = ", ".join(bound.arguments) or "no parameter"
+    left = [
+        f"{n}={p.default!r}"
+        for n, p in sig.parameters.items()
+        if n not in bound.arguments
+        and p.default is not inspect.Parameter.empty
+        and len(repr(p.default)) <= 20
+    ]
+    return f"the example inputs fill {filled} of forward" + (
+        f"; {', '.join(left)} by default" if left else ""
+    )
 
 
 def _in_autocast(module: torch.nn.Module, device_type: str, dtype: torch.dtype) -> torch.nn.Module:

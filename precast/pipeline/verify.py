@@ -1,8 +1,8 @@
 """Verify (the last stage): run the converted program against the reference semantics and compare outputs.
 
-The reference is eager ``torch.autocast`` for policy torch (the caller's module when given, through
-``torch.func.functional_call`` with private copies of the buffers it writes) and the unconverted program
-otherwise. Both sides run on private copies of the state they write, fresh for each run; a dynamic batch is
+The reference is eager ``torch.autocast`` for policy torch (the caller's module when given, run with private
+copies swapped in for every tensor it writes: buffers, and the tensors non-strict export lifted as constants,
+``ir/module_state.py``) and the unconverted program otherwise. Both sides run on private copies of the state they write, fresh for each run; a dynamic batch is
 also checked at a second size. The converted side runs through the device check (``checks.run_checked``), so
 an op the device cannot run is named instead of failing somewhere inside torch.
 
@@ -24,10 +24,11 @@ from torch.export import ExportedProgram
 from torch.utils._pytree import PyTree
 
 from precast.dtypes import dtype_name
-from precast.errors import PrecastError, first_line
+from precast.errors import first_line
 from precast.ir import diagnostics
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.inputs import normalize_inputs
+from precast.ir.module_state import private_call
 from precast.ir.program import private_state, strip_dtype_asserts, written_targets
 from precast.metrics import compare_outputs
 from precast.pipeline import checks
@@ -180,7 +181,7 @@ def _reference(ep: ExportedProgram, kind: str, device, low, original) -> tuple[A
     if kind != "autocast":
         return private_state(ep).module(), "the unconverted program"
     if original is not None:
-        reference = _with_private_buffers(original, written_targets(ep))
+        reference = _with_private_state(original, ep)
     else:
         reference = reference_module(private_state(ep))
 
@@ -239,25 +240,15 @@ def _second_batch(ep: ExportedProgram, args: tuple, kwargs: dict) -> tuple[tuple
     return pytree.tree_map(resize, (args, kwargs))
 
 
-def _with_private_buffers(module: torch.nn.Module, written: set[str]) -> Any:
-    """Call ``module`` with private copies of the tensors its forward writes (the caller's stay as they are)."""
-    if not written:
-        return module
-    own = dict(module.named_parameters(remove_duplicate=False)) | dict(
-        module.named_buffers(remove_duplicate=False)
-    )
-    missing = written - own.keys()
-    if missing:
-        raise PrecastError(
-            f"cannot verify against {type(module).__name__}: the program writes {', '.join(sorted(missing))}, "
-            "which the module does not have under those names; pass the exported program instead, or verify=False"
-        )
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        copies = {k: own[k].detach().clone() for k in written}
-        return torch.func.functional_call(module, copies, args, kwargs, strict=False)
-
-    return call
+def _with_private_state(module: torch.nn.Module, ep: ExportedProgram) -> Any:
+    """Call ``module`` on private copies of the tensors ``ep`` (exported from it) writes: its buffers and the
+    tensors non-strict export lifted as constants, found in the module by identity (``ir/module_state.py``)."""
+    written = {
+        t: v
+        for t in written_targets(ep)
+        if isinstance(v := ep.state_dict.get(t, ep.constants.get(t)), torch.Tensor)
+    }
+    return private_call(module, written)
 
 
 def verify_conversion(state: Conversion, verification: dict[str, dict]) -> dict[str, object]:
