@@ -111,12 +111,15 @@ def _clone(value: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _swapped(places: list[tuple[torch.Tensor, list[Slot]]]) -> Iterator[None]:
-    """Each tensor replaced by one fresh clone at every place holding it; the originals back on exit."""
+def _swapped(
+    places: list[tuple[torch.Tensor, list[Slot]]], clones: dict[int, torch.Tensor] | None = None
+) -> Iterator[None]:
+    """Each tensor replaced at every place holding it by one clone (``clones[id(tensor)]``, else a fresh one);
+    the originals back on exit."""
     done: list[tuple[Slot, torch.Tensor]] = []
     try:
         for tensor, slots in places:
-            copy = _clone(tensor)
+            copy = clones[id(tensor)] if clones is not None else _clone(tensor)
             for slot in slots:
                 slot.container[slot.key] = copy  # type: ignore[index]
                 done.append((slot, tensor))
@@ -124,6 +127,31 @@ def _swapped(places: list[tuple[torch.Tensor, list[Slot]]]) -> Iterator[None]:
     finally:
         for slot, tensor in reversed(done):
             slot.container[slot.key] = tensor  # type: ignore[index]
+
+
+@contextlib.contextmanager
+def private_tensors(module: torch.nn.Module) -> Iterator[dict[int, torch.Tensor]]:
+    """While exporting ``module``: every tensor it reaches that is not a Parameter (registered buffers, plain
+    tensor attributes, a cache held by a plain object) replaced by one private clone at every place holding it,
+    the caller's back on exit. Yields id(clone) -> the caller's tensor.
+
+    Non-strict ``torch.export`` writes the tensors it lifts as constants: measured on torch 2.13 with
+    transformers' static cache, a static-shape export leaves ``cumulative_length`` at the traced length and
+    the cache's keys with ``requires_grad=True``. Exporting the clones keeps the caller's module as it was, and
+    the program holds precast's copies. Parameters stay shared (read-only weights; cloning them would double
+    the model in memory); a tensor in a tuple cannot be swapped and stays as it is."""
+    places, origins = [], {}
+    for where in tensor_slots(module).values():
+        tensor = where[0].container[where[0].key] if where[0].container is not None else None
+        if tensor is None or isinstance(tensor, torch.nn.Parameter):
+            continue
+        assignable = [s for s in where if s.container is not None]
+        places.append((tensor, assignable))
+    clones = {id(t): _clone(t).requires_grad_(t.requires_grad) for t, _ in places}
+    with _swapped(places, clones):
+        for tensor, _ in places:
+            origins[id(clones[id(tensor)])] = tensor
+        yield origins
 
 
 def private_call(module: torch.nn.Module, written: dict[str, torch.Tensor]) -> Callable[..., Any]:

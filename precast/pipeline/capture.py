@@ -13,6 +13,7 @@ import inspect
 import io
 import sys
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from precast.errors import PrecastError, first_line
 from precast.ir.inputs import normalize_inputs
+from precast.ir.module_state import private_tensors
 from precast.pipeline.archive import read_checked
 from precast.threads import TORCH_LOCK, quiet_loggers
 
@@ -70,6 +72,15 @@ class KeepValuesDistinct(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@dataclass(frozen=True)
+class Captured:
+    """The program to convert, and for a module: the caller's tensor behind each of the program's non-parameter
+    constants (FQN -> the module's own tensor object), which the program holds as precast's private clones."""
+
+    program: ExportedProgram
+    origins: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
 def capture(
     program_or_module: ExportedProgram | torch.nn.Module,
     example_inputs: Any = None,
@@ -77,8 +88,10 @@ def capture(
     *,
     distinct_values: bool = False,
     autocast: tuple[str, torch.dtype] | None = None,
-) -> ExportedProgram:
-    """The program to convert. For ``policy="torch"`` on a module: ``distinct_values`` exports with
+) -> Captured:
+    """The program to convert. A module is exported on private clones of the tensors it holds other than its
+    parameters (``ir/module_state.private_tensors``): export's own writes to lifted constants never reach the
+    caller. For ``policy="torch"`` on a module: ``distinct_values`` exports with
     ``KeepValuesDistinct``, and ``autocast=(device_type, dtype)`` traces the forward inside that autocast, as
     eager runs it, so model code that reads a tensor's dtype while tracing (``h.to(input_dtype)``,
     ``torch.finfo(q.dtype).min``) sees the low dtype; the enclosing region is marked ``POLICY_REGION`` and
@@ -89,7 +102,7 @@ def capture(
                 "dynamic_shapes= applies when precast exports a module; this program is already exported: pass "
                 "dynamic_shapes to torch.export.export instead"
             )
-        return program_or_module
+        return Captured(program_or_module)
     if not isinstance(program_or_module, torch.nn.Module):
         raise PrecastError(
             f"precast.convert takes a torch.export.ExportedProgram or an nn.Module, got {type(program_or_module).__name__}"
@@ -106,10 +119,12 @@ def capture(
             "call it outside the autocast block and pass policy='torch' (and dtype=...) to get eager autocast "
             "semantics"
         )
-    module = program_or_module if autocast is None else _in_autocast(program_or_module, *autocast)
     name = type(program_or_module).__name__
     try:
-        ep = _export(module, args, kwargs, dynamic_shapes, distinct_values)
+        with private_tensors(program_or_module) as origin_of:
+            # the autocast wrapper is a shallow copy: made after the swap, it holds the clones too
+            module = program_or_module if autocast is None else _in_autocast(program_or_module, *autocast)
+            ep = _export(module, args, kwargs, dynamic_shapes, distinct_values)
     except PrecastError:
         raise
     except Exception as exc:
@@ -130,7 +145,9 @@ def capture(
         for node in ep.graph.nodes:  # the top-level regions are the one the policy opened around the forward
             if node.op == "call_function" and node.target is torch.ops.higher_order.wrap_with_autocast:
                 node.meta[POLICY_REGION] = True
-    return ep
+    held = {**ep.state_dict, **ep.constants}
+    origins = {fqn: origin_of[id(v)] for fqn, v in held.items() if id(v) in origin_of}
+    return Captured(ep, origins)
 
 
 POLICY_REGION = "precast_policy_region"
@@ -160,7 +177,8 @@ def _export(
 def _exports(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> bool:
     """Whether ``module`` exports without autocast: after a failure under autocast, says which message is true."""
     try:
-        _export(module, args, kwargs, dynamic_shapes, distinct_values=True)
+        with private_tensors(module):
+            _export(module, args, kwargs, dynamic_shapes, distinct_values=True)
     except Exception:  # noqa: BLE001 - the answer is the bool; the caller raises the first failure itself
         return False
     return True

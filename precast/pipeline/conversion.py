@@ -63,6 +63,8 @@ class Conversion:
     lowered: Lowered | None = None
     ran: PyTree = None  # the converted program's outputs on the example inputs, when the device check ran it
     lowering_mark: int = 0  # where the current lowering's diagnostics start in the log
+    # a module's: the caller's tensor behind each non-parameter constant of ``ep`` (which holds clones)
+    origins: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def unchanged(self) -> bool:
@@ -113,7 +115,10 @@ def begin(
     under_autocast = policy is not None and hook(policy, "capture_under_autocast")
     region = policy_region(source, under_autocast, device_type, low)
     with timed("capture"):
-        ep = capture(source, example_inputs, dynamic_shapes, distinct_values=under_autocast, autocast=region)
+        captured = capture(
+            source, example_inputs, dynamic_shapes, distinct_values=under_autocast, autocast=region
+        )
+    ep = captured.program
     device = device_type or program_device_type(ep)
     if device not in ("cpu", "cuda"):
         raise PrecastError(f"device_type={device!r}: precast has autocast tables for 'cpu' and 'cuda'")
@@ -127,8 +132,11 @@ def begin(
     restore = output_dtypes(program.graph)
     if region is not None and keep_io:
         # traced under autocast, the program's outputs are already low: the types to keep are the module's own
-        restore = output_dtypes(capture(source, example_inputs, dynamic_shapes, distinct_values=True).graph)
-    return Conversion(source, ep, policy, low, device, inputs, program, regions, restore, keep_io)
+        plain = capture(source, example_inputs, dynamic_shapes, distinct_values=True).program
+        restore = output_dtypes(plain.graph)
+    state = Conversion(source, ep, policy, low, device, inputs, program, regions, restore, keep_io)
+    state.origins = captured.origins
+    return state
 
 
 def run_checks(state: Conversion) -> None:

@@ -73,6 +73,7 @@ def verify_stage(
     inputs: tuple[tuple, dict] | None = None,
     *,
     ran: PyTree = None,
+    origins: dict[str, torch.Tensor] | None = None,
 ) -> dict:
     """Run the converted program against the reference semantics, each on private copies of the state it
     writes: neither the caller's module or program nor the returned program changes. ``reference``:
@@ -80,7 +81,8 @@ def verify_stage(
     program, promised bitwise) or "measured" (the unconverted program; the difference is information: rules,
     auto, a policy of the user's; ``precast.policy.hooks.PolicyHooks.reference``). ``ran``: the converted program's outputs on the
     example inputs when the device check already ran it there (``after_lowering.device_fallback``): not run
-    again.
+    again. ``origins``: the caller's tensor behind each constant of ``ep`` exported from ``original``
+    (``capture.Captured.origins``), where the reference run swaps in its private copies.
     Returns the verification record ({} when it could not run; a diagnostic says why)."""
     if inputs is None and ep.example_inputs is None:
         diagnostics.record(
@@ -118,7 +120,7 @@ def verify_stage(
             if not ok:
                 diagnostics.raise_errors(rep)
                 return {}  # allowed: the program fails on this device, so there is nothing to compare
-        ref, name = _reference(ep, reference, device, low, original)
+        ref, name = _reference(ep, reference, device, low, original, origins or {})
         try:
             with torch.no_grad():
                 want = ref(*a, **k)
@@ -175,13 +177,15 @@ def _export_baseline(out: ExportedProgram, ep: ExportedProgram, batches: list) -
     return {"reference": "the exported program (torch.export's record under autocast)", "bitwise": True}
 
 
-def _reference(ep: ExportedProgram, kind: str, device, low, original) -> tuple[Any, str]:
+def _reference(ep: ExportedProgram, kind: str, device, low, original, origins: dict) -> tuple[Any, str]:
     """The reference semantics (``kind``: "autocast" or the unconverted program) as a callable on private copies
-    of the state it writes, and its name."""
+    of the state it writes, and its name as the report states it: "eager torch.autocast of the module" (policy
+    torch given a module), "the program run under torch.autocast" (given a program), "the unconverted
+    program"."""
     if kind != "autocast":
         return private_state(ep).module(), "the unconverted program"
     if original is not None:
-        reference = _with_private_state(original, ep)
+        reference = _with_private_state(original, ep, origins)
     else:
         reference = reference_module(private_state(ep))
 
@@ -196,7 +200,16 @@ def _reference(ep: ExportedProgram, kind: str, device, low, original) -> tuple[A
         finally:
             torch.backends.mha.set_fastpath_enabled(fast)
 
-    return ref, f"eager torch.autocast({device}, {dtype_name(low)})"
+    return ref, autocast_label(original is not None, device, low)
+
+
+def autocast_label(of_module: bool, device: str, low: torch.dtype | None) -> str:
+    """The name of the autocast reference verification ran: eager autocast of the caller's module, or the
+    program (whose dtype reads were fixed when it was exported) run under autocast."""
+    where = f"({device}, {dtype_name(low)})"
+    if of_module:
+        return f"eager torch.autocast of the module {where}"
+    return f"the program run under torch.autocast {where}"
 
 
 def _batch_size(batch: tuple[tuple, dict]) -> int | None:
@@ -240,13 +253,14 @@ def _second_batch(ep: ExportedProgram, args: tuple, kwargs: dict) -> tuple[tuple
     return pytree.tree_map(resize, (args, kwargs))
 
 
-def _with_private_state(module: torch.nn.Module, ep: ExportedProgram) -> Any:
+def _with_private_state(module: torch.nn.Module, ep: ExportedProgram, origins: dict) -> Any:
     """Call ``module`` on private copies of the tensors ``ep`` (exported from it) writes: its buffers and the
-    tensors non-strict export lifted as constants, found in the module by identity (``ir/module_state.py``)."""
+    tensors non-strict export lifted as constants, found in the module by identity (``ir/module_state.py``):
+    the caller's tensor behind each (``origins``), else the program's own object."""
     written = {
         t: v
         for t in written_targets(ep)
-        if isinstance(v := ep.state_dict.get(t, ep.constants.get(t)), torch.Tensor)
+        if isinstance(v := origins.get(t, ep.state_dict.get(t, ep.constants.get(t))), torch.Tensor)
     }
     return private_call(module, written)
 
@@ -267,5 +281,6 @@ def verify_conversion(state: Conversion, verification: dict[str, dict]) -> dict[
             original,
             state.inputs,
             ran=state.ran,
+            origins=state.origins,
         )
     return {**result, **verification} if result else verification
