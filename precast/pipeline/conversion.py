@@ -140,10 +140,17 @@ def begin(
 
 
 def run_checks(state: Conversion) -> None:
-    """Control flow, unused and no-op regions: diagnostics before any decision (raises on an error)."""
+    """Control flow, unused and no-op regions, and (policy torch given a program) dtype reads fixed at export:
+    diagnostics before any decision (raises on an error)."""
     run_stage(
         state.program, "checks", lambda p: checks.check_program(state.ep, p.gm, state.regions, state.log)
     )
+    if (
+        isinstance(state.source, ExportedProgram)
+        and state.policy is not None
+        and hook(state.policy, "capture_under_autocast")
+    ):
+        checks.check_dtype_reads(state.ep, state.log)  # the module route would read them as eager does
     if state.unchanged:
         diagnostics.record(
             state.log,
