@@ -63,13 +63,18 @@ def _walkable(obj: object) -> bool:
 def tensor_slots(module: torch.nn.Module) -> dict[int, list[Slot]]:
     """id(tensor) -> every place holding it, reached from ``module`` through submodules, attributes, lists,
     tuples and dicts (each object visited once, at most ``WALK_LIMIT`` of them)."""
-    found: dict[int, list[Slot]] = {}
+    return {k: slots for k, (_, slots) in reachable_tensors(module).items()}
+
+
+def reachable_tensors(module: torch.nn.Module) -> dict[int, tuple[torch.Tensor, list[Slot]]]:
+    """id(tensor) -> (the tensor, every place holding it): ``tensor_slots`` with the tensors themselves."""
+    found: dict[int, tuple[torch.Tensor, list[Slot]]] = {}
     seen: set[int] = set()
     stack: list[tuple[object, str]] = [(module, "")]
 
     def visit(container: dict | list | None, key: Any, value: object, path: str) -> None:
         if isinstance(value, torch.Tensor):
-            found.setdefault(id(value), []).append(Slot(container, key, path))
+            found.setdefault(id(value), (value, []))[1].append(Slot(container, key, path))
         elif id(value) not in seen and (isinstance(value, (list, tuple, dict)) or _walkable(value)):
             stack.append((value, path))
 
@@ -102,6 +107,12 @@ def tensor_slots(module: torch.nn.Module) -> dict[int, list[Slot]]:
             for name, value in attrs.items():
                 visit(attrs, name, value, _join(path, name))
     return found
+
+
+def _swappable(tensor: torch.Tensor) -> bool:
+    """A plain dense tensor holding data, not a Parameter: a tensor subclass, a meta or fake tensor is left
+    alone (export cannot write data it does not have)."""
+    return type(tensor) is torch.Tensor and tensor.device.type != "meta" and tensor.layout == torch.strided
 
 
 def _clone(value: torch.Tensor) -> torch.Tensor:
@@ -139,14 +150,21 @@ def private_tensors(module: torch.nn.Module) -> Iterator[dict[int, torch.Tensor]
     transformers' static cache, a static-shape export leaves ``cumulative_length`` at the traced length and
     the cache's keys with ``requires_grad=True``. Exporting the clones keeps the caller's module as it was, and
     the program holds precast's copies. Parameters stay shared (read-only weights; cloning them would double
-    the model in memory); a tensor in a tuple cannot be swapped and stays as it is."""
+    the model in memory); a tensor only in tuples, one sharing its storage with another (a view), and a tensor
+    subclass, meta or fake tensor stay as they are."""
+    reached = reachable_tensors(module)
     places, origins = [], {}
-    for where in tensor_slots(module).values():
-        tensor = where[0].container[where[0].key] if where[0].container is not None else None
-        if tensor is None or isinstance(tensor, torch.nn.Parameter):
-            continue
+    # a tensor sharing its storage with another one (a view of a buffer) stays as it is: separate clones
+    # would lose the aliasing the forward may rely on
+    storages: dict[int, int] = {}
+    for tensor, _ in reached.values():
+        if type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type != "meta":
+            key = tensor.untyped_storage().data_ptr()
+            storages[key] = storages.get(key, 0) + 1
+    for tensor, where in reached.values():
         assignable = [s for s in where if s.container is not None]
-        places.append((tensor, assignable))
+        if _swappable(tensor) and assignable and storages[tensor.untyped_storage().data_ptr()] == 1:
+            places.append((tensor, assignable))
     clones = {id(t): _clone(t).requires_grad_(t.requires_grad) for t, _ in places}
     with _swapped(places, clones):
         for tensor, _ in places:

@@ -271,3 +271,25 @@ def test_capture_never_writes_the_callers_tensors():
         pytest.skip(
             "this torch's export no longer writes lifted constants (the capture guard is still checked)"
         )
+
+
+def test_capture_leaves_views_and_parameters_shared():
+    """What capture swaps: plain tensors the module holds alone; a buffer that views another tensor's storage
+    (separate clones would lose the aliasing) and the parameters (read-only weights) stay the caller's."""
+    from precast.ir.module_state import private_tensors
+
+    class Viewed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("whole", torch.zeros(8))
+            self.register_buffer("head", self.whole[:4])
+            self.alone = torch.ones(3)
+
+    model = Viewed()
+    with private_tensors(model) as origins:
+        assert model.lin.weight is not None and id(model.lin.weight) not in origins
+        assert origins[id(model.alone)] is not model.alone  # a clone in place of the caller's tensor
+        assert id(model.whole) not in origins and id(model.head) not in origins
+        swapped = model.alone
+    assert model.alone is not swapped and torch.equal(model.alone, torch.ones(3))
