@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from precast.dtypes import parse_low_dtype
+from precast.errors import PrecastError
 from precast.guard import guard_module
 from precast.ir.program import private_state
 from precast.pipeline.after_lowering import after_lowering
@@ -34,6 +36,18 @@ from precast.report.model import Report
 from precast.threads import TORCH_LOCK
 
 __all__ = ["POLICY_NAMES", "ConvertResult", "convert"]
+
+
+def cache_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
+    """``cache_dtype=`` as a dtype: bf16/fp16 names or dtypes, float32 for "as the program gives it"."""
+    if value is None:
+        return None
+    if value in (torch.float32, "fp32", "float32"):
+        return torch.float32
+    try:
+        return parse_low_dtype(value)
+    except PrecastError as exc:
+        raise PrecastError(f"cache_dtype={value!r}: give 'bf16', 'fp16', 'fp32' or a torch dtype") from exc
 
 
 @dataclass
@@ -70,6 +84,7 @@ def convert(
     verify: bool = True,
     allow: Iterable[str] = (),
     plan: Any = None,
+    cache_dtype: torch.dtype | str | None = None,
 ) -> ConvertResult:
     """Convert a program (or module + example inputs) to explicit mixed precision. See the README.
 
@@ -80,6 +95,9 @@ def convert(
     ``allow``: diagnostic codes (``precast.codes``, e.g. ``"control-flow"``) whose errors become warnings in
     ``report.diagnostics`` instead of stopping the conversion.
     ``plan``: a ``precast.Plan`` (or its JSON file): its ops stay fp32, a custom rule (docs/sensitivity.md).
+    ``cache_dtype``: hold the caches the program stores into (a KV cache) in this dtype (``"bf16"``,
+    ``torch.float16``...), under any policy; refused with one line where a written buffer is not a cache
+    (``precast/pipeline/caches.py``). The report states the cache bytes before and after.
     """
     # one conversion at a time per process: torch 2.15's export picks up another thread's fake tensors as
     # constants (measured: 'fake tensor in the exported program constant's list'); see precast/threads.py
@@ -87,7 +105,14 @@ def convert(
         policy, custom_rules, dtype = with_plan(plan, policy, custom_rules, dtype)
         chosen, low = resolve_policy(policy, dtype, device_type, rule_options(locals()))
         state = begin(
-            program_or_module, example_inputs, chosen, low, device_type, dynamic_shapes, keep_io_types
+            program_or_module,
+            example_inputs,
+            chosen,
+            low,
+            device_type,
+            dynamic_shapes,
+            keep_io_types,
+            cache_dtype_of(cache_dtype),
         )
         state.log = report = new_report(state, allow)
         run_checks(state)

@@ -127,6 +127,22 @@ _CODES = (
         "",
     ),
     Code(
+        "write-cast",
+        "info",
+        "a value written in place into a tensor of another dtype (a KV cache's `index_copy_`, `index_put_`, a "
+        "scatter) arrives in a dtype the conversion changed: it is cast to the destination's dtype at the write, "
+        "as `copy_` does (under policy torch, a stated extension of eager autocast, which raises there)",
+        "",
+    ),
+    Code(
+        "cache-not-owned",
+        "error",
+        "cache_dtype= asks for the program's caches in a low dtype, and a floating buffer the program writes is not "
+        "a cache it only stores into: it is updated from its own value (a running statistic, an accumulator)",
+        "leave cache_dtype unset for this program, or keep that state in a separate fp32 buffer",
+        allowable=False,
+    ),
+    Code(
         "fp16-clamped",
         "warning",
         "a constant stored in fp16 had values beyond ±65504; they were clamped to ±65504 (never inf)",

@@ -39,6 +39,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--dtype", default=None, help="bf16 or fp16 (default: the device's autocast dtype)")
     p.add_argument("--device-type", default=None, choices=["cpu", "cuda"])
+    p.add_argument(
+        "--cache-dtype",
+        default=None,
+        metavar="DTYPE",
+        help="hold the caches the program stores into (a KV cache) in bf16/fp16, under any policy",
+    )
     p.add_argument("--exclude-nodes", nargs="*", default=(), metavar="REGEX")
     p.add_argument("--exclude-ops", nargs="*", default=(), metavar="OP")
     p.add_argument(
@@ -126,6 +132,13 @@ def check_options(args: argparse.Namespace) -> dict:
         low = parse_dtype(args.dtype)
     except PrecastError:
         raise PrecastError(f"--dtype {args.dtype}: choose bf16 or fp16") from None
+    if args.cache_dtype is not None:
+        from precast.api import cache_dtype_of
+
+        try:
+            cache_dtype_of(args.cache_dtype)
+        except PrecastError:
+            raise PrecastError(f"--cache-dtype {args.cache_dtype}: choose bf16, fp16 or fp32") from None
     opts = {name: getattr(args, name) for name in FLAGS if getattr(args, name) not in (None, (), [])}
     if args.patterns is not None:  # `--patterns` alone: none
         opts["patterns"] = tuple(args.patterns)
@@ -199,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         device_type=args.device_type,
         verify=not args.no_verify,
         allow=tuple(args.allow),
+        cache_dtype=args.cache_dtype,
         **opts,
     )
     buffer = (

@@ -246,9 +246,16 @@ def check_dynamic(state: FakeState, node: torch.fx.Node) -> None:
         env.var_to_range.get(sym) == rng for sym, (_, rng) in state.symbols.items()
     ):
         return
-    for sym, (name, rng) in state.symbols.items():
+    for sym, (name, rng) in list(state.symbols.items()):
         now = env.replacements.get(sym, sym)
-        if now != sym or env.var_to_range.get(sym) != rng:
+        new = env.var_to_range.get(sym)
+        if now == sym and _zero_one_assumption(rng, new):
+            # the lower bound raised to 2 is torch.export's own 0/1 specialization (export traces sizes >= 2 and
+            # still accepts 1 at run time, per the program's range_constraints): what export itself assumed
+            # while tracing this op, not a narrowing by precast (a program loaded from a file starts at 1)
+            state.symbols[sym] = (name, new)
+            continue
+        if now != sym or new != rng:
             fixed = now if now != sym else env.var_to_range.get(sym)
             op = str(node.target)
             raise PrecastError(
@@ -259,6 +266,13 @@ def check_dynamic(state: FakeState, node: torch.fx.Node) -> None:
                 node=node.name,
             )
     state.replacements = len(env.replacements)  # only new, unrelated (unbacked) symbols were replaced
+
+
+def _zero_one_assumption(old: object, new: object) -> bool:
+    """``new`` is ``old`` with its lower bound raised from 0 or 1 to 2, the upper bound unchanged."""
+    if old is None or new is None:
+        return False
+    return int(old.lower) <= 1 and int(new.lower) == 2 and old.upper == new.upper
 
 
 def _oblivious_backend_choice(target: object) -> contextlib.AbstractContextManager:

@@ -48,8 +48,10 @@ class ConstantSource:
 class Program:
     """A program under conversion. Owns a deep copy of the graph module; never mutates the input program."""
 
-    def __init__(self, ep: ExportedProgram):
+    def __init__(self, ep: ExportedProgram, cache_dtype: torch.dtype | None = None):
         self.source = ep
+        # cache_dtype=: the dtype lower() stores the program's caches in (precast/pipeline/caches.py)
+        self.cache_dtype = cache_dtype
         self.gm: torch.fx.GraphModule = copy.deepcopy(ep.graph_module)
         self.graph = self.gm.graph
         # fx copies node.meta shallowly: the dicts precast writes into (custom meta) must be its own
@@ -67,6 +69,8 @@ class Program:
         self.output_specs: list[OutputSpec] = list(ep.graph_signature.output_specs)
         # stored FQN -> ConstantSource, for constants precast created by casting
         self.sources: dict[str, ConstantSource] = {}
+        # placeholders whose stored dtype the conversion changed (cache_dtype=) -> the dtype the program gave them
+        self.retyped: dict[torch.fx.Node, torch.dtype] = {}
         # the conversion's private fake mode and shape env (precast.classify.fake_state), made on first use
         self.fake_state: object | None = None
         # constants the program writes: the conversion (and the program it returns) owns copies of them, so

@@ -10,6 +10,7 @@ In order (``STAGES`` has the names the runner reports; ``precast.api.convert`` d
   calibrate    policies that bind (rules, auto, yours): value statistics from the calibration data
   latency      auto: per matmul/conv/attention op, fp32 vs low latency on the device
   tolerance    the tolerance search (``tolerance=``): the ops to keep fp32, found by simulating with ``lower``
+  hold_caches  cache_dtype=: the caches the program stores into held in the low dtype (``pipeline/caches.py``)
   classify     a Decision per op in ``node.meta["precast"]``; composites decomposed as eager autocast would
   rewrite      one cast per (producer, dtype, version) (``insert_casts``)
   fold         casts of read-only constants computed once (``fold_constant_casts``)
@@ -32,10 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from precast.errors import where
 from precast.ir import diagnostics
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.program import Program
 from precast.pipeline import checks
+from precast.pipeline.caches import HeldCaches, hold_caches
 from precast.pipeline.classify import classify as classify_program  # keeps the submodule name free
 from precast.pipeline.fold import CastCache, fold_constant_casts
 from precast.pipeline.restore_io import restore_output_dtypes
@@ -44,6 +47,7 @@ from precast.pipeline.runner import run_stage
 from precast.pipeline.simplify import simplify_casts
 from precast.policy.autocast import UNKNOWN_CATEGORY
 from precast.policy.base import Policy
+from precast.policy.writes import WRITE_CAST_META
 
 # the names ``run_stage`` reports, in the order a conversion runs them (a test observes a rules conversion with
 # tolerance and auto against this list); "check_pass" follows every rewriting stage
@@ -55,6 +59,7 @@ STAGES = (
     "calibrate",
     "latency",
     "tolerance",
+    "hold_caches",
     "classify",
     "insert_casts",
     "fold_constant_casts",
@@ -79,6 +84,7 @@ class LowerStats:
     constants_created: list[str] = field(default_factory=list)
     constants_dropped: list[str] = field(default_factory=list)
     outputs_restored: int = 0
+    caches: HeldCaches | None = None  # cache_dtype=: the caches held in the low dtype
 
 
 def record_unknown_categories(program: Program, log: DiagnosticLog) -> None:
@@ -98,6 +104,14 @@ def record_unknown_categories(program: Program, log: DiagnosticLog) -> None:
     )
 
 
+def record_write_casts(program: Program, log: DiagnosticLog) -> None:
+    """One info per write whose value precast cast to its destination's dtype (precast/policy/writes.py)."""
+    for node in program.graph.nodes:
+        write = node.meta.get(WRITE_CAST_META)
+        if write is not None:
+            diagnostics.record(log, "write-cast", f"{where(node)}: {write.describe()}", node)
+
+
 def lower(
     program: Program,
     policy: Policy | None,
@@ -111,9 +125,12 @@ def lower(
     input program's output dtypes), each checked by the runner. Diagnostics go to ``log``. ``casts``: constant
     casts shared by several lowerings of one program (the sensitivity estimator's, a tolerance search's)."""
     stats = LowerStats()
+    if program.cache_dtype is not None:
+        stats.caches = run_stage(program, "hold_caches", hold_caches, program.cache_dtype, check=True)
     result = run_stage(program, "classify", classify_program, policy, checks.classify_error_handler(log))
     stats.decomposed = result.decomposed or []
     record_unknown_categories(program, log)
+    record_write_casts(program, log)
     run_stage(program, "insert_casts", insert_casts, check=True)
     fold = run_stage(program, "fold_constant_casts", fold_constant_casts, casts, check=True)
     stats.casts_folded, stats.constants_created, stats.constants_dropped = (

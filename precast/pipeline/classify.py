@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
@@ -41,10 +41,13 @@ from precast.ir.fake import (
     same_fake,
 )
 from precast.ir.graph import ASSERT_METADATA, tensor_args
+from precast.ir.mutation import analyze
 from precast.ir.program import Program
+from precast.pipeline.caches import cache_reads
 from precast.pipeline.decompose import TRACED_META, should_decompose, splice_decomposition
 from precast.policy.base import Decision, Policy, apply_decision
 from precast.policy.compose import decide
+from precast.policy.writes import WRITE_CAST_META, cast_written_values
 
 # Ops whose eager kernels require every floating tensor argument to have one dtype (no type promotion).
 # FakeTensor does not check this, so a low-precision activation meeting an fp32 weight would only fail at run
@@ -70,6 +73,8 @@ def classify(
     state = fake_state(program)
     env: dict[torch.fx.Node, object] = {}
     result = ClassifyResult(decomposed=[])
+    # caches held in a low dtype (cache_dtype=): their readers see the program's dtype (pipeline/caches.py)
+    alias = analyze(graph, program.input_spec, program.output_specs) if program.retyped else None
 
     def load(a):
         return env[a] if isinstance(a, torch.fx.Node) else a
@@ -91,9 +96,28 @@ def classify(
                     node = first
                     continue
             traced = node.meta.get(TRACED_META)
+            restore = cache_reads(node, args, kwargs, program, alias) if alias is not None else {}
+            if restore:
+                read = Decision(None, "none", "cache-read", "", casts=restore)
+                _, args, kwargs = apply_decision(
+                    node.target, args, kwargs, read, lambda v, d: fake_cast(state, v, d)
+                )
             # nodes traced under autocast already hold eager's casts: deciding again would cast twice
             decision = copy.copy(traced) if traced is not None else decide(node, args, kwargs, policy)
+            if restore:
+                decision = _with_cache_reads(decision, restore, program)
+            # a value written into a tensor arrives in its dtype (a KV cache's index_copy_): precast/policy/writes.py
+            decision, write = cast_written_values(node, args, kwargs, decision, program.retyped)
+            if write is not None:
+                node.meta[WRITE_CAST_META] = write
+            else:
+                node.meta.pop(WRITE_CAST_META, None)
             # export's runtime check of a `.to()` input: keep it true for the dtype that now flows
+            if node.target is ASSERT_METADATA and len(node.args) > 3:
+                # run_decompositions() records dtype positionally (a, size, stride, dtype): a keyword here
+                node.kwargs = {**node.kwargs, "dtype": node.args[3]}
+                node.args = node.args[:3]
+                args = args[:3]
             if (
                 node.target is ASSERT_METADATA
                 and isinstance(args[0], torch.Tensor)
@@ -103,7 +127,11 @@ def classify(
                 decision.kwarg_updates = {"dtype": args[0].dtype}
             # a composite kept as written (the trace changed nothing, or failed and the user allowed it): export
             # recorded its value as autocast computed it, which need not be what it computes as written
-            recorded = _recorded(node, decision, env, state) if traced is None and not decompose else MISSING
+            recorded = (
+                _recorded(node, decision, env, state, program.retyped)
+                if traced is None and not decompose
+                else MISSING
+            )
             if recorded is MISSING:
                 env[node] = _run(node, args, kwargs, decision, state, on_error)
             else:
@@ -122,6 +150,17 @@ def classify(
     return result
 
 
+def _with_cache_reads(decision: Decision | None, restore: dict, program: Program) -> Decision:
+    """The decision with the held caches' reads cast back to the program's dtype first (the decision's own cast
+    of the same argument, to the dtype it computes in, replaces that cast: one cast from the cache)."""
+    note = (
+        f"reads the cache held in {dtype_name(next(iter(program.retyped.values())))} as the program gave it"
+    )
+    if decision is None:
+        return Decision(None, "none", "cache-read", note, casts=dict(restore))
+    return replace(decision, casts={**restore, **decision.casts}, reason=f"{decision.reason}; {note}")
+
+
 def _store_vals(graph: torch.fx.Graph, env: dict) -> None:
     """Give every op the value it will have once its decision is applied: the check after insert_casts then
     recomputes only the nodes insert_casts rewrote and finds the same values, instead of re-propagating
@@ -132,7 +171,9 @@ def _store_vals(graph: torch.fx.Graph, env: dict) -> None:
             node.meta["val"] = env[node]
 
 
-def _recorded(node: torch.fx.Node, decision: Decision | None, env: dict, state: FakeState) -> object:
+def _recorded(
+    node: torch.fx.Node, decision: Decision | None, env: dict, state: FakeState, retyped: dict
+) -> object:
     """The node's own fake value when running it again would only recompute it, else ``MISSING``.
 
     That holds when the decision changes nothing (no casts, dtype kwargs or redispatch), every input's value is
@@ -150,6 +191,10 @@ def _recorded(node: torch.fx.Node, decision: Decision | None, env: dict, state: 
     if val is MISSING or foreign(val, state.mode):
         return MISSING
     for a in node.all_input_nodes:
+        if (
+            a in retyped
+        ):  # a cache held in another dtype (cache_dtype=): the recorded value is not its reader's
+            return MISSING
         if a.op != "get_attr" and not same_fake(env.get(a, MISSING), a.meta.get("val", MISSING)):
             return MISSING
     if state.signatures.get(node) != node_signature(node):

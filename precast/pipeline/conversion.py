@@ -57,6 +57,7 @@ class Conversion:
     regions: list[Region]
     restore: list[torch.dtype | None]  # the input program's output dtypes, restored with keep_io_types
     keep_io: bool
+    cache_dtype: torch.dtype | None = None  # cache_dtype=: the caches held in this dtype (pipeline/caches.py)
     log: DiagnosticLog = field(default_factory=DiagnosticLog)  # the report, as the stages see it
     verification: dict[str, dict] = field(default_factory=dict)  # what after-lowering checks measured
     binding: Binding | None = None  # what the policy's decider is bound with (None: the policy decides)
@@ -69,7 +70,7 @@ class Conversion:
     @property
     def unchanged(self) -> bool:
         """Policy None on a program without autocast regions: nothing to convert."""
-        return self.policy is None and not self.regions
+        return self.policy is None and not self.regions and self.cache_dtype is None
 
     def decider_for(self, program: Program, **more: Any) -> Policy | None:
         """The decider classify asks for ``program``: the bound one, or the policy itself."""
@@ -81,7 +82,7 @@ class Conversion:
         """Convert a fresh copy of the input program again, the decider bound with ``more`` as well
         (``device_fp32=``, ``all_fp32=``); the previous lowering's diagnostics are recorded afresh."""
         del self.log.diagnostics[self.lowering_mark :]
-        fresh = run_stage(None, "program_copy", lambda _: Program(self.ep))
+        fresh = run_stage(None, "program_copy", lambda _: Program(self.ep, self.cache_dtype))
         run_stage(fresh, "inline_regions", lambda p: inline_regions(p.gm))
         return self._lower(fresh, self.decider_for(fresh, **more))
 
@@ -105,6 +106,7 @@ def begin(
     device_type: str | None,
     dynamic_shapes: Any,
     keep_io_types: bool | None,
+    cache_dtype: torch.dtype | None = None,
 ) -> Conversion:
     """capture -> program copy -> regions: the conversion's state before the checks."""
     if keep_io_types is not None and not isinstance(keep_io_types, bool):
@@ -126,7 +128,7 @@ def begin(
         low = low if low is not None else torch.get_autocast_dtype(device)
         policy = hook(policy, "for_device")(device, low)
     inputs = check_example_inputs(ep, example_inputs) if source is ep else None
-    program = run_stage(None, "program_copy", lambda _: Program(ep))
+    program = run_stage(None, "program_copy", lambda _: Program(ep, cache_dtype))
     regions = run_stage(program, "inline_regions", lambda p: inline_regions(p.gm))
     keep_io = keep_io_types if keep_io_types is not None else bool(policy and hook(policy, "keep_io_types"))
     restore = output_dtypes(program.graph)
@@ -134,7 +136,9 @@ def begin(
         # traced under autocast, the program's outputs are already low: the types to keep are the module's own
         plain = capture(source, example_inputs, dynamic_shapes, distinct_values=True).program
         restore = output_dtypes(plain.graph)
-    state = Conversion(source, ep, policy, low, device, inputs, program, regions, restore, keep_io)
+    state = Conversion(
+        source, ep, policy, low, device, inputs, program, regions, restore, keep_io, cache_dtype
+    )
     state.origins = captured.origins
     return state
 

@@ -105,6 +105,7 @@ class _Search:
     ):
         self.ep, self.policy, self.opts, self.cal, self.tol, self.low = ep, policy, opts, cal, tol, low
         self.bind_kw = bind_kw
+        self.cache_dtype = program.cache_dtype  # every try holds the caches as the conversion does
         self.allowed = list(getattr(log, "allowed", []))
         self.restore = output_dtypes(program.graph)
         self.batches = cal.sample
@@ -131,7 +132,7 @@ class _Search:
 
     def _lower(self, kept: dict[str, float] | None) -> Program:
         """The program the conversion builds with ``kept`` in fp32 (``None``: the program's own semantics)."""
-        fresh = Program(self.ep)
+        fresh = Program(self.ep, self.cache_dtype if kept is not None else None)  # None: the reference
         inline_regions(fresh.gm)
         scratch = DiagnosticLog(allowed=self.allowed)
         if kept is None:

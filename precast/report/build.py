@@ -186,6 +186,7 @@ def fill_report(state: Conversion, rep: Report) -> None:
     rep.decomposed = st.decomposed
     rep.casts_folded, rep.casts_simplified = st.casts_folded, st.casts_simplified
     rep.constants_created, rep.constants_dropped = st.constants_created, st.constants_dropped
+    rep.cache = st.caches.to_json() if st.caches is not None else {}
     rep.verification = {**rep.verification, **state.verification}
     with timed("report"):
         rep.nodes = record_decisions(lowered.program.graph)
@@ -215,6 +216,7 @@ def _record_program_info(program: Program, rep: Report) -> None:
         "casts_simplified": rep.casts_simplified,
         "weight_bytes_before": rep.weight_bytes_before,
         "decomposed": rep.decomposed,
+        "cache": rep.cache,
     }
     first.meta.setdefault("custom", {}).setdefault(META_KEY, {})["program"] = info
 

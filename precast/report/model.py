@@ -60,6 +60,8 @@ class Report(DiagnosticLog):
     constants_created: list[str] = field(default_factory=list)
     constants_dropped: list[str] = field(default_factory=list)
     decomposed: list[str] = field(default_factory=list)
+    # cache_dtype=: {"dtype", "caches": {FQN: dtype the program gave it}, "bytes_before", "bytes_after"}
+    cache: dict = field(default_factory=dict)
     verification: dict = field(default_factory=dict)
     casts: list[CastRecord] = field(default_factory=list)  # run-time casts (len == casts_runtime)
 
@@ -109,6 +111,12 @@ class Report(DiagnosticLog):
             + ", ".join(f"{k} {v / mb:.2f} MiB" for k, v in sorted(self.weight_bytes_after.items()))
             + ")",
         ]
+        if self.cache:
+            c = self.cache
+            lines.append(
+                f"caches held in {c['dtype']}: {len(c['caches'])}, {c['bytes_before'] / mb:.2f} MiB -> "
+                f"{c['bytes_after'] / mb:.2f} MiB"
+            )
         if self.decomposed:
             lines.append(f"composites decomposed as eager autocast would: {len(self.decomposed)}")
         if self.verification:
