@@ -293,3 +293,32 @@ def test_capture_leaves_views_and_parameters_shared():
         assert id(model.whole) not in origins and id(model.head) not in origins
         swapped = model.alone
     assert model.alone is not swapped and torch.equal(model.alone, torch.ones(3))
+
+
+class LinearCached(nn.Module):
+    """A Linear's output written into an fp32 cache held by a plain object (transformers' value cache): under
+    autocast the value arrives bf16."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.layers = [Layer()]
+
+    def forward(self, x, pos):
+        self.layers[0].keys.index_copy_(1, pos, self.lin(x))
+        return self.layers[0].keys.sum(-1)
+
+
+def test_policy_torch_module_route_casts_the_value_at_the_write():
+    """Captured under autocast, the program records a bf16 value written into the fp32 cache: that mismatch
+    is the policy's (the autocast region capture opened), cast at the write as on the program route; the
+    reference (eager autocast of the module, the same rule at the write) agrees bitwise."""
+    torch.manual_seed(0)
+    model = LinearCached().eval()
+    keys = model.layers[0].keys
+    x, pos = example()
+    res = precast.convert(model, (x, pos), policy="torch", dynamic_shapes=DYNAMIC)
+    assert [d.code for d in res.report.diagnostics] == ["write-cast"], res.report.diagnostics
+    v = res.report.verification
+    assert v["bitwise"] and v["reference"] == "eager torch.autocast of the module (cpu, bf16)", v
+    assert model.layers[0].keys is keys and not keys.any()
