@@ -121,10 +121,7 @@ def capture(
         )
     name = type(program_or_module).__name__
     try:
-        with private_tensors(program_or_module) as origin_of:
-            # the autocast wrapper is a shallow copy: made after the swap, it holds the clones too
-            module = program_or_module if autocast is None else _in_autocast(program_or_module, *autocast)
-            ep = _export(module, args, kwargs, dynamic_shapes, distinct_values)
+        ep, origin_of = _export(program_or_module, args, kwargs, dynamic_shapes, distinct_values, autocast)
     except PrecastError:
         raise
     except Exception as exc:
@@ -154,16 +151,26 @@ POLICY_REGION = "precast_policy_region"
 
 
 def _export(
-    module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any, distinct_values: bool
-) -> ExportedProgram:
-    """Non-strict ``torch.export.export``; a module that runs only without autograd (a Parameter passed as
-    batch_norm's running_var) is traced again under no_grad, as inference runs it, and a module that fails
-    under no_grad too reports its first failure."""
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    dynamic_shapes: Any,
+    distinct_values: bool,
+    autocast: tuple[str, torch.dtype] | None = None,
+) -> tuple[ExportedProgram, dict[int, torch.Tensor]]:
+    """Non-strict ``torch.export.export`` of ``module`` (inside ``autocast`` when given) on fresh private clones
+    of its tensors, and id(clone) -> the caller's tensor. A module that runs only without autograd (a Parameter
+    passed as batch_norm's running_var) is traced again under no_grad, as inference runs it, on fresh clones
+    (the failed attempt may have written its own); one that fails under no_grad too reports its first failure."""
 
-    def export() -> ExportedProgram:
+    def export() -> tuple[ExportedProgram, dict[int, torch.Tensor]]:
         # non-strict export patches process-global state (CURRENT_PATCHER): one thread at a time
-        with TORCH_LOCK, KeepValuesDistinct() if distinct_values else contextlib.nullcontext():
-            return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        with TORCH_LOCK, private_tensors(module) as origin_of:
+            # the autocast wrapper is a shallow copy: made after the swap, it holds the clones too
+            traced = module if autocast is None else _in_autocast(module, *autocast)
+            with KeepValuesDistinct() if distinct_values else contextlib.nullcontext():
+                ep = torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            return ep, origin_of
 
     try:
         return export()
@@ -177,8 +184,7 @@ def _export(
 def _exports(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> bool:
     """Whether ``module`` exports without autocast: after a failure under autocast, says which message is true."""
     try:
-        with private_tensors(module):
-            _export(module, args, kwargs, dynamic_shapes, distinct_values=True)
+        _export(module, args, kwargs, dynamic_shapes, distinct_values=True)
     except Exception:  # noqa: BLE001 - the answer is the bool; the caller raises the first failure itself
         return False
     return True
