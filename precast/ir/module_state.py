@@ -51,13 +51,18 @@ def _join(prefix: str, name: str) -> str:
 
 def _walkable(obj: object) -> bool:
     """An object whose attributes may hold the model's tensors: a module or an instance of a plain class (not a
-    type, function, Python module, or a builtin value)."""
+    type, function, Python module, a builtin value, or one of torch's own objects)."""
     if isinstance(obj, torch.nn.Module):
         return True
     if isinstance(obj, (type, torch.Tensor, torch.dtype, torch.device, str, bytes, int, float, bool)):
         return False
     cls = type(obj)
-    return cls.__module__ not in ("builtins", "types") and hasattr(obj, "__dict__")
+    # torch's own plain objects (an fx Graph and its nodes' meta, hook handles) hold no model state
+    return (
+        cls.__module__ not in ("builtins", "types")
+        and not cls.__module__.startswith("torch.")
+        and hasattr(obj, "__dict__")
+    )
 
 
 def tensor_slots(module: torch.nn.Module) -> dict[int, list[Slot]]:
