@@ -19,11 +19,13 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
 from torch.overrides import TorchFunctionMode
 
 from precast.errors import PrecastError, first_line
 from precast.ir.inputs import normalize_inputs
 from precast.ir.module_state import private_tensors
+from precast.ir.program import written_targets
 from precast.pipeline.archive import read_checked
 from precast.threads import TORCH_LOCK, quiet_loggers
 
@@ -142,12 +144,63 @@ def capture(
         for node in ep.graph.nodes:  # the top-level regions are the one the policy opened around the forward
             if node.op == "call_function" and node.target is torch.ops.higher_order.wrap_with_autocast:
                 node.meta[POLICY_REGION] = True
+    ep = written_constants_as_buffers(ep)
     held = {**ep.state_dict, **ep.constants}
     origins = {fqn: origin_of[id(v)] for fqn, v in held.items() if id(v) in origin_of}
     return Captured(ep, origins)
 
 
 POLICY_REGION = "precast_policy_region"
+
+
+def written_constants_as_buffers(ep: ExportedProgram) -> ExportedProgram:
+    """The tensors non-strict export lifted as constants and the program writes (a KV cache held by a plain
+    object, ``static_cache.layers[i].keys``), as the buffers they are: under the name of the registered buffer
+    holding the same tensor when its own placeholder is unused (``key_cache_0``, as a strict export names it),
+    else as a non-persistent buffer of the lifted name. torch refuses to ``run_decompositions()`` a program that
+    mutates a constant ("Constant lifted_tensor_0 is mutated in the forward method"), and with it AOTInductor
+    and ExecuTorch; as buffers, the writes become ``BUFFER_MUTATION`` outputs. ``ep`` is capture's own: its
+    graph is edited in place."""
+    written = written_targets(ep)
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    specs = list(ep.graph_signature.input_specs)
+    lifted = [s for s in specs if s.kind == InputKind.CONSTANT_TENSOR and s.target in written]
+    if not lifted:
+        return ep
+    registered: dict[int, tuple[torch.fx.Node, InputSpec]] = {}
+    for node, spec in zip(placeholders, specs, strict=True):
+        if spec.kind == InputKind.BUFFER:
+            value = ep.constants.get(spec.target, ep.state_dict.get(spec.target))
+            registered.setdefault(id(value), (node, spec))
+    new_specs, unused = [], set()
+    for node, spec in zip(placeholders, specs, strict=True):
+        if spec.kind != InputKind.CONSTANT_TENSOR or spec.target not in written:
+            new_specs.append((node, spec))
+            continue
+        buffer = registered.get(id(ep.constants[spec.target]))
+        if buffer is not None and not buffer[0].users and buffer[0] not in unused:
+            unused.add(buffer[0])
+            new_specs.append(
+                (node, InputSpec(InputKind.BUFFER, spec.arg, buffer[1].target, buffer[1].persistent))
+            )
+        else:
+            new_specs.append((node, InputSpec(InputKind.BUFFER, spec.arg, spec.target, persistent=False)))
+    for node in unused:
+        ep.graph.erase_node(node)
+    ep.graph_module.recompile()
+    kept = [spec for node, spec in new_specs if node not in unused]
+    used = {spec.target for spec in kept}
+    return ExportedProgram(
+        root=ep.graph_module,
+        graph=ep.graph,
+        graph_signature=ExportGraphSignature(kept, list(ep.graph_signature.output_specs)),
+        state_dict=ep.state_dict,
+        range_constraints=ep.range_constraints,
+        module_call_graph=ep.module_call_graph,
+        example_inputs=ep.example_inputs,
+        constants={k: v for k, v in ep.constants.items() if k in used or not isinstance(v, torch.Tensor)},
+        verifiers=list(ep.verifiers),
+    )
 
 
 def _export(

@@ -112,6 +112,15 @@ def test_module_writing_lifted_tensors_converts_and_verifies(model_cls, policy):
         xs, ps = example(n)
         run(xs, ps)
     assert_untouched(model, before)
+    # the lifted tensors it writes are buffers (non-persistent, their lifted names): torch refuses to decompose
+    # a program that mutates a constant, and AOTInductor / ExecuTorch with it
+    kinds = {s.target: s.kind.name for s in res.program.graph_signature.input_specs}
+    assert {kinds[name] for name in written} == {"BUFFER"}, kinds
+    decomposed = res.program.run_decompositions()
+    assert {s.kind.name for s in decomposed.graph_signature.output_specs} == {
+        "BUFFER_MUTATION",
+        "USER_OUTPUT",
+    }
 
 
 def test_rules_on_a_module_writing_lifted_tensors():

@@ -101,6 +101,10 @@ def caller_written(inner) -> dict[str, torch.Tensor]:
 
 def assert_owns_written(program, inner) -> None:
     written = written_targets(program)
+    # the cache is the recipe's registered buffers, as a strict export names them, not lifted constants
+    kinds = {s.target: s.kind.name for s in program.graph_signature.input_specs}
+    assert {kinds[name] for name in written} == {"BUFFER"}, kinds
+    assert {f"key_cache_{i}" for i in range(len(inner.static_cache.layers))} <= written, written
     assert len(written) >= 2 * len(inner.static_cache.layers), written  # keys and values of every layer
     caller = {id(t) for t in cache_tensors(inner)}
     for name in written:
@@ -118,6 +122,7 @@ def test_policy_none_returns_a_program_owning_its_cache(recipe):
     assert [d.code for d in res.report.diagnostics] == ["no-regions"]
     assert_untouched(recipe, before)
     assert_owns_written(res.program, recipe)
+    res.program.run_decompositions()  # what AOTInductor and ExecuTorch start from
     with torch.no_grad():
         got = res.program.module()(**inputs())
     res.program.module()(**inputs(6))
