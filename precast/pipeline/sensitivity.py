@@ -34,7 +34,7 @@ from torch.export import ExportedProgram
 from precast.dtypes import dtype_name
 from precast.errors import first_line, module_path, user_source_line
 from precast.ir.diagnostics import DiagnosticLog
-from precast.ir.graph import output_dtypes
+from precast.ir.graph import CAST_META, output_dtypes
 from precast.ir.inputs import placeholder_values, user_values
 from precast.ir.program import Program
 from precast.ir.regions import REGION_META
@@ -52,7 +52,8 @@ from precast.pipeline.tolerance import (
     read_sources,
     user_outputs,
 )
-from precast.policy.rules.taxonomy import op_name
+from precast.policy.pinned import pin_names
+from precast.policy.rules.taxonomy import op_name, recorded_kind
 from precast.policy.rules.tolerance_search import Source, Tolerance, rank
 
 METRICS = ("rel", "cosine", "max_abs")
@@ -120,11 +121,15 @@ def metric_value(m: dict, metric: str) -> float:
 class Estimator:
     """The reference (instrumented once), the policy's program and its low ops, and ``measure(kept)``."""
 
-    def __init__(self, ep: ExportedProgram, policy: Any, binding: Any, batch: tuple, metric: str):
+    def __init__(
+        self, ep: ExportedProgram, policy: Any, binding: Any, batch: tuple, metric: str, low: Any = None
+    ):
         if metric not in METRICS:
             raise ValueError(metric)
         self.ep, self.policy, self.binding, self.batch, self.metric = ep, policy, binding, batch, metric
-        self.low = binding.options.low
+        # a policy that binds a decider (rules, auto) keeps ops fp32 through it; policy torch and the program's
+        # regions (policy None) through ``Pinned`` (precast/policy/pinned.py): the same estimator over either
+        self.low = binding.options.low if binding is not None else low
         self.forwards = self.backwards = self.conversions = 0
         self.casts = CastCache()  # every lowering here casts the same weights: once
         program = Program(ep)
@@ -147,19 +152,32 @@ class Estimator:
         del env
         ops = [n for n in self.all_low.graph.nodes if n.op == "call_function"]
         decisions = {n.name: n.meta.get("precast") for n in ops}
-        # every op the policy's own rules put in low precision (not the user's include rules nor regions)
-        self.candidates = [
-            n.name
-            for n in ops
-            if (d := decisions[n.name]) is not None and d.rule == "default" and d.dtype == self.low
-        ]
+        self.candidates = [n.name for n in ops if self._candidate(n, decisions[n.name])]
         self.nodes = {n.name: n for n in ops}
         has_regions = any(n.meta.get(REGION_META) for n in program.graph.nodes)
-        self.ref = self.lower(None) if has_regions else program
+        if binding is None:
+            # policy torch or the program's regions: the reference is the same lowering with every ranked op
+            # pinned to fp32 (a module captured under autocast recorded low dtypes: its own graph is no reference)
+            self.ref = self.lower(dict.fromkeys(self.candidates, 0.0))
+        else:
+            self.ref = self.lower(None) if has_regions else program
         self.roles = op_roles(
             self.ref, {n.name for n in program.graph.nodes}, decisions, set(self.candidates)
         )
         self.refs, self.sources, self.ranges, self.ranked_by = self._reference()
+
+    def _candidate(self, node: torch.fx.Node, d: Any) -> bool:
+        """An op the ranking covers: rules and auto, every op the policy's own rules put in low precision (not
+        the user's include rules nor regions); policy torch and the regions (policy None), every op that
+        computes in the low dtype as eager autocast would run it (autocast's lower-precision ops and the ops
+        that follow their low outputs: an ``exp`` of an fp16 linear overflows in the exp)."""
+        if d is None or d.dtype != self.low:
+            return False
+        if self.binding is not None:
+            return d.rule == "default"
+        if d.source == "user" or node.meta.get(CAST_META) is not None:
+            return False
+        return recorded_kind(node) == "compute"
 
     def lower(self, kept: dict[str, float] | None) -> Program:
         """The program the conversion builds with ``kept`` in fp32 (``None``: the program's own semantics)."""
@@ -169,6 +187,9 @@ class Estimator:
         self.conversions += 1
         if kept is None:
             lower(fresh, None, scratch, casts=self.casts)
+        elif self.binding is None:
+            decider = pin_names(self.policy, kept, "kept in fp32 by the sensitivity estimate")
+            lower(fresh, decider, scratch, restore=self.restore, keep_io=True, casts=self.casts)
         else:
             b = self.binding
             decider = self.policy.bind(fresh, b.options, b.calibration, fallback=kept, **b.extra)
@@ -286,10 +307,12 @@ def estimate(
     metric: str = "rel",
     *,
     measure_points: int = 1,
+    low: Any = None,
 ) -> tuple[Estimate, Estimator]:
-    """Rank, curve (every k estimated; ``measure_points`` of them measured on real conversions), all-low."""
+    """Rank, curve (every k estimated; ``measure_points`` of them measured on real conversions), all-low.
+    ``low``: the low dtype, for a policy without a binding (torch, or None: the program's regions)."""
     start = time.perf_counter()
-    est = Estimator(ep, policy, binding, batch, metric)
+    est = Estimator(ep, policy, binding, batch, metric, low)
     ops = est.rank_ops()
     ranking = rank(est.candidates, est.sources)
     all_low = est.all_low_errors()

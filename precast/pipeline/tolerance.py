@@ -27,6 +27,7 @@ the tolerance diagnostic).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -280,10 +281,16 @@ class Tapping(torch.fx.Interpreter):
         self.taps: dict[tuple[str, str], torch.Tensor] = {}
         self.leaves: dict[tuple[str, str], torch.Tensor] = {}
 
+    @staticmethod
+    def regions(n: torch.fx.Node) -> Any:
+        """The node's regions, as eager runs it; none for an op a lowering decided (its casts are explicit, and
+        an op pinned fp32 inside a region must not be lowered again by the region's autocast)."""
+        return contextlib.nullcontext() if "precast" in n.meta else region_autocast(n)
+
     def run_node(self, n: torch.fx.Node) -> Any:
         mutates = isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
         if n.name not in self.readers or mutates:  # an op writing an input must get the tensor itself
-            with region_autocast(n):
+            with self.regions(n):
                 return super().run_node(n)
         tapped: dict[torch.fx.Node, Any] = {}
 
@@ -308,7 +315,7 @@ class Tapping(torch.fx.Interpreter):
 
         args = torch.fx.node.map_arg(n.args, tap)
         kwargs = torch.fx.node.map_arg(n.kwargs, tap)
-        with region_autocast(n):  # the program's own regions run as written
+        with self.regions(n):  # the program's own regions run as written
             return getattr(self, n.op)(n.target, args, kwargs)
 
 
