@@ -86,6 +86,10 @@ class Sensitivity:
         error per op, a residual add with the layer norm reading it) in fp32, as a portable plan. Ops whose values
         overflow the low dtype come first: no estimate of rounding error holds while one of them makes inf."""
         overflow = [o.name for o in self.estimate.ops if o.status == "overflow"]
+        if self.nonfinite is not None and self.nonfinite.name not in overflow:
+            # under autocast it may be an op that only follows a low input (an exp of an fp16 linear): pinning
+            # it fp32 is the narrowest fix, and its producer stays low
+            overflow.insert(0, self.nonfinite.name)
         names = (overflow + [n for n in self.estimate.order if n not in overflow])[:k]
         why = {n: f"sensitivity: greedy order #{i + 1} ({self.estimate.metric})" for i, n in enumerate(names)}
         plan = Plan.from_nodes(self.graph, names, self.estimate.dtype, why=why, source="precast sensitivity")

@@ -167,17 +167,16 @@ class Estimator:
         self.refs, self.sources, self.ranges, self.ranked_by = self._reference()
 
     def _candidate(self, node: torch.fx.Node, d: Any) -> bool:
-        """An op the ranking covers: rules and auto, every op the policy's own rules put in low precision (not
-        the user's include rules nor regions); policy torch and the regions (policy None), every op that
-        computes in the low dtype as eager autocast would run it (autocast's lower-precision ops and the ops
-        that follow their low outputs: an ``exp`` of an fp16 linear overflows in the exp)."""
-        if d is None or d.dtype != self.low:
+        """An op the ranking covers: an op the policy itself put in low precision. Rules and auto: every op
+        the policy's own rules put low (not the user's include rules nor regions). Policy torch and the regions
+        (policy None): every op autocast casts to the low dtype (its lower-precision ops, a promote to low); an op
+        that only follows a low input (an ``exp`` of an fp16 linear) is not a choice of its own: keeping its
+        producer fp32 keeps it fp32 too, and its rounding counts there."""
+        if d is None or d.dtype != self.low or node.meta.get(CAST_META) is not None:
             return False
         if self.binding is not None:
             return d.rule == "default"
-        if d.source == "user" or node.meta.get(CAST_META) is not None:
-            return False
-        return recorded_kind(node) == "compute"
+        return d.source == ("region" if self.policy is None else self.policy.name)
 
     def lower(self, kept: dict[str, float] | None) -> Program:
         """The program the conversion builds with ``kept`` in fp32 (``None``: the program's own semantics)."""
@@ -221,6 +220,10 @@ class Estimator:
             for n in ref.graph.nodes
             if roles.get(n.name) in ("cand", "low", "fp32") and op_name(n.target) not in SELECTIONS
         }
+        if self.binding is None:
+            # under autocast an op that follows a low input still computes on it (gelu of a bf16 linear output):
+            # its reads are rounded by their producers, so they are tapped too
+            readers |= {n.name for n in ref.graph.nodes if roles.get(n.name) == "follow" and _computes(n)}
         readers.add(ref.graph.output_node().name)
         tiny = torch.finfo(self.low).tiny
         interp = _Ranging(ref.gm, readers, set(self.candidates), tiny)
@@ -343,6 +346,10 @@ def estimate(
     )
     result.seconds = time.perf_counter() - start
     return result, est
+
+
+def _computes(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and op_name(n.target) not in SELECTIONS and recorded_kind(n) == "compute"
 
 
 def run_lowered(program: Program, user: list) -> list:

@@ -53,7 +53,7 @@ from precast.pipeline.regions import inline_regions
 from precast.policy.base import Policy
 from precast.policy.hooks import hook
 from precast.policy.rules.measures import Calibration
-from precast.policy.rules.taxonomy import op_name
+from precast.policy.rules.taxonomy import op_name, recorded_kind
 from precast.policy.rules.tolerance_search import Source, Tolerance, ToleranceResult, meet_tolerance
 
 PROBES = 2  # random-sign backward passes of the instrumented reference forward
@@ -207,7 +207,10 @@ def op_roles(ref: Program, original: set[str], decisions: dict, candidates: set[
             or d.source == "none"
             or (d.source == "region" and not (d.casts or d.kwarg_updates or d.new_target is not None))
         ):
-            roles[n.name] = "follow"
+            # an op that computes in the dtype its inputs promote to: fp32 in the all-low program (a residual add
+            # of a low linear output and an fp32 stream, under autocast) means fp32 however many ops run fp32
+            fixed = d is not None and d.dtype == torch.float32 and recorded_kind(n) == "compute"
+            roles[n.name] = "fp32" if fixed else "follow"
         elif d.dtype == torch.float32:
             roles[n.name] = "fp32"
         else:
