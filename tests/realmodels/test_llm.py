@@ -92,8 +92,13 @@ def cases(case_ids) -> list:
 
 # ---- bounds (measured: docs/benchmarks/llm_tier.md) ----------------------------------------------------------
 # rules fp16 / auto bf16, with and without the bf16 cache: lowest cosine of any position's logits vs the fp32
-# program over prefill + 10 decode steps, and greedy tokens equal to fp32's at >= MIN_AGREEMENT of 10 steps.
-MIN_COSINE = {"fp16": 0.9995, "bf16": 0.995}
+# program over prefill + 10 decode steps (by the lowest precision in play: the compute dtype, or the bf16 cache),
+# and greedy tokens equal to fp32's at >= MIN_AGREEMENT of the 10 decode steps. Measured on torch 2.13.0 CPU
+# (random weights, initializer_range 0.2): worst 1 - cosine with fp16 compute and an fp32 cache 1.2e-5 (llama
+# rules-fp16); with a bf16 cache 7.3e-5 (llama, policy None); agreement 9/10 at worst (llama and olmo2
+# with the bf16 cache). Bounds leave >10x margin on 1 - cosine. auto-bf16 chose fp32 for every matmul on the
+# 2-core CI machine (bf16 not faster at these sizes): its figures are fp32's there.
+MIN_COSINE = {"fp16": 0.9998, "bf16": 0.999}
 MIN_AGREEMENT = 8
 # policy "torch" through the program route where export baked dtype reads (not bitwise): vs eager autocast
 PROGRAM_ROUTE_MIN_COSINE = 0.999
