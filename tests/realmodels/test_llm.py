@@ -93,12 +93,15 @@ def cases(case_ids) -> list:
 # ---- bounds (measured: docs/benchmarks/llm_tier.md) ----------------------------------------------------------
 # rules fp16 / auto bf16, with and without the bf16 cache: lowest cosine of any position's logits vs the fp32
 # program over prefill + 10 decode steps (by the lowest precision in play: the compute dtype, or the bf16 cache),
-# and greedy tokens equal to fp32's at >= MIN_AGREEMENT of the 10 decode steps. Measured on torch 2.13.0 CPU
-# (random weights, initializer_range 0.2): worst 1 - cosine with fp16 compute and an fp32 cache 1.2e-5 (llama
-# rules-fp16); with a bf16 cache 7.3e-5 (llama, policy None); agreement 9/10 at worst (llama and olmo2
-# with the bf16 cache). Bounds leave >10x margin on 1 - cosine. auto-bf16 chose fp32 for every matmul on the
-# 2-core CI machine (bf16 not faster at these sizes): its figures are fp32's there.
+# and greedy tokens equal to fp32's at >= MIN_AGREEMENT of the 10 decode steps. Measured on torch 2.13.0 and
+# 2.15.0 CPU (random weights, initializer_range 0.2; docs/benchmarks/llm_tier.md): worst 1 - cosine with fp16
+# compute and an fp32 cache 1.2e-5 (llama rules-fp16); with a bf16 cache 7.3e-5 (llama, policy None); agreement
+# 9/10 at worst. Bounds leave >10x margin on 1 - cosine.
 MIN_COSINE = {"fp16": 0.9998, "bf16": 0.999}
+# auto puts an op low only where it is measured faster on the machine running the tests (on a busy 2-core CI
+# machine often none: fp32's figures), and never more ops than rules: its bound is all-bf16 rules' worst case,
+# measured 1 - cosine 7.9e-4 (llama rules-bf16; agreement 9/10 at worst), with 10x margin.
+MIN_COSINE_AUTO = 0.992
 MIN_AGREEMENT = 8
 # policy "torch" through the program route where export baked dtype reads (not bitwise): vs eager autocast
 PROGRAM_ROUTE_MIN_COSINE = 0.999
@@ -285,7 +288,7 @@ def test_rules_and_auto_finite_and_close_to_fp32(llms, family, case_id):
     cos, (agree, n) = llm.min_cosine(got, fp32), llm.agreement(got, fp32)
     # the bound of the lowest precision in play: the compute dtype, or a bf16 cache under fp16 compute
     dtypes = {case.dtype} | ({case.cache_dtype} if case.cache_dtype else set())
-    bound = min(MIN_COSINE[_dtype_name(d)] for d in dtypes)
+    bound = min(MIN_COSINE[_dtype_name(d)] for d in dtypes) if case.policy != "auto" else MIN_COSINE_AUTO
     print(f"\n{family} {case_id}: min cosine vs fp32 {cos:.6f} (bound {bound}), greedy agreement {agree}/{n}")
     assert llm.all_finite(got), f"{family} {case_id}: non-finite logits"
     assert got.logits[0].dtype == torch.float32  # rules / auto keep the program's output dtype
