@@ -37,21 +37,14 @@ from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.graph import CAST_META, output_dtypes
 from precast.ir.inputs import placeholder_values, user_values
 from precast.ir.program import Program
-from precast.ir.regions import REGION_META
+from precast.ir.regions import POLICY_OP_META, REGION_META
 from precast.metrics import WorstError
 from precast.pipeline import lower
 from precast.pipeline.fold import CastCache
 from precast.pipeline.nonfinite import NonFinite, first_nonfinite
+from precast.pipeline.probes import Tapping, local_energies, op_roles, probe_energies, read_sources
 from precast.pipeline.regions import inline_regions
-from precast.pipeline.tolerance import (
-    Tapping,
-    check_program,
-    local_energies,
-    op_roles,
-    probe_energies,
-    read_sources,
-    user_outputs,
-)
+from precast.pipeline.tolerance import check_program, user_outputs
 from precast.policy.pinned import pin_names
 from precast.policy.rules.taxonomy import op_name, recorded_kind
 from precast.policy.rules.tolerance_search import Source, Tolerance, rank
@@ -65,6 +58,8 @@ UNDERFLOW_SHARE = 0.01
 # random-sign backward passes of the instrumented forward: more than the tolerance search's 2, since the
 # ranking itself is the product here (neighbouring layer norms differ by a few percent)
 PROBES = 8
+# of them, the ones that also differentiate the weights' reads (half the backward's GEMMs)
+CONSTANT_PROBES = 4
 
 
 @dataclass
@@ -155,9 +150,10 @@ class Estimator:
         self.candidates = [n.name for n in ops if self._candidate(n, decisions[n.name])]
         self.nodes = {n.name: n for n in ops}
         has_regions = any(n.meta.get(REGION_META) for n in program.graph.nodes)
-        if binding is None:
-            # policy torch or the program's regions: the reference is the same lowering with every ranked op
-            # pinned to fp32 (a module captured under autocast recorded low dtypes: its own graph is no reference)
+        traced_low = any(n.meta.get(POLICY_OP_META) for n in program.graph.nodes)
+        if binding is None and (policy is None or traced_low):
+            # the program's regions, or a module captured under autocast (its graph recorded low dtypes): the
+            # reference is the same lowering with every ranked op pinned to fp32
             self.ref = self.lower(dict.fromkeys(self.candidates, 0.0))
         else:
             self.ref = self.lower(None) if has_regions else program
@@ -234,7 +230,7 @@ class Estimator:
             with torch.enable_grad():
                 self.forwards += 1
                 outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
-                energy = probe_energies(outs, interp, self.low, tol, PROBES)
+                energy = probe_energies(outs, interp, self.low, tol, PROBES, CONSTANT_PROBES)
             self.backwards += PROBES
         except Exception as exc:  # noqa: BLE001 - said in ranked_by: the estimate falls back to local rounding
             ranked_by = f"local rounding error (no gradients: {type(exc).__name__}: {first_line(exc)})"
