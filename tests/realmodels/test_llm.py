@@ -255,6 +255,8 @@ def test_policy_torch_program_route(llms, family, case_id):
     got = converted(llms, family, case_id)
     want = _torch_reference(llms, family, case)
     diff = llm.first_difference(got, want)
+    codes = {d.code for d in llms.convert(family, case_id).result.report.diagnostics}
+    assert "write-cast" in codes, codes  # the cache writes, cast to the cache's dtype, each stated
     if llm.BITWISE_ROUTE[family] == "program":
         assert diff is None, f"{family} {case_id} (program route, expected bitwise): {diff}"
     else:
@@ -262,6 +264,7 @@ def test_policy_torch_program_route(llms, family, case_id):
         print(
             f"\n{family} {case_id} program route vs eager autocast: {diff or 'bitwise'}, min cosine {cos:.6f}"
         )
+        assert "dtype-read-at-export" in codes, codes  # the report points at the module route
         assert llm.all_finite(got) and got.logits[0].dtype == want.logits[0].dtype
         assert cos >= PROGRAM_ROUTE_MIN_COSINE, f"{family} {case_id}: cosine {cos:.6f}"
 
