@@ -398,3 +398,25 @@ def test_aoti_decode_matches_converted_program(llms, compiled_runs, family, case
     assert llm.all_finite(got)
     assert torch.equal(got.greedy, want.greedy)
     assert cos >= AOTI_MIN_COSINE[case_id]
+
+
+# ---- the command line, save and load ------------------------------------------------------------------------
+def test_cli_convert_cache_dtype_saved_program_decodes_the_same(llms, tmp_path):
+    """The recipe's program saved with torch.export.save, converted by ``precast convert --policy rules --dtype
+    fp16 --cache-dtype bf16``: the saved result loads with its cache stored bf16 and decodes bitwise what the
+    same conversion in memory decodes."""
+    from precast.cli import main
+
+    m = llms.model("llama")
+    source, out = tmp_path / "llama.pt2", tmp_path / "llama-rules-fp16-cache.pt2"
+    torch.export.save(m.program, source)
+    args = ["convert", str(source), "-o", str(out), "--policy", "rules", "--dtype", "fp16"]
+    assert main([*args, "--cache-dtype", "bf16"]) == 0
+    loaded = torch.export.load(out)
+    names = llm.cache_names(
+        s.target for s in loaded.graph_signature.input_specs if s.kind == InputKind.BUFFER
+    )
+    assert names and {llm.constant_value(loaded, n).dtype for n in names} == {BF16}
+    got = llm.run_program(loaded, m.tokens)
+    want = converted(llms, "llama", "rules-fp16-cache")
+    assert llm.first_difference(got, want) is None, llm.first_difference(got, want)
