@@ -68,11 +68,12 @@ FAMILIES: dict[str, dict] = {
     "gemma3_text": {"sliding_window": 16},  # hybrid cache, q/k norms, type_as norms
 }
 
-# Which capture route gives eager autocast's values bitwise under policy "torch", per family.
-# "program": precast.convert(ep, policy="torch") of the recipe's fp32 program; "module": only
-# precast.convert(w.model, inputs, policy="torch", dynamic_shapes=...) (precast traces the module under autocast),
+# Which capture route is bitwise eager autocast under policy "torch", per family. "program": both routes,
+# precast.convert(ep, policy="torch") of the recipe's fp32 program and precast.convert(w.model, inputs,
+# policy="torch", dynamic_shapes=...) (precast traces the module under autocast); "module": only the module route,
 # because the fp32 export baked dtype reads taken while tracing (RMSNorm's ``to(input_dtype)`` / ``type_as`` on
-# a projection's output, bf16 in eager autocast, fp32 in the trace).
+# a projection's output: bf16 in eager autocast, fp32 in the trace), so the program route is exact to the program
+# and within a stated cosine of eager. Measured on every family (docs/benchmarks/llm_tier.md).
 BITWISE_ROUTE = {
     "llama": "program",
     "qwen2": "program",
@@ -166,7 +167,8 @@ def region_program(llm: LLM, where: str) -> ExportedProgram:
     """The recipe's export of the same weights with part of the forward inside one
     ``torch.autocast("cpu", torch.bfloat16)`` region, as a user writes it in the model's code:
     ``"head"``: the LM head's forward; ``"forward"``: the whole causal LM's forward (the cache writes inside:
-    the unconverted program itself fails at ``index_copy_``, as eager autocast does)."""
+    the unconverted program itself fails at run time, at the cache's ``index_copy_`` or at a dtype assertion
+    export recorded, as eager autocast fails at the write)."""
     if where not in llm.region_programs:
         w = wrapper(llm.family)
         causal_lm = w.model.model
