@@ -41,7 +41,13 @@ from typing import Any
 
 import numpy as np
 
-HINTS = ("auto", "f32", "bf16", None)  # None: OpenVINO's own default (bf16 where native), no correction
+HINTS = (
+    "auto",
+    "f32",
+    "bf16",
+    "f16",
+    None,
+)  # None: OpenVINO's own default (bf16 where native), no correction
 VELTKAMP = 65537.0  # 2**16 + 1: splits an f32 significand (24 bits) into bf16's 8 bits and the 16 below
 SPLIT_LIMIT = 3.4e38 / VELTKAMP  # beyond this x * 65537 overflows: those values are converted as they are
 
@@ -52,18 +58,35 @@ def native_bf16(core: Any) -> bool:
     return str(getattr(hint, "get_type_name", lambda: hint)()) == "bf16"
 
 
+def native_fp16(core: Any) -> bool:
+    """Whether OpenVINO's CPU plugin has fp16 kernels here: it lists ``FP16`` among the CPU's
+    ``OPTIMIZATION_CAPABILITIES`` exactly where oneDNN reports avx512_core_fp16 or avx2_vnni_2 (its
+    ``hasHardwareSupport(f16)``), the condition under which it runs fp16 at all."""
+    return "FP16" in [str(c) for c in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")]
+
+
 def hints_to_try(precision_hint: str | None, planned: set[str], core: Any) -> list[str | None]:
-    """The hints to compile with, in order (the first whose plan check finds no override is kept)."""
+    """The hints to compile with, in order (the first whose plan check finds no override is kept).
+
+    A plan with one low dtype tries that dtype's hint first where the CPU runs it natively: bf16 where OpenVINO's
+    default is bf16, fp16 where OpenVINO reports fp16 kernels. Under the f32 hint OpenVINO converts every fp16
+    op to f32 (its f16 kernels run only under the f16 hint), so an fp16 plan keeps its dtypes only under the f16
+    hint, which in turn lowers the ops precast kept fp32: a plan with fp16 and fp32 layers, or with fp16 and
+    bf16, has no hint that honours every layer, and the f32 hint (fp16 layers run in fp32, each warned) is kept.
+    """
     if precision_hint != "auto":
         return [precision_hint]
     if "bf16" in planned and "fp16" not in planned and native_bf16(core):
         return ["bf16", "f32"]
+    if "fp16" in planned and "bf16" not in planned and native_fp16(core):
+        return ["f16", "f32"]
     return ["f32"]
 
 
 def prepare(model: Any, hint: str | None) -> tuple[Any, str]:
     """A copy of ``model`` made for ``hint`` (the model itself is kept as converted: it is what ``save`` writes),
-    and the form it takes: "as written" (no hint), "casts rounded to nearest" (f32), "lowered by OpenVINO"
+    and the form it takes: "as written" (no hint, or f16: OpenVINO's casts to fp16 round to nearest, ties to even,
+    tested), "casts rounded to nearest" (f32), "lowered by OpenVINO"
     (bf16: ``lowered_by_openvino``) or, where that form does not type-check, "casts as written, attention in
     f32" (bf16: ``attention_in_f32``)."""
     if hint == "f32":

@@ -292,7 +292,11 @@ def test_read_only_destination_is_one_line(saved, capsys):
 
 
 SLOW_WRITE = r"""
-import os, sys, time
+import os, signal, sys, time
+# a test runner started as a background job (`cmd &` in a non-interactive shell) has SIGINT ignored, and so has
+# this child, which then never sees the KeyboardInterrupt under test: restore Python's handler here (the CLI
+# itself leaves an ignored SIGINT ignored, as nohup-style callers intend)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import precast.io as pio
 if sys.argv[3] == "named":  # the fallback where O_TMPFILE is unavailable: a named temporary file
     pio._write_unnamed = lambda folder, p, data: False
