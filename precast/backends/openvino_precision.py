@@ -8,7 +8,10 @@ Measured on OpenVINO 2026.4.1's CPU plugin (2-core AMD EPYC with avx512_bf16), a
   a CPU whose OpenVINO default is bf16 (native bf16), is compiled with the bf16 hint first; if the plan check
   (``openvino_plan.check_plan``) then finds any layer not running precast's dtype (OpenVINO lowers a Linear precast
   kept fp32; it keeps only the graph's tail after the last Linear/convolution and some element-wise ops in fp32),
-  the program is compiled again with the f32 hint, which runs every dtype the graph states.
+  the program is compiled again with the f32 hint, which runs every dtype the graph states but fp16 (in f32).
+  An fp16-only plan likewise tries the f16 hint first where OpenVINO lists ``FP16`` among the CPU's capabilities
+  (AVX512-FP16 or AVX2-VNNI-2: measured on an Intel Xeon with AMX and AVX512-FP16, the zoo MLP's fp16 plan runs
+  every layer in fp16, bitwise the converted program's output); the f16 hint lowers fp32 ops too.
 - **Under the bf16 hint: lowered by OpenVINO** (``lowered_by_openvino``). precast's casts to bf16 are read
   through (each bf16 value as the f32 value it was cast from) and bf16 weights through exact casts to f32, so
   OpenVINO lowers the graph itself: each bf16 layer rounds its inputs (correctly) and keeps its fused epilogue in
@@ -38,8 +41,6 @@ Input: an ``openvino.Model`` converted from precast's program. Output: a copy ma
 from __future__ import annotations
 
 from typing import Any
-
-import numpy as np
 
 HINTS = (
     "auto",
@@ -156,6 +157,7 @@ def _is_f32_to_bf16(op: Any) -> bool:
 
 def round_to_nearest(model: Any) -> int:
     """Veltkamp's split in front of every Convert f32 -> bf16 (see the module docstring); returns how many."""
+    import numpy as np  # comes with openvino (an extra); precast's core runs without numpy
     import openvino.opset13 as ops
 
     converts = [op for op in model.get_ordered_ops() if _is_f32_to_bf16(op)]
@@ -176,6 +178,7 @@ def exact_attention_scales(model: Any, graph_module: Any) -> int:
     softmax's temperature off by up to 2**-9 in every layer (MiniLM: 1/sqrt(32) = 0.1767767 stored as 0.1767578).
     Each such constant becomes the exact f32 value cast to the query's dtype, which ``attention_in_f32`` reads
     through; under the f32 hint OpenVINO folds the cast (as before). Returns how many."""
+    import numpy as np
     import openvino as ov
     import openvino.opset13 as ops
 

@@ -24,6 +24,7 @@ import torch
 
 import precast
 from benchmarks.cli_bad_inputs import FACTORIES
+from precast.backends.aoti import compile_configs
 from precast.backends.cache import cache_key, resolve_cache_dir
 from precast.cli import main
 from precast.errors import PrecastError
@@ -398,7 +399,7 @@ def test_compile_gives_up_on_a_stuck_lock(converted_a, tmp_path):
     from filelock import FileLock
 
     cache = resolve_cache_dir(tmp_path / "cache")
-    key = cache_key(converted_a[2].program, {}, True)
+    key = cache_key(converted_a[2].program, compile_configs(), True)
     holder = FileLock(str(cache / "locks" / f"{key}.lock"))
     holder.acquire()
     try:
