@@ -152,7 +152,8 @@ class CompiledModel:
             problems.insert(1 if missing else 0, f"unexpected {unexpected}")
         if folded:
             problems.append(
-                f"compiled code folded {folded} into itself (freezing?); recompile without freezing to swap them"
+                f"compiled code folded {folded} into itself (freezing, or always_keep_tensor_constants=False); "
+                "recompile without them to swap those"
             )
         if problems:
             raise PrecastError(
