@@ -361,7 +361,9 @@ def small_weights(dtype: torch.dtype | None, seed: int) -> torch.nn.Module:
 
 
 @pytest.mark.aoti
-@pytest.mark.parametrize("dtype", [torch.bfloat16, None], ids=["bf16-region", "no-region"])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, None], ids=["bf16-region", "fp16-region", "no-region"]
+)
 def test_load_weights_swaps_every_weight_whatever_its_size(dtype, aoti_cache):
     """A plain precast.compile keeps every parameter and buffer swappable (none inlined into the code, whatever
     its size or dtype): load_weights then gives bitwise what a compile of the conversion with those weights gives."""
@@ -371,7 +373,7 @@ def test_load_weights_swaps_every_weight_whatever_its_size(dtype, aoti_cache):
     stored = {name: t.dtype for name, t in res.program.state_dict.items()}
     assert stored["b.bias"] == torch.float32 and stored["scale"] == torch.float32
     if dtype is not None:
-        assert torch.bfloat16 in stored.values()  # the region's weight, folded to bf16
+        assert dtype in stored.values()  # the region's weight, folded to its dtype
     cm = precast.compile(res.program, cache_dir=aoti_cache, progress=False)
     assert {"b.bias", "scale", "gain", "shift"} <= set(cm.constant_fqns())
     assert {st.source.stored for st in cm._stored.values() if st.read} <= set(cm.constant_fqns())
