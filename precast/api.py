@@ -29,6 +29,7 @@ from precast.pipeline.after_lowering import after_lowering
 from precast.pipeline.conversion import begin, run_checks
 from precast.pipeline.prepare import prepare
 from precast.pipeline.verify import verify_conversion
+from precast.policy.pinned import Pinned
 from precast.policy.plan import with_plan
 from precast.policy.resolve import POLICY_NAMES, resolve_policy, rule_options
 from precast.report.build import fill_report, new_report, unchanged_report, write_program_info
@@ -102,8 +103,10 @@ def convert(
     # one conversion at a time per process: torch 2.15's export picks up another thread's fake tensors as
     # constants (measured: 'fake tensor in the exported program constant's list'); see precast/threads.py
     with TORCH_LOCK:
-        policy, custom_rules, dtype = with_plan(plan, policy, custom_rules, dtype)
+        policy, custom_rules, dtype, pins = with_plan(plan, policy, custom_rules, dtype)
         chosen, low = resolve_policy(policy, dtype, device_type, rule_options(locals()))
+        if pins is not None:  # a plan over policy torch or the program's regions: its ops pinned to fp32
+            chosen = Pinned(chosen, pins, rule="custom:plan")
         state = begin(
             program_or_module,
             example_inputs,

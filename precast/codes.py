@@ -102,6 +102,16 @@ _CODES = (
         "one op; the result may differ from eager autocast at this node",
         "keep the op in float32 (exclude_nodes under policy 'rules'), or report the op",
     ),
+    Code(
+        "dtype-read-at-export",
+        "info",
+        "policy 'torch' given a program: a dtype conversion to float32 of a value the export recorded as float32 "
+        "(Qwen3's RMSNorm `weight * h.to(input_dtype)` exported in fp32): the dtype the model's code read while "
+        "tracing is fixed in the graph, where eager autocast would read the low dtype; the conversion follows "
+        "the program, and verifies against the program run under autocast, not eager autocast of the model",
+        "convert the module with its example inputs (`precast.convert(model, example_inputs, policy='torch')`): "
+        "precast traces its forward under autocast, as eager runs it",
+    ),
     # ---- decisions and constants -----------------------------------------------------------------------
     Code(
         "no-regions",
@@ -229,7 +239,8 @@ _CODES = (
         "not-bitwise",
         "warning",
         "a promise of bitwise equality is broken: policy None differs from the unconverted program, or policy "
-        "'torch' from eager `torch.autocast`",
+        "'torch' from its autocast reference (eager `torch.autocast` of the module, or the program run under "
+        "`torch.autocast`)",
         "report it with the program; `precast check` shows per-output errors",
     ),
     Code(
@@ -243,8 +254,8 @@ _CODES = (
     Code(
         "measured-error",
         "info",
-        "policy 'rules': the converted program's difference from the fp32 program on the example inputs "
-        "(expected: rules trade precision for speed)",
+        "policy 'rules' (and 'auto', a policy of the user's): the converted program's difference from the "
+        "unconverted program on the example inputs (expected: rules trade precision for speed)",
         "",
     ),
     Code(

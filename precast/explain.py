@@ -31,7 +31,9 @@ from precast.pipeline.conversion import begin
 from precast.pipeline.nonfinite import is_nonfinite, op_inputs, op_subgraph, run_watching
 from precast.pipeline.prepare import prepare
 from precast.pipeline.sensitivity import METRICS, Estimate, Estimator, ablate, estimate
+from precast.policy.hooks import binds
 from precast.policy.plan import Plan
+from precast.policy.resolve import resolve_policy
 from precast.policy.rules.policy import RulesPolicy
 from precast.report.sensitivity import sensitivity_dict
 
@@ -69,6 +71,7 @@ class Sensitivity:
     estimate: Estimate
     repro: dict | None = None
     graph: Any = field(default=None, repr=False)  # the policy's converted graph (keys for plans)
+    policy: str = "rules"  # what a plan written from this ranking applies over (Plan.policy)
 
     @property
     def ops(self) -> list:
@@ -80,10 +83,18 @@ class Sensitivity:
 
     def plan(self, k: int) -> Plan:
         """The first ``k`` ops of the greedy order (the curve's k: the ops whose fp32 removes the most estimated
-        error per op, a residual add with the layer norm reading it) in fp32, as a portable plan."""
-        names = self.estimate.order[:k]
+        error per op, a residual add with the layer norm reading it) in fp32, as a portable plan. Ops whose values
+        overflow the low dtype come first: no estimate of rounding error holds while one of them makes inf."""
+        overflow = [o.name for o in self.estimate.ops if o.status == "overflow"]
+        if self.nonfinite is not None and self.nonfinite.name not in overflow:
+            # under autocast it may be an op that only follows a low input (an exp of an fp16 linear): pinning
+            # it fp32 is the narrowest fix, and its producer stays low
+            overflow.insert(0, self.nonfinite.name)
+        names = (overflow + [n for n in self.estimate.order if n not in overflow])[:k]
         why = {n: f"sensitivity: greedy order #{i + 1} ({self.estimate.metric})" for i, n in enumerate(names)}
-        return Plan.from_nodes(self.graph, names, self.estimate.dtype, why=why, source="precast sensitivity")
+        plan = Plan.from_nodes(self.graph, names, self.estimate.dtype, why=why, source="precast sensitivity")
+        plan.policy = self.policy
+        return plan
 
     def to_dict(self) -> dict:
         d = sensitivity_dict(self.estimate)
@@ -126,26 +137,50 @@ def sensitivity(
                 f"dtype={dtype!r} but the {type(policy).__name__} says dtype={policy.dtype!r}: give one"
             )
         low = low or mine
+    elif policy is None or isinstance(policy, str) or not binds(policy):
+        # policy torch (autocast's lower-precision ops), None (the ops of the program's own regions), or a
+        # policy object that decides by itself: the same estimator, its trials pinned to fp32 over the policy
+        pol, low = resolve_policy(policy, low, device_type, {})
     else:
         raise PrecastError(
-            f"policy={policy!r}: sensitivity ranks the ops a rules policy runs in low precision; give 'rules' or "
-            "a precast.RulesPolicy / AutoPolicy (its options apply)"
+            f"policy={policy!r}: sensitivity ranks the ops a policy runs in low precision; give None, 'torch', "
+            "'rules', 'auto', a precast.TorchPolicy / RulesPolicy / AutoPolicy, or a policy without bind"
         )
     if inputs is None:
         raise PrecastError("sensitivity needs inputs to measure on: give one batch, e.g. (x,)")
     state = begin(program_or_module, inputs, pol, low, device_type, dynamic_shapes, None)
     state.log = DiagnosticLog()
     prepare(state)  # calibration (fp16's data_max), auto's latencies: as the conversion prepares them
+    if state.policy is None:  # the program's regions: their dtype is the low one
+        dtypes = {r.dtype for r in state.regions if r.enabled}
+        if not dtypes:
+            raise PrecastError(
+                "sensitivity under policy None ranks the ops of the program's own autocast regions, and this "
+                "program has none enabled; give policy='torch' (eager autocast on the whole forward) or 'rules'"
+            )
+        if low is None and len(dtypes) > 1:
+            raise PrecastError(
+                f"the program's regions use {', '.join(sorted(map(str, dtypes)))}: give dtype= to say which to rank"
+            )
+        low = low or dtypes.pop()
+    low = state.low or low
     ep = state.ep
     batch = check_example_inputs(ep, inputs)
-    result, est = estimate(ep, state.policy, state.binding, batch, metric, measure_points=measure_points)
+    result, est = estimate(
+        ep, state.policy, state.binding, batch, metric, measure_points=measure_points, low=low
+    )
     if ablation:
         ablate(est, result.ops)
         result.conversions, result.forwards = est.conversions, est.forwards
-    out = Sensitivity(result, graph=est.all_low.graph)
+    out = Sensitivity(result, graph=est.all_low.graph, policy=plan_policy(state.policy))
     if repro is not None:
         out.repro = write_repro(est, result, Path(repro))
     return out
+
+
+def plan_policy(policy: Any) -> str:
+    """The ``Plan.policy`` a ranking under ``policy`` writes: "regions" for None, else the policy's name."""
+    return "regions" if policy is None else str(policy.name)
 
 
 def write_repro(est: Estimator, result: Estimate, folder: Path) -> dict:

@@ -185,8 +185,8 @@ def test_no_nonfinite_under_default_rules():
 def test_bad_options_one_line():
     with pytest.raises(PrecastError, match="metric='l2'"):
         precast.sensitivity(Block(), (torch.randn(2, 16),), metric="l2")
-    with pytest.raises(PrecastError, match="policy='torch'"):
-        precast.sensitivity(Block(), (torch.randn(2, 16),), policy="torch")
+    with pytest.raises(PrecastError, match="policy='fastest'"):
+        precast.sensitivity(Block(), (torch.randn(2, 16),), policy="fastest")
 
 
 def test_pictures(tmp_path, monkeypatch):

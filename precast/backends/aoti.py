@@ -163,7 +163,8 @@ class CompiledModel:
             problems.insert(1 if missing else 0, f"unexpected {unexpected}")
         if folded:
             problems.append(
-                f"compiled code folded {folded} into itself (freezing?); recompile without freezing to swap them"
+                f"compiled code folded {folded} into itself (freezing, or always_keep_tensor_constants=False); "
+                "recompile without them to swap those"
             )
         if self._packed_unmatched:
             problems.append(
@@ -204,6 +205,22 @@ class CompiledModel:
 
 
 # ---- public entry point -------------------------------------------------------------------------------------
+def compile_configs(
+    mode: str = "default", inductor_configs: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The inductor configs ``compile`` compiles with (and keys its cache entry by).
+
+    Without freezing, every constant stays a swappable constant: AOTInductor otherwise inlines 0-d constants and
+    1-d ones of <= 8 elements into its code (``GraphLowering.can_inline_constant``), and ``load_weights`` could
+    never swap an 8-element bias (``always_keep_tensor_constants``; the caller's own value wins)."""
+    configs = dict(inductor_configs or {})
+    if mode == "max-autotune":
+        configs["max_autotune"] = True
+    if not configs.get("freezing"):
+        configs.setdefault("always_keep_tensor_constants", True)
+    return configs
+
+
 def compile(
     program: ExportedProgram | Any,
     *,
@@ -225,9 +242,7 @@ def compile(
     ep = exported_program(program, "precast.compile")
     if mode not in MODES:
         raise PrecastError(f"precast.compile: mode={mode!r}; choose one of {', '.join(MODES)}")
-    configs = dict(inductor_configs or {})
-    if mode == "max-autotune":
-        configs["max_autotune"] = True
+    configs = compile_configs(mode, inductor_configs)
     root = resolve_cache_dir(cache_dir)
     options = json.dumps(
         {"configs": configs, "dynamic": dynamic, "root": str(root)}, sort_keys=True, default=str

@@ -10,6 +10,7 @@ a folder another user owns or group/others may write is refused. See docs/compil
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import json
@@ -123,8 +124,7 @@ def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic:
         if isinstance(value, torch.Tensor):
             t = value.detach().cpu().contiguous()
             put("tensor", f"{name}:{t.dtype}:{tuple(t.shape)}")
-            # reshape(-1): a 0-d tensor (BatchNorm's num_batches_tracked) cannot be viewed as bytes directly
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(tensor_bytes(t))  # the bytes numpy gave before: the key of a given program is unchanged
         else:
             put("object", f"{name}:{type(value).__qualname__}")
     put("configs", json.dumps(dict(inductor_configs), sort_keys=True, default=str))
@@ -139,6 +139,15 @@ def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic:
             f"{torch.version.cuda}:{torch.cuda.get_device_capability()}:{torch.cuda.get_device_name()}",
         )
     return h.hexdigest()[:32]
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, read in place (no copy, and no numpy: ``pip install precast`` does not
+    bring it, torch does not either)."""
+    n = t.numel() * t.element_size()
+    if not n:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
 def toolchain() -> dict[str, str]:

@@ -11,7 +11,9 @@ dtype (the attention's ``scale=`` kept exact). The precision hint (``openvino_pr
 with native bf16 is compiled with OpenVINO's own ``bf16`` hint, OpenVINO lowering the plan itself (precast's casts
 read through), when every layer then runs the dtype precast decided; otherwise with
 ``INFERENCE_PRECISION_HINT=f32``, under which OpenVINO runs each op in the precision the graph states (precast's
-bf16 ops in bf16, the ops it kept fp32 in fp32), with precast's casts to bf16 corrected to round to nearest.
+bf16 ops in bf16, the ops it kept fp32 in fp32), with precast's casts to bf16 corrected to round to nearest. An
+fp16 plan runs in fp16 only under OpenVINO's ``f16`` hint (the f32 hint runs fp16 ops in f32), tried first where the
+CPU has fp16 kernels (OpenVINO lists ``FP16`` in its capabilities: AVX512-FP16 or AVX2-VNNI-2).
 ``check_plan`` (``openvino_plan``) reads the compiled model back and warns for
 every layer where OpenVINO runs another precision than precast decided. ``save`` writes the model as converted
 (no hint-specific form: ``openvino_precision.prepare`` makes one from a model read back).
@@ -112,7 +114,7 @@ class OpenVINOModel:
         return f"OpenVINOModel(precision hint {hint}, {self.plan.summary()})"
 
     def runtime_precision(self) -> str:
-        """The inference precision the compiled model runs with (OpenVINO's INFERENCE_PRECISION_HINT: f32, bf16)."""
+        """The inference precision the compiled model runs with (OpenVINO's INFERENCE_PRECISION_HINT: f32, bf16, f16)."""
         return self.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
 
     def save(self, path: str | os.PathLike) -> dict[str, Any]:
@@ -133,7 +135,9 @@ def compile_openvino(
 
     ``precision_hint`` (see ``openvino_precision``): ``"auto"`` (default) compiles a bf16 plan with OpenVINO's
     bf16 hint where the CPU has native bf16 and every layer then honours the plan, else with ``"f32"``, which runs
-    the dtypes the graph states (its bf16 casts corrected to round to nearest); ``"bf16"`` forces the bf16 hint;
+    the dtypes the graph states (its bf16 casts corrected to round to nearest; fp16 ops run in f32 there); an
+    fp16 plan is compiled with the f16 hint first where OpenVINO reports fp16 kernels (``FP16`` in the CPU's
+    capabilities); ``"bf16"`` / ``"f16"`` force that hint;
     ``None`` leaves OpenVINO's own default untouched (bf16 on CPUs with native bf16), whose overrides of
     precast's decisions are then warned about. ``threads``: OpenVINO's ``INFERENCE_NUM_THREADS`` (default: its
     own choice). ``dynamic``: keep or make dim 0 dynamic. ``warn``: a ``PlanOverrideWarning`` per layer that does
@@ -144,7 +148,7 @@ def compile_openvino(
     if precision_hint not in HINTS:
         raise PrecastError(
             f"precast.compile(backend='openvino'): precision_hint={precision_hint!r}; use 'auto' (default), 'f32' "
-            "(the program's own dtypes), 'bf16' or None (OpenVINO's default)"
+            "(the program's own dtypes), 'bf16', 'f16' or None (OpenVINO's default)"
         )
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise PrecastError(f"precast.compile(backend='openvino'): threads={threads!r}; give a positive int")

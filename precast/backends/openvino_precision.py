@@ -8,7 +8,10 @@ Measured on OpenVINO 2026.4.1's CPU plugin (2-core AMD EPYC with avx512_bf16), a
   a CPU whose OpenVINO default is bf16 (native bf16), is compiled with the bf16 hint first; if the plan check
   (``openvino_plan.check_plan``) then finds any layer not running precast's dtype (OpenVINO lowers a Linear precast
   kept fp32; it keeps only the graph's tail after the last Linear/convolution and some element-wise ops in fp32),
-  the program is compiled again with the f32 hint, which runs every dtype the graph states.
+  the program is compiled again with the f32 hint, which runs every dtype the graph states but fp16 (in f32).
+  An fp16-only plan likewise tries the f16 hint first where OpenVINO lists ``FP16`` among the CPU's capabilities
+  (AVX512-FP16 or AVX2-VNNI-2: measured on an Intel Xeon with AMX and AVX512-FP16, the zoo MLP's fp16 plan runs
+  every layer in fp16, bitwise the converted program's output); the f16 hint lowers fp32 ops too.
 - **Under the bf16 hint: lowered by OpenVINO** (``lowered_by_openvino``). precast's casts to bf16 are read
   through (each bf16 value as the f32 value it was cast from) and bf16 weights through exact casts to f32, so
   OpenVINO lowers the graph itself: each bf16 layer rounds its inputs (correctly) and keeps its fused epilogue in
@@ -39,9 +42,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-HINTS = ("auto", "f32", "bf16", None)  # None: OpenVINO's own default (bf16 where native), no correction
+HINTS = (
+    "auto",
+    "f32",
+    "bf16",
+    "f16",
+    None,
+)  # None: OpenVINO's own default (bf16 where native), no correction
 VELTKAMP = 65537.0  # 2**16 + 1: splits an f32 significand (24 bits) into bf16's 8 bits and the 16 below
 SPLIT_LIMIT = 3.4e38 / VELTKAMP  # beyond this x * 65537 overflows: those values are converted as they are
 
@@ -52,18 +59,35 @@ def native_bf16(core: Any) -> bool:
     return str(getattr(hint, "get_type_name", lambda: hint)()) == "bf16"
 
 
+def native_fp16(core: Any) -> bool:
+    """Whether OpenVINO's CPU plugin has fp16 kernels here: it lists ``FP16`` among the CPU's
+    ``OPTIMIZATION_CAPABILITIES`` exactly where oneDNN reports avx512_core_fp16 or avx2_vnni_2 (its
+    ``hasHardwareSupport(f16)``), the condition under which it runs fp16 at all."""
+    return "FP16" in [str(c) for c in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")]
+
+
 def hints_to_try(precision_hint: str | None, planned: set[str], core: Any) -> list[str | None]:
-    """The hints to compile with, in order (the first whose plan check finds no override is kept)."""
+    """The hints to compile with, in order (the first whose plan check finds no override is kept).
+
+    A plan with one low dtype tries that dtype's hint first where the CPU runs it natively: bf16 where OpenVINO's
+    default is bf16, fp16 where OpenVINO reports fp16 kernels. Under the f32 hint OpenVINO converts every fp16
+    op to f32 (its f16 kernels run only under the f16 hint), so an fp16 plan keeps its dtypes only under the f16
+    hint, which in turn lowers the ops precast kept fp32: a plan with fp16 and fp32 layers, or with fp16 and
+    bf16, has no hint that honours every layer, and the f32 hint (fp16 layers run in fp32, each warned) is kept.
+    """
     if precision_hint != "auto":
         return [precision_hint]
     if "bf16" in planned and "fp16" not in planned and native_bf16(core):
         return ["bf16", "f32"]
+    if "fp16" in planned and "bf16" not in planned and native_fp16(core):
+        return ["f16", "f32"]
     return ["f32"]
 
 
 def prepare(model: Any, hint: str | None) -> tuple[Any, str]:
     """A copy of ``model`` made for ``hint`` (the model itself is kept as converted: it is what ``save`` writes),
-    and the form it takes: "as written" (no hint), "casts rounded to nearest" (f32), "lowered by OpenVINO"
+    and the form it takes: "as written" (no hint, or f16: OpenVINO's casts to fp16 round to nearest, ties to even,
+    tested), "casts rounded to nearest" (f32), "lowered by OpenVINO"
     (bf16: ``lowered_by_openvino``) or, where that form does not type-check, "casts as written, attention in
     f32" (bf16: ``attention_in_f32``)."""
     if hint == "f32":
@@ -133,6 +157,7 @@ def _is_f32_to_bf16(op: Any) -> bool:
 
 def round_to_nearest(model: Any) -> int:
     """Veltkamp's split in front of every Convert f32 -> bf16 (see the module docstring); returns how many."""
+    import numpy as np  # comes with openvino (an extra); precast's core runs without numpy
     import openvino.opset13 as ops
 
     converts = [op for op in model.get_ordered_ops() if _is_f32_to_bf16(op)]
@@ -153,6 +178,7 @@ def exact_attention_scales(model: Any, graph_module: Any) -> int:
     softmax's temperature off by up to 2**-9 in every layer (MiniLM: 1/sqrt(32) = 0.1767767 stored as 0.1767578).
     Each such constant becomes the exact f32 value cast to the query's dtype, which ``attention_in_f32`` reads
     through; under the f32 hint OpenVINO folds the cast (as before). Returns how many."""
+    import numpy as np
     import openvino as ov
     import openvino.opset13 as ops
 

@@ -191,6 +191,9 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
         for line in lscpu.splitlines():
             if line.startswith("Model name:"):
                 info["cpu"] = line.split(":", 1)[1].strip()
+            elif line.startswith("Flags:"):  # what decides bf16/fp16 speed (a VM's model name may not say)
+                low = {"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "avx_vnni", "avx512_vnni"}
+                info["low_precision_isa"] = " ".join(sorted(low & set(line.split()[1:]))) or "none"
     info["cores"] = os.cpu_count()
     info["threads"] = torch.get_num_threads()
     with contextlib.suppress(OSError):

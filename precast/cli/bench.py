@@ -112,8 +112,14 @@ def run(args: argparse.Namespace) -> int:
     for note in dict.fromkeys(f"{r.model}: {r.note}" for r in results if r.note):
         print(f"note: {note}", file=sys.stderr)
     if args.out:
-        for path in bench.write_outputs(results, args.out, bench.machine_info(args.device)):
+        written = bench.write_outputs(results, args.out, bench.machine_info(args.device))
+        for path in written:
             print(f"wrote {path}", file=sys.stderr)
+        if not any(path.suffix == ".png" for path in written):
+            print(
+                "note: bench.png not drawn: matplotlib is missing; pip install 'precast[bench]'",
+                file=sys.stderr,
+            )
     return 0
 
 

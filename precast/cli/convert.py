@@ -74,7 +74,8 @@ def add_parser(sub) -> None:
         "--plan",
         default=None,
         metavar="PLAN.json",
-        help="keep the ops a plan lists in fp32 (implies --policy rules; docs/sensitivity.md)",
+        help="keep the ops a plan lists in fp32: over --policy torch, rules or auto; without --policy, over the "
+        "program's regions for a plan written there (sensitivity --policy none), else rules (docs/sensitivity.md)",
     )
     p.add_argument(
         "--write-plan",
@@ -132,7 +133,7 @@ def check_options(args: argparse.Namespace) -> dict:
         low = parse_dtype(args.dtype)
     except PrecastError:
         raise PrecastError(f"--dtype {args.dtype}: choose bf16 or fp16") from None
-    if args.cache_dtype is not None:
+    if getattr(args, "cache_dtype", None) is not None:
         from precast.api import cache_dtype_of
 
         try:
@@ -144,8 +145,8 @@ def check_options(args: argparse.Namespace) -> dict:
         opts["patterns"] = tuple(args.patterns)
     rules_only = [FLAGS[name] for name in opts] + (["--calibration"] if args.calibration else [])
     plan = getattr(args, "plan", None)
-    if plan is not None and args.policy not in (None, "rules", "auto"):
-        raise PrecastError(f"--plan: applies to --policy rules or auto (it adds a rule), not {args.policy}")
+    if plan is not None and args.policy not in (None, "torch", "rules", "auto"):
+        raise PrecastError(f"--plan: applies to --policy torch, rules or auto, not {args.policy}")
     if args.policy not in ("rules", "auto") and not plan and rules_only:
         raise PrecastError(f"{', '.join(rules_only)}: these options need --policy rules (or auto)")
     try:

@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "sensitivity",
         help="rank the ops whose low precision costs the most accuracy; name the first non-finite op",
-        description="For every op the rules policy runs in low precision, the output error its rounding "
+        description="For every op the policy runs in low precision, the output error its rounding "
         "alone causes (estimated in one forward and a few backward probes), ranked; the cumulative curve; the "
         "first non-finite op; optionally a repro, a plan, pictures. docs/sensitivity.md",
     )
@@ -30,7 +30,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--dtype", default=None, help="bf16 or fp16 (default: the device's autocast dtype)")
     p.add_argument("--device-type", default=None, choices=["cpu", "cuda"])
-    p.add_argument("--policy", choices=["rules", "auto"], default="rules")
+    p.add_argument(
+        "--policy",
+        choices=["none", "torch", "rules", "auto"],
+        default="rules",
+        help="whose low-precision ops to rank: none (the program's own autocast regions), torch (eager autocast "
+        "on the whole forward), rules (default), auto",
+    )
     p.add_argument("--metric", choices=["rel", "cosine", "max_abs"], default="rel")
     p.add_argument("--exclude-nodes", nargs="*", default=(), metavar="REGEX")
     p.add_argument("--exclude-ops", nargs="*", default=(), metavar="OP")
@@ -76,7 +82,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from precast.cli.convert import check_options, load_source
 
-    opts = check_options(args)
+    opts = check_options(argparse.Namespace(**{**vars(args), "policy": _convert_policy(args.policy)}))
     for path in (args.plot, args.model_explorer, args.write_plan):
         if path:
             check_writable(path)
@@ -110,7 +116,10 @@ def run(args: argparse.Namespace) -> int:
         inputs = factory_inputs if factory_inputs is not None else getattr(obj, "example_inputs", None)
     if inputs is None:
         raise PrecastError(f"{args.source}: no inputs saved with the program; give --inputs FILE.pt")
-    policy = (AutoPolicy if args.policy == "auto" else RulesPolicy)(dtype=args.dtype, **opts)
+    if args.policy in ("rules", "auto"):
+        policy = (AutoPolicy if args.policy == "auto" else RulesPolicy)(dtype=args.dtype, **opts)
+    else:
+        policy = None if args.policy == "none" else args.policy
     s = precast.sensitivity(
         obj,
         inputs,
@@ -150,3 +159,8 @@ def run(args: argparse.Namespace) -> int:
         if path:
             print(f"wrote {what}: {path}", file=sys.stderr)
     return 0
+
+
+def _convert_policy(policy: str) -> str | None:
+    """The policy name convert's option checks know ("none" is the program's own regions: None)."""
+    return None if policy == "none" else policy

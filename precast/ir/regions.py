@@ -22,6 +22,9 @@ WRAP_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
 
 
 REGION_META = "precast_regions"
+# on ops spliced out of the autocast region policy "torch" opened around a module's forward while capturing it
+# (capture.POLICY_REGION): their recorded dtypes are the policy's doing, not the program's
+POLICY_OP_META = "precast_policy_op"
 
 
 @dataclass(frozen=True)

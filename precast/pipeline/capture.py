@@ -9,18 +9,23 @@ import contextlib
 import copy
 import functools
 import importlib
+import inspect
 import io
 import sys
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec
 from torch.overrides import TorchFunctionMode
 
 from precast.errors import PrecastError, first_line
 from precast.ir.inputs import normalize_inputs
+from precast.ir.module_state import private_tensors
+from precast.ir.program import written_targets
 from precast.pipeline.archive import read_checked
 from precast.threads import TORCH_LOCK, quiet_loggers
 
@@ -69,6 +74,15 @@ class KeepValuesDistinct(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@dataclass(frozen=True)
+class Captured:
+    """The program to convert, and for a module: the caller's tensor behind each of the program's non-parameter
+    constants (FQN -> the module's own tensor object), which the program holds as precast's private clones."""
+
+    program: ExportedProgram
+    origins: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
 def capture(
     program_or_module: ExportedProgram | torch.nn.Module,
     example_inputs: Any = None,
@@ -76,8 +90,10 @@ def capture(
     *,
     distinct_values: bool = False,
     autocast: tuple[str, torch.dtype] | None = None,
-) -> ExportedProgram:
-    """The program to convert. For ``policy="torch"`` on a module: ``distinct_values`` exports with
+) -> Captured:
+    """The program to convert. A module is exported on private clones of the tensors it holds other than its
+    parameters (``ir/module_state.private_tensors``): export's own writes to lifted constants never reach the
+    caller. For ``policy="torch"`` on a module: ``distinct_values`` exports with
     ``KeepValuesDistinct``, and ``autocast=(device_type, dtype)`` traces the forward inside that autocast, as
     eager runs it, so model code that reads a tensor's dtype while tracing (``h.to(input_dtype)``,
     ``torch.finfo(q.dtype).min``) sees the low dtype; the enclosing region is marked ``POLICY_REGION`` and
@@ -88,7 +104,7 @@ def capture(
                 "dynamic_shapes= applies when precast exports a module; this program is already exported: pass "
                 "dynamic_shapes to torch.export.export instead"
             )
-        return program_or_module
+        return Captured(program_or_module)
     if not isinstance(program_or_module, torch.nn.Module):
         raise PrecastError(
             f"precast.convert takes a torch.export.ExportedProgram or an nn.Module, got {type(program_or_module).__name__}"
@@ -105,45 +121,151 @@ def capture(
             "call it outside the autocast block and pass policy='torch' (and dtype=...) to get eager autocast "
             "semantics"
         )
-    module = program_or_module if autocast is None else _in_autocast(program_or_module, *autocast)
-
-    def export() -> ExportedProgram:
-        # non-strict export patches process-global state (CURRENT_PATCHER): one thread at a time
-        with TORCH_LOCK, KeepValuesDistinct() if distinct_values else contextlib.nullcontext():
-            return torch.export.export(module, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
-
+    name = type(program_or_module).__name__
     try:
-        try:
-            ep = export()
-        except Exception:
-            if not torch.is_grad_enabled():
-                raise
-            # a module that runs only without autograd (a Parameter passed as batch_norm's running_var) traces
-            # as inference runs it; a module that fails under no_grad too reports its first failure
-            with torch.no_grad():
-                ep = export()
+        ep, origin_of = _export(program_or_module, args, kwargs, dynamic_shapes, distinct_values, autocast)
     except PrecastError:
         raise
     except Exception as exc:
         first = first_line(exc)
-        if autocast is not None:
+        # blame autocast only when the forward exports without it: a forward that fails either way (example
+        # inputs bound to the wrong parameters) is the export's failure, and says how the inputs were bound
+        if autocast is not None and _exports(program_or_module, args, kwargs, dynamic_shapes):
             raise PrecastError(
-                f"policy='torch': {type(program_or_module).__name__} fails under eager torch.autocast("
-                f"{autocast[0]}, {autocast[1]}) itself while tracing: {first}; eager autocast has no result to "
-                "reproduce (export it yourself and convert with policy=None or 'rules')"
+                f"policy='torch': {name} fails under eager torch.autocast({autocast[0]}, {autocast[1]}) itself "
+                f"while tracing: {first}; eager autocast has no result to reproduce (export it yourself and "
+                "convert with policy=None or 'rules')"
             ) from exc
         raise PrecastError(
-            f"torch.export.export failed on {type(program_or_module).__name__}: {first} "
-            "(fix the export first: see https://pytorch.org/docs/stable/export.html)"
+            f"torch.export.export failed on {name}: {first} ({binding(program_or_module, args, kwargs)}; fix the "
+            "export first: see https://pytorch.org/docs/stable/export.html)"
         ) from exc
     if autocast is not None:
         for node in ep.graph.nodes:  # the top-level regions are the one the policy opened around the forward
             if node.op == "call_function" and node.target is torch.ops.higher_order.wrap_with_autocast:
                 node.meta[POLICY_REGION] = True
-    return ep
+    ep = written_constants_as_buffers(ep)
+    held = {**ep.state_dict, **ep.constants}
+    origins = {fqn: origin_of[id(v)] for fqn, v in held.items() if id(v) in origin_of}
+    return Captured(ep, origins)
 
 
 POLICY_REGION = "precast_policy_region"
+
+
+def written_constants_as_buffers(ep: ExportedProgram) -> ExportedProgram:
+    """The tensors non-strict export lifted as constants and the program writes (a KV cache held by a plain
+    object, ``static_cache.layers[i].keys``), as the buffers they are: under the name of the registered buffer
+    holding the same tensor when its own placeholder is unused (``key_cache_0``, as a strict export names it),
+    else as a non-persistent buffer of the lifted name. torch refuses to ``run_decompositions()`` a program that
+    mutates a constant ("Constant lifted_tensor_0 is mutated in the forward method"), and with it AOTInductor
+    and ExecuTorch; as buffers, the writes become ``BUFFER_MUTATION`` outputs. ``ep`` is capture's own: its
+    graph is edited in place."""
+    written = written_targets(ep)
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    specs = list(ep.graph_signature.input_specs)
+    lifted = [s for s in specs if s.kind == InputKind.CONSTANT_TENSOR and s.target in written]
+    if not lifted:
+        return ep
+    registered: dict[int, tuple[torch.fx.Node, InputSpec]] = {}
+    for node, spec in zip(placeholders, specs, strict=True):
+        if spec.kind == InputKind.BUFFER:
+            value = ep.constants.get(spec.target, ep.state_dict.get(spec.target))
+            registered.setdefault(id(value), (node, spec))
+    new_specs, unused = [], set()
+    for node, spec in zip(placeholders, specs, strict=True):
+        if spec.kind != InputKind.CONSTANT_TENSOR or spec.target not in written:
+            new_specs.append((node, spec))
+            continue
+        buffer = registered.get(id(ep.constants[spec.target]))
+        if buffer is not None and not buffer[0].users and buffer[0] not in unused:
+            unused.add(buffer[0])
+            new_specs.append(
+                (node, InputSpec(InputKind.BUFFER, spec.arg, buffer[1].target, buffer[1].persistent))
+            )
+        else:
+            new_specs.append((node, InputSpec(InputKind.BUFFER, spec.arg, spec.target, persistent=False)))
+    for node in unused:
+        ep.graph.erase_node(node)
+    ep.graph_module.recompile()
+    kept = [spec for node, spec in new_specs if node not in unused]
+    used = {spec.target for spec in kept}
+    return ExportedProgram(
+        root=ep.graph_module,
+        graph=ep.graph,
+        graph_signature=ExportGraphSignature(kept, list(ep.graph_signature.output_specs)),
+        state_dict=ep.state_dict,
+        range_constraints=ep.range_constraints,
+        module_call_graph=ep.module_call_graph,
+        example_inputs=ep.example_inputs,
+        constants={k: v for k, v in ep.constants.items() if k in used or not isinstance(v, torch.Tensor)},
+        verifiers=list(ep.verifiers),
+    )
+
+
+def _export(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    dynamic_shapes: Any,
+    distinct_values: bool,
+    autocast: tuple[str, torch.dtype] | None = None,
+) -> tuple[ExportedProgram, dict[int, torch.Tensor]]:
+    """Non-strict ``torch.export.export`` of ``module`` (inside ``autocast`` when given) on fresh private clones
+    of its tensors, and id(clone) -> the caller's tensor. A module that runs only without autograd (a Parameter
+    passed as batch_norm's running_var) is traced again under no_grad, as inference runs it, on fresh clones
+    (the failed attempt may have written its own); one that fails under no_grad too reports its first failure."""
+
+    def export() -> tuple[ExportedProgram, dict[int, torch.Tensor]]:
+        # non-strict export patches process-global state (CURRENT_PATCHER): one thread at a time
+        with TORCH_LOCK, private_tensors(module) as origin_of:
+            # the autocast wrapper is a shallow copy: made after the swap, it holds the clones too
+            traced = module if autocast is None else _in_autocast(module, *autocast)
+            with KeepValuesDistinct() if distinct_values else contextlib.nullcontext():
+                ep = torch.export.export(traced, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+            return ep, origin_of
+
+    try:
+        return export()
+    except Exception:
+        if not torch.is_grad_enabled():
+            raise
+        with torch.no_grad():
+            return export()
+
+
+def _exports(module: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> bool:
+    """Whether ``module`` exports without autocast: after a failure under autocast, says which message is true."""
+    try:
+        _export(module, args, kwargs, dynamic_shapes, distinct_values=True)
+    except Exception:  # noqa: BLE001 - the answer is the bool; the caller raises the first failure itself
+        return False
+    return True
+
+
+def binding(module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
+    """How the example inputs bind to ``module.forward``'s parameters, for an export failure's message:
+    ``forward(input_ids, inputs_embeds, cache_position)`` given two positional tensors fills ``inputs_embeds``,
+    not ``cache_position``."""
+    try:
+        sig = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # a forward without a signature (a builtin): nothing to say
+        return "the example inputs bound as given"
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        return f"the example inputs do not fit forward{sig}: {exc}"
+    filled = ", ".join(bound.arguments) or "no parameter"
+    left = [
+        f"{n}={p.default!r}"
+        for n, p in sig.parameters.items()
+        if n not in bound.arguments
+        and p.default is not inspect.Parameter.empty
+        and len(repr(p.default)) <= 20
+    ]
+    return f"the example inputs fill {filled} of forward" + (
+        f"; {', '.join(left)} by default" if left else ""
+    )
 
 
 def _in_autocast(module: torch.nn.Module, device_type: str, dtype: torch.dtype) -> torch.nn.Module:

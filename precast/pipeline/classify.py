@@ -190,6 +190,12 @@ def _recorded(
     val = node.meta.get("val", MISSING)
     if val is MISSING or foreign(val, state.mode):
         return MISSING
+    if (
+        decision is not None
+        and decision.dtype is not None
+        and _float_dtype(val) not in (None, decision.dtype)
+    ):
+        return MISSING  # recorded under another precision (traced under autocast, now pinned to fp32)
     for a in node.all_input_nodes:
         if (
             a in retyped

@@ -64,6 +64,8 @@ class Conversion:
     lowered: Lowered | None = None
     ran: PyTree = None  # the converted program's outputs on the example inputs, when the device check ran it
     lowering_mark: int = 0  # where the current lowering's diagnostics start in the log
+    # a module's: the caller's tensor behind each non-parameter constant of ``ep`` (which holds clones)
+    origins: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def unchanged(self) -> bool:
@@ -115,7 +117,10 @@ def begin(
     under_autocast = policy is not None and hook(policy, "capture_under_autocast")
     region = policy_region(source, under_autocast, device_type, low)
     with timed("capture"):
-        ep = capture(source, example_inputs, dynamic_shapes, distinct_values=under_autocast, autocast=region)
+        captured = capture(
+            source, example_inputs, dynamic_shapes, distinct_values=under_autocast, autocast=region
+        )
+    ep = captured.program
     device = device_type or program_device_type(ep)
     if device not in ("cpu", "cuda"):
         raise PrecastError(f"device_type={device!r}: precast has autocast tables for 'cpu' and 'cuda'")
@@ -129,17 +134,27 @@ def begin(
     restore = output_dtypes(program.graph)
     if region is not None and keep_io:
         # traced under autocast, the program's outputs are already low: the types to keep are the module's own
-        restore = output_dtypes(capture(source, example_inputs, dynamic_shapes, distinct_values=True).graph)
-    return Conversion(
+        plain = capture(source, example_inputs, dynamic_shapes, distinct_values=True).program
+        restore = output_dtypes(plain.graph)
+    state = Conversion(
         source, ep, policy, low, device, inputs, program, regions, restore, keep_io, cache_dtype
     )
+    state.origins = captured.origins
+    return state
 
 
 def run_checks(state: Conversion) -> None:
-    """Control flow, unused and no-op regions: diagnostics before any decision (raises on an error)."""
+    """Control flow, unused and no-op regions, and (policy torch given a program) dtype reads fixed at export:
+    diagnostics before any decision (raises on an error)."""
     run_stage(
         state.program, "checks", lambda p: checks.check_program(state.ep, p.gm, state.regions, state.log)
     )
+    if (
+        isinstance(state.source, ExportedProgram)
+        and state.policy is not None
+        and hook(state.policy, "capture_under_autocast")
+    ):
+        checks.check_dtype_reads(state.ep, state.log)  # the module route would read them as eager does
     if state.unchanged:
         diagnostics.record(
             state.log,

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from precast.errors import PrecastError, user_source_line, where
-from precast.ir.regions import REGION_META, WRAP_AUTOCAST, WRAP_GRAD, Region
+from precast.ir.regions import POLICY_OP_META, REGION_META, WRAP_AUTOCAST, WRAP_GRAD, Region
 
 
 def inline_regions(gm: torch.fx.GraphModule) -> list[Region]:
@@ -56,7 +56,8 @@ def _inline(gm: torch.fx.GraphModule, regions: list[Region]) -> None:
                 module=_module_of(node, first),
             )
             regions.append(region)
-        _splice(gm, node, sub, operands, region)
+        policy = node.target is WRAP_AUTOCAST and bool(node.meta.get("precast_policy_region"))
+        _splice(gm, node, sub, operands, region, policy)
         gm.graph.erase_node(node)
         if not submod_node.users:
             gm.graph.erase_node(submod_node)
@@ -75,6 +76,7 @@ def _splice(
     sub: torch.fx.GraphModule,
     operands: list,
     region: Region | None,
+    policy: bool = False,
 ) -> None:
     env: dict[torch.fx.Node, object] = {}
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
@@ -100,6 +102,8 @@ def _splice(
                 new = gm.graph.node_copy(n, lambda a: env[a])
             if region is not None:
                 new.meta[REGION_META] = (region, *n.meta.get(REGION_META, ()))
+            if policy:
+                new.meta[POLICY_OP_META] = True
             env[n] = new
     # the HOP returns a tuple; its users are getitem nodes
     for user in list(hop.users):

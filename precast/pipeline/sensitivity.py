@@ -34,25 +34,19 @@ from torch.export import ExportedProgram
 from precast.dtypes import dtype_name
 from precast.errors import first_line, module_path, user_source_line
 from precast.ir.diagnostics import DiagnosticLog
-from precast.ir.graph import output_dtypes
+from precast.ir.graph import CAST_META, output_dtypes
 from precast.ir.inputs import placeholder_values, user_values
 from precast.ir.program import Program
-from precast.ir.regions import REGION_META
+from precast.ir.regions import POLICY_OP_META, REGION_META
 from precast.metrics import WorstError
 from precast.pipeline import lower
 from precast.pipeline.fold import CastCache
 from precast.pipeline.nonfinite import NonFinite, first_nonfinite
+from precast.pipeline.probes import Tapping, local_energies, op_roles, probe_energies, read_sources
 from precast.pipeline.regions import inline_regions
-from precast.pipeline.tolerance import (
-    Tapping,
-    check_program,
-    local_energies,
-    op_roles,
-    probe_energies,
-    read_sources,
-    user_outputs,
-)
-from precast.policy.rules.taxonomy import op_name
+from precast.pipeline.tolerance import check_program, user_outputs
+from precast.policy.pinned import pin_names
+from precast.policy.rules.taxonomy import op_name, recorded_kind
 from precast.policy.rules.tolerance_search import Source, Tolerance, rank
 
 METRICS = ("rel", "cosine", "max_abs")
@@ -64,6 +58,8 @@ UNDERFLOW_SHARE = 0.01
 # random-sign backward passes of the instrumented forward: more than the tolerance search's 2, since the
 # ranking itself is the product here (neighbouring layer norms differ by a few percent)
 PROBES = 8
+# of them, the ones that also differentiate the weights' reads (half the backward's GEMMs)
+CONSTANT_PROBES = 4
 
 
 @dataclass
@@ -120,11 +116,15 @@ def metric_value(m: dict, metric: str) -> float:
 class Estimator:
     """The reference (instrumented once), the policy's program and its low ops, and ``measure(kept)``."""
 
-    def __init__(self, ep: ExportedProgram, policy: Any, binding: Any, batch: tuple, metric: str):
+    def __init__(
+        self, ep: ExportedProgram, policy: Any, binding: Any, batch: tuple, metric: str, low: Any = None
+    ):
         if metric not in METRICS:
             raise ValueError(metric)
         self.ep, self.policy, self.binding, self.batch, self.metric = ep, policy, binding, batch, metric
-        self.low = binding.options.low
+        # a policy that binds a decider (rules, auto) keeps ops fp32 through it; policy torch and the program's
+        # regions (policy None) through ``Pinned`` (precast/policy/pinned.py): the same estimator over either
+        self.low = binding.options.low if binding is not None else low
         self.forwards = self.backwards = self.conversions = 0
         self.casts = CastCache()  # every lowering here casts the same weights: once
         program = Program(ep)
@@ -147,19 +147,32 @@ class Estimator:
         del env
         ops = [n for n in self.all_low.graph.nodes if n.op == "call_function"]
         decisions = {n.name: n.meta.get("precast") for n in ops}
-        # every op the policy's own rules put in low precision (not the user's include rules nor regions)
-        self.candidates = [
-            n.name
-            for n in ops
-            if (d := decisions[n.name]) is not None and d.rule == "default" and d.dtype == self.low
-        ]
+        self.candidates = [n.name for n in ops if self._candidate(n, decisions[n.name])]
         self.nodes = {n.name: n for n in ops}
         has_regions = any(n.meta.get(REGION_META) for n in program.graph.nodes)
-        self.ref = self.lower(None) if has_regions else program
+        traced_low = any(n.meta.get(POLICY_OP_META) for n in program.graph.nodes)
+        if binding is None and (policy is None or traced_low):
+            # the program's regions, or a module captured under autocast (its graph recorded low dtypes): the
+            # reference is the same lowering with every ranked op pinned to fp32
+            self.ref = self.lower(dict.fromkeys(self.candidates, 0.0))
+        else:
+            self.ref = self.lower(None) if has_regions else program
         self.roles = op_roles(
             self.ref, {n.name for n in program.graph.nodes}, decisions, set(self.candidates)
         )
         self.refs, self.sources, self.ranges, self.ranked_by = self._reference()
+
+    def _candidate(self, node: torch.fx.Node, d: Any) -> bool:
+        """An op the ranking covers: an op the policy itself put in low precision. Rules and auto: every op
+        the policy's own rules put low (not the user's include rules nor regions). Policy torch and the regions
+        (policy None): every op autocast casts to the low dtype (its lower-precision ops, a promote to low); an op
+        that only follows a low input (an ``exp`` of an fp16 linear) is not a choice of its own: keeping its
+        producer fp32 keeps it fp32 too, and its rounding counts there."""
+        if d is None or d.dtype != self.low or node.meta.get(CAST_META) is not None:
+            return False
+        if self.binding is not None:
+            return d.rule == "default"
+        return d.source == ("region" if self.policy is None else self.policy.name)
 
     def lower(self, kept: dict[str, float] | None) -> Program:
         """The program the conversion builds with ``kept`` in fp32 (``None``: the program's own semantics)."""
@@ -169,6 +182,9 @@ class Estimator:
         self.conversions += 1
         if kept is None:
             lower(fresh, None, scratch, casts=self.casts)
+        elif self.binding is None:
+            decider = pin_names(self.policy, kept, "kept in fp32 by the sensitivity estimate")
+            lower(fresh, decider, scratch, restore=self.restore, keep_io=True, casts=self.casts)
         else:
             b = self.binding
             decider = self.policy.bind(fresh, b.options, b.calibration, fallback=kept, **b.extra)
@@ -200,6 +216,10 @@ class Estimator:
             for n in ref.graph.nodes
             if roles.get(n.name) in ("cand", "low", "fp32") and op_name(n.target) not in SELECTIONS
         }
+        if self.binding is None:
+            # under autocast an op that follows a low input still computes on it (gelu of a bf16 linear output):
+            # its reads are rounded by their producers, so they are tapped too
+            readers |= {n.name for n in ref.graph.nodes if roles.get(n.name) == "follow" and _computes(n)}
         readers.add(ref.graph.output_node().name)
         tiny = torch.finfo(self.low).tiny
         interp = _Ranging(ref.gm, readers, set(self.candidates), tiny)
@@ -210,7 +230,7 @@ class Estimator:
             with torch.enable_grad():
                 self.forwards += 1
                 outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
-                energy = probe_energies(outs, interp, self.low, tol, PROBES)
+                energy = probe_energies(outs, interp, self.low, tol, PROBES, CONSTANT_PROBES)
             self.backwards += PROBES
         except Exception as exc:  # noqa: BLE001 - said in ranked_by: the estimate falls back to local rounding
             ranked_by = f"local rounding error (no gradients: {type(exc).__name__}: {first_line(exc)})"
@@ -286,10 +306,12 @@ def estimate(
     metric: str = "rel",
     *,
     measure_points: int = 1,
+    low: Any = None,
 ) -> tuple[Estimate, Estimator]:
-    """Rank, curve (every k estimated; ``measure_points`` of them measured on real conversions), all-low."""
+    """Rank, curve (every k estimated; ``measure_points`` of them measured on real conversions), all-low.
+    ``low``: the low dtype, for a policy without a binding (torch, or None: the program's regions)."""
     start = time.perf_counter()
-    est = Estimator(ep, policy, binding, batch, metric)
+    est = Estimator(ep, policy, binding, batch, metric, low)
     ops = est.rank_ops()
     ranking = rank(est.candidates, est.sources)
     all_low = est.all_low_errors()
@@ -320,6 +342,10 @@ def estimate(
     )
     result.seconds = time.perf_counter() - start
     return result, est
+
+
+def _computes(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and op_name(n.target) not in SELECTIONS and recorded_kind(n) == "compute"
 
 
 def run_lowered(program: Program, user: list) -> list:

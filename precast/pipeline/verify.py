@@ -1,8 +1,8 @@
 """Verify (the last stage): run the converted program against the reference semantics and compare outputs.
 
-The reference is eager ``torch.autocast`` for policy torch (the caller's module when given, through
-``torch.func.functional_call`` with private copies of the buffers it writes) and the unconverted program
-otherwise. Both sides run on private copies of the state they write, fresh for each run; a dynamic batch is
+The reference is eager ``torch.autocast`` for policy torch (the caller's module when given, run with private
+copies swapped in for every tensor it writes: buffers, and the tensors non-strict export lifted as constants,
+``ir/module_state.py``) and the unconverted program otherwise. Both sides run on private copies of the state they write, fresh for each run; a dynamic batch is
 also checked at a second size. The converted side runs through the device check (``checks.run_checked``), so
 an op the device cannot run is named instead of failing somewhere inside torch.
 
@@ -24,10 +24,11 @@ from torch.export import ExportedProgram
 from torch.utils._pytree import PyTree
 
 from precast.dtypes import dtype_name
-from precast.errors import PrecastError, first_line
+from precast.errors import first_line
 from precast.ir import diagnostics
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.inputs import normalize_inputs
+from precast.ir.module_state import private_call
 from precast.ir.program import private_state, strip_dtype_asserts, written_targets
 from precast.metrics import compare_outputs
 from precast.pipeline import checks
@@ -73,6 +74,7 @@ def verify_stage(
     inputs: tuple[tuple, dict] | None = None,
     *,
     ran: PyTree = None,
+    origins: dict[str, torch.Tensor] | None = None,
     promised: bool = True,
 ) -> dict:
     """Run the converted program against the reference semantics, each on private copies of the state it
@@ -81,7 +83,8 @@ def verify_stage(
     program, promised bitwise) or "measured" (the unconverted program; the difference is information: rules,
     auto, a policy of the user's; ``precast.policy.hooks.PolicyHooks.reference``). ``ran``: the converted program's outputs on the
     example inputs when the device check already ran it there (``after_lowering.device_fallback``): not run
-    again. ``promised=False`` (caches held in a low dtype: ``cache_dtype=``): a difference from the reference is
+    again. ``origins``: the caller's tensor behind each constant of ``ep`` exported from ``original``
+    (``capture.Captured.origins``), where the reference run swaps in its private copies. ``promised=False`` (caches held in a low dtype: ``cache_dtype=``): a difference from the reference is
     the measured error of that choice, not a broken promise.
     Returns the verification record ({} when it could not run; a diagnostic says why)."""
     if inputs is None and ep.example_inputs is None:
@@ -120,7 +123,7 @@ def verify_stage(
             if not ok:
                 diagnostics.raise_errors(rep)
                 return {}  # allowed: the program fails on this device, so there is nothing to compare
-        ref, name = _reference(ep, reference, device, low, original)
+        ref, name = _reference(ep, reference, device, low, original, origins or {})
         try:
             with torch.no_grad():
                 want = ref(*a, **k)
@@ -172,20 +175,25 @@ def _export_baseline(out: ExportedProgram, ep: ExportedProgram, batches: list) -
     for a, k in batches:
         with torch.no_grad():
             got = private_state(out).module()(*a, **k)
-            exported = reference_module(private_state(ep))(*a, **k)
+            # the captured program holds the policy's autocast region: its writes across dtypes are cast at the
+            # write, as in the reference (precast/policy/writes.py)
+            with CastWrites():
+                exported = reference_module(private_state(ep))(*a, **k)
         metrics = compare_outputs(got, exported)
         if not all(m["bitwise"] for m in metrics):
             return None
     return {"reference": "the exported program (torch.export's record under autocast)", "bitwise": True}
 
 
-def _reference(ep: ExportedProgram, kind: str, device, low, original) -> tuple[Any, str]:
+def _reference(ep: ExportedProgram, kind: str, device, low, original, origins: dict) -> tuple[Any, str]:
     """The reference semantics (``kind``: "autocast" or the unconverted program) as a callable on private copies
-    of the state it writes, and its name."""
+    of the state it writes, and its name as the report states it: "eager torch.autocast of the module" (policy
+    torch given a module), "the program run under torch.autocast" (given a program), "the unconverted
+    program"."""
     if kind != "autocast":
         return private_state(ep).module(), "the unconverted program"
     if original is not None:
-        reference = _with_private_buffers(original, written_targets(ep))
+        reference = _with_private_state(original, ep, origins)
     else:
         reference = reference_module(private_state(ep))
 
@@ -202,7 +210,16 @@ def _reference(ep: ExportedProgram, kind: str, device, low, original) -> tuple[A
         finally:
             torch.backends.mha.set_fastpath_enabled(fast)
 
-    return ref, f"eager torch.autocast({device}, {dtype_name(low)})"
+    return ref, autocast_label(original is not None, device, low)
+
+
+def autocast_label(of_module: bool, device: str, low: torch.dtype | None) -> str:
+    """The name of the autocast reference verification ran: eager autocast of the caller's module, or the
+    program (whose dtype reads were fixed when it was exported) run under autocast."""
+    where = f"({device}, {dtype_name(low)})"
+    if of_module:
+        return f"eager torch.autocast of the module {where}"
+    return f"the program run under torch.autocast {where}"
 
 
 def _batch_size(batch: tuple[tuple, dict]) -> int | None:
@@ -246,25 +263,16 @@ def _second_batch(ep: ExportedProgram, args: tuple, kwargs: dict) -> tuple[tuple
     return pytree.tree_map(resize, (args, kwargs))
 
 
-def _with_private_buffers(module: torch.nn.Module, written: set[str]) -> Any:
-    """Call ``module`` with private copies of the tensors its forward writes (the caller's stay as they are)."""
-    if not written:
-        return module
-    own = dict(module.named_parameters(remove_duplicate=False)) | dict(
-        module.named_buffers(remove_duplicate=False)
-    )
-    missing = written - own.keys()
-    if missing:
-        raise PrecastError(
-            f"cannot verify against {type(module).__name__}: the program writes {', '.join(sorted(missing))}, "
-            "which the module does not have under those names; pass the exported program instead, or verify=False"
-        )
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        copies = {k: own[k].detach().clone() for k in written}
-        return torch.func.functional_call(module, copies, args, kwargs, strict=False)
-
-    return call
+def _with_private_state(module: torch.nn.Module, ep: ExportedProgram, origins: dict) -> Any:
+    """Call ``module`` on private copies of the tensors ``ep`` (exported from it) writes: its buffers and the
+    tensors non-strict export lifted as constants, found in the module by identity (``ir/module_state.py``):
+    the caller's tensor behind each (``origins``), else the program's own object."""
+    written = {
+        t: v
+        for t in written_targets(ep)
+        if isinstance(v := origins.get(t, ep.state_dict.get(t, ep.constants.get(t))), torch.Tensor)
+    }
+    return private_call(module, written)
 
 
 def verify_conversion(state: Conversion, verification: dict[str, dict]) -> dict[str, object]:
@@ -283,6 +291,17 @@ def verify_conversion(state: Conversion, verification: dict[str, dict]) -> dict[
             original,
             state.inputs,
             ran=state.ran,
-            promised=not (state.lowered.stats.caches and state.lowered.stats.caches.caches),  # type: ignore[union-attr]
+            origins=state.origins,
+            promised=promised(state),
         )
     return {**result, **verification} if result else verification
+
+
+def promised(state: Conversion) -> bool:
+    """Whether the conversion promises its reference bitwise: not when caches are held in a low dtype
+    (``cache_dtype=``), nor when ops are pinned to fp32 over the policy (a plan under policy torch or the regions):
+    then the difference from the reference is the measured error of that choice."""
+    caches = state.lowered.stats.caches  # type: ignore[union-attr]
+    if caches is not None and caches.caches:
+        return False
+    return bool(getattr(state.policy, "promises_reference", True))

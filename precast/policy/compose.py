@@ -33,6 +33,11 @@ def decide(node: torch.fx.Node, args: tuple, kwargs: dict, policy: Policy | None
     device = op_device_type(args, kwargs)
     if device is None:
         return None
+    pinned = getattr(policy, "pinned", None)  # ops the user pinned to fp32 over any policy (policy/pinned.py)
+    if pinned is not None:
+        decision = pinned(node, args, kwargs)
+        if decision is not None:
+            return decision
     state = autocast_state_of(node, device, policy)
     if state is not None and state[2] == "region":
         return region_decision(node, args, kwargs, device, state, policy)
@@ -73,7 +78,11 @@ def region_decision(node, args: tuple, kwargs: dict, device: str, state: tuple, 
 
 def lowers_outside_regions(policy: Policy | None, device: str) -> bool:
     """A policy whose decisions outside regions are not eager autocast's (rules, auto, a user's own)."""
-    return policy is not None and policy.autocast_state(device) is None
+    return (
+        policy is not None
+        and policy.autocast_state(device) is None
+        and not getattr(policy, "regions_only", False)
+    )
 
 
 def as_written(node, args: tuple, kwargs: dict, device: str) -> dict[ArgPath, torch.dtype]:

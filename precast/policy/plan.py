@@ -198,7 +198,7 @@ class PlanRule:
         self.plan = plan
         self.keys = {e.key: e for e in plan.fp32}
 
-    def __call__(self, node: torch.fx.Node, ctx: Any) -> str | None:
+    def __call__(self, node: torch.fx.Node, ctx: Any = None) -> str | None:
         base = (module_path(node), op_name(node.target))
         occurrence = 0
         for n in node.graph.nodes:
@@ -231,31 +231,45 @@ def load_plan(plan: Any) -> Plan:
     raise PrecastError(f"plan={plan!r}: give a precast.Plan, a dict, or the path of a plan .json file")
 
 
-def with_plan(plan: Any, policy: Any, custom_rules: Iterable[Any], dtype: Any) -> tuple[Any, tuple, Any]:
-    """(policy, custom_rules, dtype) for ``convert`` with ``plan``: the plan's rule joins the user's custom rules
-    (their authority: after include/exclude, before the policy's own rules); policy None means "rules"."""
+def with_plan(
+    plan: Any, policy: Any, custom_rules: Iterable[Any], dtype: Any
+) -> tuple[Any, tuple, Any, PlanRule | None]:
+    """(policy, custom_rules, dtype, pins) for ``convert`` with ``plan``. Under rules or auto the plan's rule joins
+    the user's custom rules (their authority: after include/exclude, before the policy's own rules); under policy
+    "torch", a policy object without ``bind``, or the program's regions (policy None with a plan written there),
+    its ops are pinned to fp32 over the policy (``pins``: ``precast.policy.pinned.Pinned`` wraps the resolved
+    policy). Policy None with a rules plan means "rules", as before."""
     custom_rules = tuple(custom_rules)
     if plan is None:
-        return policy, custom_rules, dtype
+        return policy, custom_rules, dtype, None
     p = load_plan(plan)
     low = parse_low_dtype(dtype)
     if low is not None and dtype_name(low) != p.dtype:
         raise PrecastError(f"plan: written for {p.dtype}, but dtype={dtype!r}; give the plan's dtype or none")
     dtype = dtype if low is not None else p.dtype
     if policy is None:
+        if p.policy == "regions":
+            return None, custom_rules, dtype, p.rule()
+        if p.policy == "torch":
+            raise PrecastError(
+                "plan: written under policy 'torch' (autocast semantics); pass policy='torch' to apply it there, "
+                "or policy='rules'"
+            )
         policy = "rules"
     if isinstance(policy, str):
-        if policy not in ("rules", "auto"):
-            raise PrecastError(
-                f"plan= applies to policy 'rules' or 'auto' (it adds a rule); got policy={policy!r}"
-            )
-        return policy, (*custom_rules, p.rule()), dtype
+        if policy == "torch":
+            return policy, custom_rules, dtype, p.rule()
+        return policy, (*custom_rules, p.rule()), dtype, None
     if dataclasses.is_dataclass(policy) and hasattr(policy, "custom_rules"):
         return (
             dataclasses.replace(policy, custom_rules=(*tuple(policy.custom_rules), p.rule())),
             custom_rules,
             dtype,
+            None,
         )
+    if not hasattr(policy, "bind"):  # TorchPolicy, or a policy of the user's that decides itself
+        return policy, custom_rules, dtype, p.rule()
     raise PrecastError(
-        f"plan= applies to policy 'rules' or 'auto' (or a RulesPolicy); got {type(policy).__name__}"
+        f"plan= applies to policy None, 'torch', 'rules', 'auto', a RulesPolicy/AutoPolicy or a policy without "
+        f"bind; got {type(policy).__name__}, which binds its own decider (give it the plan's rule itself)"
     )

@@ -8,7 +8,9 @@ the write: what ``copy_`` does by itself, and what transformers 4.x's static cac
 cast: an in-place write to a cast copy would be lost.
 
 Only mismatches precast made are mended: where the program as exported already wrote one dtype into another
-(and so fails at run time), the existing dtype checks report it.
+(and so fails at run time), the existing dtype checks report it. Ops of the autocast region policy torch opened
+around a module's forward while capturing it (``POLICY_OP_META``) are the policy's: a mismatch recorded there is
+precast's making, mended like the others.
 
 Input: an op node, its (fake) arguments as classify sees them, the decision taken for it. Output: the decision
 with the written values' casts, and ``WriteCast`` records for the report.
@@ -24,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from precast.dtypes import dtype_name
 from precast.ir.graph import ArgPath, tensor_args
+from precast.ir.regions import POLICY_OP_META
 from precast.policy.base import Decision
 
 # ops that write a value argument into (a copy of) their first argument and require the two to share a dtype
@@ -95,7 +98,9 @@ def cast_written_values(
         if _schema_name(path, names) not in VALUE_ARGS:
             continue
         now = casts.get(path, value.dtype)
-        if now == dest_dtype or _recorded(node, path, stored) != recorded_dest:
+        # policy torch's capture traced the module under autocast: a mismatch recorded there is the policy's
+        by_policy = bool(node.meta.get(POLICY_OP_META))
+        if now == dest_dtype or (not by_policy and _recorded(node, path, stored) != recorded_dest):
             continue  # already one dtype, or the program itself wrote across dtypes (its own error)
         casts[path] = dest_dtype
         made = WriteCast(_name(node, dest_path), _name(node, path), now, dest_dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import precast
+from precast.backends.aoti import compile_configs
 from precast.backends.cache import MANIFEST, PACKAGE, cache_key, entry_problem
 from tests.conftest import ROOT, compiles, run_python, small_model
 
@@ -126,7 +128,7 @@ def test_killed_compile_leaves_no_loadable_entry(tmp_path):
         proc.wait(timeout=30)
     entries = list((cache / "aoti").iterdir())
     assert entries == [], f"a killed compile published {entries}"
-    key = cache_key(precast.convert(*small_model(2)).program, {}, True)
+    key = cache_key(precast.convert(*small_model(2)).program, compile_configs(), True)
     assert entry_problem(cache / "aoti" / key, key) == "absent"
     with FileLock(str(cache / "locks" / f"{key}.lock"), timeout=5):  # the dead process's lock is released
         pass
@@ -324,3 +326,85 @@ def test_dynamic_batch_never_returns_a_program_pinned_to_the_traced_size():
     # a model that allows it gets a dynamic batch
     model, inputs = torch.nn.Linear(8, 8), (torch.randn(1, 8),)
     assert batch_symbols(dynamic_batch(torch.export.export(model, inputs)))
+
+
+class SmallWeights(torch.nn.Module):
+    """Weights of every size AOTInductor treats differently: a 64x64 Linear and a Linear tied to it (in a bf16
+    region, or none), then an fp32 Linear(64, 8) (an 8-element bias), a 1-element and an 8-element parameter and an
+    8-element buffer (AOTInductor inlines 0-d constants and 1-d ones of <= 8 elements unless told not to)."""
+
+    def __init__(self, dtype: torch.dtype | None):
+        super().__init__()
+        self.dtype = dtype
+        self.a = torch.nn.Linear(64, 64)
+        self.c = torch.nn.Linear(64, 64, bias=False)
+        self.c.weight = self.a.weight  # tied
+        self.b = torch.nn.Linear(64, 8)
+        self.scale = torch.nn.Parameter(torch.tensor([1.5]))
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.register_buffer("shift", torch.linspace(-1.0, 1.0, 8))
+
+    def forward(self, x):
+        region = torch.autocast("cpu", dtype=self.dtype) if self.dtype else contextlib.nullcontext()
+        with region:
+            h = self.c(torch.relu(self.a(x)))
+        return self.b(h.float()) * self.scale * self.gain + self.shift
+
+
+def small_weights(dtype: torch.dtype | None, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = SmallWeights(dtype).eval()
+    with torch.no_grad():
+        for value in [*model.parameters(), *model.buffers()]:
+            value.add_(torch.randn(value.shape) * 0.1)
+    return model
+
+
+@pytest.mark.aoti
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, None], ids=["bf16-region", "fp16-region", "no-region"]
+)
+def test_load_weights_swaps_every_weight_whatever_its_size(dtype, aoti_cache):
+    """A plain precast.compile keeps every parameter and buffer swappable (none inlined into the code, whatever
+    its size or dtype): load_weights then gives bitwise what a compile of the conversion with those weights gives."""
+    x, x7 = torch.randn(4, 64), torch.randn(7, 64)
+    old, new = small_weights(dtype, 0), small_weights(dtype, 1)
+    res = precast.convert(old, (x,))
+    stored = {name: t.dtype for name, t in res.program.state_dict.items()}
+    assert stored["b.bias"] == torch.float32 and stored["scale"] == torch.float32
+    if dtype is not None:
+        assert dtype in stored.values()  # the region's weight, folded to its dtype
+    cm = precast.compile(res.program, cache_dir=aoti_cache, progress=False)
+    assert {"b.bias", "scale", "gain", "shift"} <= set(cm.constant_fqns())
+    assert {st.source.stored for st in cm._stored.values() if st.read} <= set(cm.constant_fqns())
+    fresh = precast.compile(precast.convert(new, (x,)).program, cache_dir=aoti_cache, progress=False)
+    assert not torch.equal(cm(x), fresh(x))
+    done = cm.load_weights(new.state_dict())
+    assert {"a.weight", "b.bias", "scale", "gain", "shift"} <= set(done["loaded"]) and done["kept"] == []
+    assert torch.equal(cm(x), fresh(x)) and torch.equal(cm(x7), fresh(x7))
+    cm.load_weights(old.state_dict())  # and back
+    assert torch.equal(cm(x), precast.compile(res.program, cache_dir=aoti_cache, progress=False)(x))
+
+
+def test_cache_key_hashes_weight_bytes_without_numpy():
+    """The key reads each weight's bytes in place (a bare install has no numpy): the same bytes numpy gives, for
+    every dtype and for 0-d, empty and offset views."""
+    import numpy as np
+
+    from precast.backends.cache import tensor_bytes
+
+    base = torch.randn(40)
+    for t in (
+        base,
+        base.to(torch.bfloat16),
+        base.to(torch.float16),
+        base[3:11].clone(),
+        torch.tensor(7),
+        torch.zeros(0),
+        torch.arange(5, dtype=torch.int64),
+        torch.tensor([True, False]),
+    ):
+        want = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        assert bytes(tensor_bytes(t.contiguous())) == want
+    view = base[5:13]  # a contiguous view at an offset: its own bytes, not its storage's start
+    assert bytes(tensor_bytes(view)) == np.asarray(view).tobytes()

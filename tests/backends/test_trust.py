@@ -24,6 +24,7 @@ import torch
 
 import precast
 from benchmarks.cli_bad_inputs import FACTORIES
+from precast.backends.aoti import compile_configs
 from precast.backends.cache import cache_key, resolve_cache_dir
 from precast.cli import main
 from precast.errors import PrecastError
@@ -292,7 +293,11 @@ def test_read_only_destination_is_one_line(saved, capsys):
 
 
 SLOW_WRITE = r"""
-import os, sys, time
+import os, signal, sys, time
+# a test runner started as a background job (`cmd &` in a non-interactive shell) has SIGINT ignored, and so has
+# this child, which then never sees the KeyboardInterrupt under test: restore Python's handler here (the CLI
+# itself leaves an ignored SIGINT ignored, as nohup-style callers intend)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import precast.io as pio
 if sys.argv[3] == "named":  # the fallback where O_TMPFILE is unavailable: a named temporary file
     pio._write_unnamed = lambda folder, p, data: False
@@ -394,7 +399,7 @@ def test_compile_gives_up_on_a_stuck_lock(converted_a, tmp_path):
     from filelock import FileLock
 
     cache = resolve_cache_dir(tmp_path / "cache")
-    key = cache_key(converted_a[2].program, {}, True)
+    key = cache_key(converted_a[2].program, compile_configs(), True)
     holder = FileLock(str(cache / "locks" / f"{key}.lock"))
     holder.acquire()
     try:

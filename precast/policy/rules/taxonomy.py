@@ -218,6 +218,16 @@ def op_kind(node: torch.fx.Node, args: tuple, kwargs: dict) -> str:
     return "compute"
 
 
+def recorded_kind(node: torch.fx.Node) -> str:
+    """``op_kind`` of a node on the fake values the program recorded for its arguments."""
+
+    def val(a: object) -> object:
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    args = torch.fx.node.map_aggregate(node.args, val)
+    return op_kind(node, args, torch.fx.node.map_aggregate(node.kwargs, val))
+
+
 def casts_for(node: torch.fx.Node, args: tuple, kwargs: dict, target: torch.dtype) -> dict:
     """Casts that bring every floating (not float64) tensor argument to ``target``; mutated arguments never."""
     schema = getattr(node.target, "_schema", None)
