@@ -15,7 +15,7 @@ the native code runs: AOTInductor itself reads past its buffers on a wrong shape
 
 Packed weights: under ``mode="max-autotune"`` on a CPU, Inductor's C++ GEMM template (AMX / AVX512 micro-kernels)
 copies each weight it uses into a blocked (and for bf16 VNNI-interleaved) constant at compile time and reads only
-that copy. The compile records those copies (``_record_new_constants``), finds the stored weight and the packing
+that copy. The compile records those copies (``record_new_constants``), finds the stored weight and the packing
 that reproduces each bit for bit (``match_packed``), and writes the plan in the manifest; ``load_weights`` packs
 the new weights the same way (``gemm_pack``), so they stay swappable. A copy precast cannot reproduce makes
 ``load_weights`` refuse, as for weights folded by freezing.
@@ -34,7 +34,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -60,7 +59,8 @@ from precast.backends.cache import (
     warn_rebuilding,
     write_durable,
 )
-from precast.backends.signature import ProgramSignature, exported_program
+from precast.backends.packed import gemm_pack, match_packed, record_new_constants
+from precast.backends.signature import ProgramSignature, dynamic_batch, exported_program
 from precast.errors import PrecastError, first_line
 from precast.io import check_space, file_lock
 from precast.threads import TORCH_LOCK
@@ -363,50 +363,6 @@ def _progress(enabled: bool | None, message: str) -> Iterator[None]:
 
 
 # ---- AOTInductor --------------------------------------------------------------------------------------------
-def dynamic_batch(ep: ExportedProgram) -> ExportedProgram:
-    """Re-export ``ep`` with dim 0 of every tensor input dynamic (min 1), as the dynamo harness does.
-
-    A batch of 1 in the example would be specialized (0/1 specialization), so it is traced at batch 2. Falls
-    back to ``Dim.AUTO`` (dynamic where the program allows) and then to the program as it is.
-    """
-    from torch.export import Dim
-
-    args, kwargs = ep.example_inputs or ((), {})
-    if kwargs or not args:
-        return ep
-    batched = [isinstance(a, torch.Tensor) and a.dim() > 0 for a in args]
-    if not any(batched):
-        return ep
-    sizes = {a.shape[0] for a, b in zip(args, batched, strict=True) if b}
-    trace_args = tuple(
-        torch.cat([a, a]) if b and a.shape[0] == 1 else a for a, b in zip(args, batched, strict=True)
-    )
-    module = ep.module(check_guards=False)  # the static program's guards pin the batch size
-    attempts: list[tuple] = []
-    if len(sizes) == 1:
-        batch = Dim("batch", min=1)
-        attempts.append(tuple({0: batch} if b else None for b in batched))
-    attempts.append(tuple({0: Dim.AUTO} if b else None for b in batched))
-    reasons = []
-    for shapes in attempts:
-        try:
-            out = torch.export.export(module, trace_args, dynamic_shapes=shapes, strict=False)
-        except Exception as exc:  # noqa: BLE001 - a model with a fixed batch: try the next, then keep it static
-            reasons.append(first_line(exc))
-            continue
-        if batch_symbols(out):
-            return out
-        # Dim.AUTO "succeeds" on a graph that fixes the batch, with dim 0 pinned to the traced size (2 for an
-        # example batch of 1): that program would run only at the traced size, so keep the original instead
-        reasons.append("Dim.AUTO left dim 0 static (the program fixes the batch size)")
-    warnings.warn(
-        f"precast.compile: the batch dimension stays static ({'; '.join(reasons)}); the package runs only at "
-        "the example batch size (pass dynamic=False to silence this)",
-        stacklevel=3,
-    )
-    return ep
-
-
 def _aoti_compile(
     ep: ExportedProgram, package: Path, configs: dict[str, Any], dynamic: bool
 ) -> tuple[ExportedProgram, dict[str, Any]]:
@@ -418,7 +374,7 @@ def _aoti_compile(
     with torch.no_grad():
         program = dynamic_batch(ep) if dynamic else ep
         try:
-            with _record_new_constants() as added:
+            with record_new_constants() as added:
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(package), inductor_configs=dict(configs)
                 )
@@ -436,89 +392,6 @@ def _aoti_compile(
     return program, {"plans": plans, "unmatched": unmatched}
 
 
-# ---- weights packed by the compiled code (the C++ GEMM template) ------------------------------------------------
-@contextlib.contextmanager
-def _record_new_constants() -> Iterator[dict[str, torch.Tensor]]:
-    """Record the 3-d floating constants Inductor adds while lowering, by the name the package gives them.
-
-    The C++ GEMM template (CPU, ``max_autotune``) adds one per weight it uses: the weight blocked into
-    ``[n / block_n, k, block_n]`` (VNNI-interleaved for 16-bit types), computed from the weight's value at
-    compile time; its code reads only that copy. Call under ``TORCH_LOCK`` (the hook is process-wide)."""
-    from torch._inductor.graph import GraphLowering
-
-    added: dict[str, torch.Tensor] = {}
-    original = GraphLowering.add_tensor_constant
-
-    def add_tensor_constant(self: Any, data: torch.Tensor, name: str | None = None) -> Any:
-        box = original(self, data, name)
-        with contextlib.suppress(
-            Exception
-        ):  # a recording failure only leaves a copy unmatched, never a compile
-            real = type(data) is torch.Tensor or type(data) is torch.nn.Parameter
-            if real and data.dim() == 3 and data.is_floating_point() and not data.is_mkldnn:
-                added[box.get_name()] = data
-        return box
-
-    GraphLowering.add_tensor_constant = add_tensor_constant  # type: ignore[method-assign]
-    try:
-        yield added
-    finally:
-        GraphLowering.add_tensor_constant = original  # type: ignore[method-assign]
-
-
-def gemm_pack(weight: torch.Tensor, *, transposed: bool, block_n: int, vnni: int) -> torch.Tensor:
-    """``weight`` laid out as Inductor's C++ GEMM template stores a constant B (``k x n``): padded to a multiple of
-    ``block_n`` columns, blocked into ``[n / block_n, k, block_n]``, then with ``vnni`` > 1 consecutive rows of k
-    interleaved (``CppGemmTemplate.block_weight`` / ``pack_vnni_weight``). ``transposed``: ``weight`` is a Linear's
-    ``[n, k]`` (B is its transpose)."""
-    b = weight.t() if transposed else weight
-    k, n = b.shape
-    blocks = -(-n // block_n)
-    out = torch.nn.functional.pad(b, (0, blocks * block_n - n)).reshape(k, blocks, block_n).transpose(0, 1)
-    if vnni > 1:
-        out = out.reshape(blocks, k // vnni, vnni, block_n).transpose(-1, -2).reshape(blocks, k, block_n)
-    return out.contiguous()
-
-
-def match_packed(
-    added: Mapping[str, torch.Tensor], sources: Mapping[str, torch.Tensor]
-) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """For each packed constant, the stored weight and the ``gemm_pack`` arguments that reproduce it bit for bit
-    (``{name: {"source", "transposed", "block_n", "vnni"}}``), and the names of those no weight reproduces."""
-    candidates = [(name, w) for name, w in sources.items() if w.dim() == 2 and w.is_floating_point()]
-    plans: dict[str, dict[str, Any]] = {}
-    unmatched: list[str] = []
-    for pname, packed in added.items():
-        blocks, k, block_n = packed.shape
-        found = None
-        for sname, w in candidates:
-            if w.dtype != packed.dtype:
-                continue
-            for transposed in (True, False):
-                kk, n = (w.shape[1], w.shape[0]) if transposed else (w.shape[0], w.shape[1])
-                if kk != k or not (blocks - 1) * block_n < n <= blocks * block_n:
-                    continue
-                head = w[:block_n] if transposed else w[:, :block_n]  # the first block: a cheap test first
-                for vnni in (1, 2, 4):
-                    if k % vnni:
-                        continue
-                    kw = {"transposed": transposed, "block_n": block_n, "vnni": vnni}
-                    if torch.equal(gemm_pack(head, **kw), packed[:1]) and torch.equal(
-                        gemm_pack(w, **kw), packed
-                    ):
-                        found = {"source": sname, **kw}
-                        break
-                if found:
-                    break
-            if found:
-                break
-        if found:
-            plans[pname] = found
-        else:
-            unmatched.append(pname)
-    return plans, unmatched
-
-
 def _load(package: Path) -> Any:
     import torch._inductor
 
@@ -528,17 +401,3 @@ def _load(package: Path) -> Any:
         raise PrecastError(
             f"precast.compile: cannot load {package}: {first_line(exc)[:300]}; delete the cache entry"
         ) from exc
-
-
-def batch_symbols(ep: ExportedProgram) -> set[str]:
-    """Names of the symbols dim 0 of the program's tensor user inputs has (empty: a static batch)."""
-    user = set(ep.graph_signature.user_inputs)
-    out = set()
-    for node in ep.graph.nodes:
-        val = node.meta.get("val")
-        if node.op == "placeholder" and node.name in user and isinstance(val, torch.Tensor) and val.dim():
-            dim = val.shape[0]
-            # a SymInt export specialized (Dim.AUTO on a graph that fixes the size) prints as a number
-            if isinstance(dim, torch.SymInt) and dim.node.expr.free_symbols:
-                out.add(str(dim))
-    return out

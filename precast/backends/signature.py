@@ -16,6 +16,7 @@ user inputs, or a one-line PrecastError naming the argument, the expected and th
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -320,3 +321,61 @@ def _evaluate(expr: Any, bound: dict[str, int]) -> int | None:
         return None  # a symbol no input binds: nothing to compare against
     value = expr.subs({s: bound[str(s)] for s in expr.free_symbols})
     return int(value) if value.is_number else None
+
+
+def dynamic_batch(ep: ExportedProgram) -> ExportedProgram:
+    """Re-export ``ep`` with dim 0 of every tensor input dynamic (min 1), as the dynamo harness does.
+
+    A batch of 1 in the example would be specialized (0/1 specialization), so it is traced at batch 2. Falls
+    back to ``Dim.AUTO`` (dynamic where the program allows) and then to the program as it is.
+    """
+    from torch.export import Dim
+
+    args, kwargs = ep.example_inputs or ((), {})
+    if kwargs or not args:
+        return ep
+    batched = [isinstance(a, torch.Tensor) and a.dim() > 0 for a in args]
+    if not any(batched):
+        return ep
+    sizes = {a.shape[0] for a, b in zip(args, batched, strict=True) if b}
+    trace_args = tuple(
+        torch.cat([a, a]) if b and a.shape[0] == 1 else a for a, b in zip(args, batched, strict=True)
+    )
+    module = ep.module(check_guards=False)  # the static program's guards pin the batch size
+    attempts: list[tuple] = []
+    if len(sizes) == 1:
+        batch = Dim("batch", min=1)
+        attempts.append(tuple({0: batch} if b else None for b in batched))
+    attempts.append(tuple({0: Dim.AUTO} if b else None for b in batched))
+    reasons = []
+    for shapes in attempts:
+        try:
+            out = torch.export.export(module, trace_args, dynamic_shapes=shapes, strict=False)
+        except Exception as exc:  # noqa: BLE001 - a model with a fixed batch: try the next, then keep it static
+            reasons.append(first_line(exc))
+            continue
+        if batch_symbols(out):
+            return out
+        # Dim.AUTO "succeeds" on a graph that fixes the batch, with dim 0 pinned to the traced size (2 for an
+        # example batch of 1): that program would run only at the traced size, so keep the original instead
+        reasons.append("Dim.AUTO left dim 0 static (the program fixes the batch size)")
+    warnings.warn(
+        f"precast.compile: the batch dimension stays static ({'; '.join(reasons)}); the package runs only at "
+        "the example batch size (pass dynamic=False to silence this)",
+        stacklevel=3,
+    )
+    return ep
+
+
+def batch_symbols(ep: ExportedProgram) -> set[str]:
+    """Names of the symbols dim 0 of the program's tensor user inputs has (empty: a static batch)."""
+    user = set(ep.graph_signature.user_inputs)
+    out = set()
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and node.name in user and isinstance(val, torch.Tensor) and val.dim():
+            dim = val.shape[0]
+            # a SymInt export specialized (Dim.AUTO on a graph that fixes the size) prints as a number
+            if isinstance(dim, torch.SymInt) and dim.node.expr.free_symbols:
+                out.add(str(dim))
+    return out

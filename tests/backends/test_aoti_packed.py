@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import precast
-from precast.backends.aoti import gemm_pack, match_packed
 from precast.backends.cache import MANIFEST
+from precast.backends.packed import gemm_pack, match_packed
 from tests.conftest import small_model
 
 
