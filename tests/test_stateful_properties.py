@@ -17,8 +17,9 @@ from __future__ import annotations
 import copy
 import os
 
+import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, note, reject, settings
+from hypothesis import HealthCheck, Phase, example, given, note, reject, settings
 from hypothesis import strategies as st
 
 import precast
@@ -27,8 +28,13 @@ from tests.stateful_strategies import StatefulSpec, stateful_specs
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CALLS = 3
 
-# found by this test (each a minimal spec hypothesis shrank to); kept as explicit examples and regressions
-FOUND: list[tuple[StatefulSpec, str]] = []
+# found by this test (each the minimal spec hypothesis shrank to), kept as explicit examples and regressions:
+# einsum("bi,i->bi", bf16 activation, fp32 Parameter) refused as a dtype mismatch (eager runs it as a mul)
+FOUND: list[tuple[StatefulSpec, str]] = [
+    (StatefulSpec(("linear", "einsum_param"), dim=8, batch=2, seed=0), "bf16"),
+    (StatefulSpec(("linear", "einsum_param"), dim=8, batch=2, seed=0), "fp16"),
+    (StatefulSpec(("linear", "copy_mean", "batch_norm", "running_param", "einsum_nested"), 8, 4, 1), "fp16"),
+]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -102,14 +108,23 @@ def _eager_runs(spec: StatefulSpec, dtype: torch.dtype) -> bool:
     return True
 
 
+def _failure(spec: StatefulSpec, low: str) -> str | None:
+    """``mismatch``, with an exception from convert or the converted program (a valid program must convert
+    and run) as a failure message too."""
+    try:
+        return mismatch(spec, low)
+    except Exception as exc:  # noqa: BLE001 - reported as the failure, after it is reproduced
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+
+
 def check(spec: StatefulSpec, low: str) -> None:
     """Fail with the spec's source when the property fails AND fails again from the spec alone."""
     if not _eager_runs(spec, LOW[low]):
         reject()
-    first = mismatch(spec, low)
+    first = _failure(spec, low)
     if first is None:
         return
-    again = mismatch(StatefulSpec(spec.steps, spec.dim, spec.batch, spec.seed), low)
+    again = _failure(StatefulSpec(spec.steps, spec.dim, spec.batch, spec.seed), low)
     if again is None:
         raise AssertionError(
             f"policy torch {low}: {first}, but it did not reproduce from the spec:\n{spec!r}"
@@ -130,5 +145,15 @@ _EXAMPLES = int(os.environ.get("PRECAST_PROPERTY_EXAMPLES") or 12)
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 @given(spec=stateful_specs(), low=st.sampled_from(sorted(LOW)))
+@example(spec=FOUND[0][0], low=FOUND[0][1])
 def test_stateful_policy_torch_is_bitwise_eager_autocast(spec, low):
     check(spec, low)
+
+
+@pytest.mark.parametrize(
+    ("spec", "low"), FOUND, ids=lambda v: "-".join(v.steps) if hasattr(v, "steps") else v
+)
+def test_stateful_regression(spec, low):
+    """Each case the property found (or the issue reported), as a plain test."""
+    assert _eager_runs(spec, LOW[low])
+    assert _failure(spec, low) is None
