@@ -114,8 +114,8 @@ _STEP_SOURCE = {
 
 
 @st.composite
-def stateful_specs(draw, min_steps: int = 2, max_steps: int = 7) -> StatefulSpec:
-    """A random stateful module (2-7 steps), always with at least one write and one batch_norm."""
+def stateful_specs(draw, min_steps: int = 2, max_steps: int = 9) -> StatefulSpec:
+    """A random stateful module of 2-9 steps (writes, batch norms and low-precision ops in any order)."""
     steps = draw(st.lists(st.sampled_from(STEPS), min_size=min_steps, max_size=max_steps))
     return StatefulSpec(
         steps=tuple(steps),
