@@ -44,7 +44,12 @@ from precast.ir.graph import ASSERT_METADATA, tensor_args
 from precast.ir.mutation import analyze
 from precast.ir.program import Program
 from precast.pipeline.caches import cache_reads
-from precast.pipeline.decompose import TRACED_META, should_decompose, splice_decomposition
+from precast.pipeline.decompose import (
+    TRACED_META,
+    should_decompose,
+    splice_decomposition,
+    trace_decomposition,
+)
 from precast.policy.base import Decision, Policy, apply_decision
 from precast.policy.compose import decide
 from precast.policy.writes import WRITE_CAST_META, cast_written_values
@@ -53,6 +58,8 @@ from precast.policy.writes import WRITE_CAST_META, cast_written_values
 # FakeTensor does not check this, so a low-precision activation meeting an fp32 weight would only fail at run
 # time; precast checks it at conversion.
 SAME_DTYPE_OPS = frozenset(f"aten::{name}" for name in op_families.SAME_DTYPE_OPS)
+# composites whose kernel is their decomposition: whether mixed dtypes fail depends on the ops it reaches
+COMPOSITE_SAME_DTYPE = frozenset({"aten::einsum"})
 
 
 @dataclass
@@ -135,7 +142,7 @@ def classify(
             if recorded is MISSING:
                 env[node] = _run(node, args, kwargs, decision, state, on_error)
             else:
-                _check_dtypes(node, node.target, args, kwargs, on_error)
+                _check_dtypes(node, node.target, args, kwargs, on_error, state)
                 env[node] = recorded
                 remember_run(state, node, node.target, args, kwargs, recorded)
             if decision is None and isinstance(node.target, torch._ops.OpOverload):
@@ -223,7 +230,7 @@ def _run(node, args, kwargs, decision, state: FakeState, on_error=None):
     target, args, kwargs = apply_decision(
         node.target, args, kwargs, decision, lambda v, d: fake_cast(state, v, d)
     )
-    _check_dtypes(node, target, args, kwargs, on_error)
+    _check_dtypes(node, target, args, kwargs, on_error, state)
     try:
         return run_fake(state, node, target, args, kwargs)
     except PrecastError:
@@ -232,15 +239,42 @@ def _run(node, args, kwargs, decision, state: FakeState, on_error=None):
         raise fake_run_error(node, target, args, kwargs, exc) from exc
 
 
-def _check_dtypes(node, target, args: tuple, kwargs: dict, on_error=None) -> None:
+def _check_dtypes(
+    node, target, args: tuple, kwargs: dict, on_error=None, state: FakeState | None = None
+) -> None:
     """The dtype check FakeTensor does not make (also for an op whose recorded value is reused)."""
     if isinstance(target, torch._ops.OpOverload) and target._schema.name in SAME_DTYPE_OPS:
         try:
             check_same_dtype(node, args, kwargs)
         except PrecastError as err:
+            if target._schema.name in COMPOSITE_SAME_DTYPE and state is not None:
+                # einsum's kernel is its decomposition: "bi,i->bi" is a mul (it promotes), "bi,i->b" a bmm
+                # (one dtype): the inputs fail only if an op of its decomposition requires one dtype
+                inner = composite_mismatch(target, args, kwargs, state.mode)
+                if inner is None:
+                    return
             if on_error is None:
                 raise
             on_error(err, node)
+
+
+def composite_mismatch(target, args: tuple, kwargs: dict, mode) -> str | None:
+    """The first op of ``target``'s decomposition (traced as eager runs it, no autocast) whose kernel requires
+    one dtype and gets several, or None (then the composite runs on these dtypes)."""
+    try:
+        traced = trace_decomposition(target, args, kwargs, mode)
+    except RuntimeError as exc:  # a meta kernel of the decomposition refused the dtypes: the mismatch is real
+        return f"its decomposition fails: {str(exc).splitlines()[0]}"
+    for n in traced.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        if n.target._schema.name not in SAME_DTYPE_OPS:
+            continue
+        vals = [a.meta.get("val") for a in n.all_input_nodes]
+        dtypes = {v.dtype for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()}
+        if len(dtypes) > 1:
+            return n.name
+    return None
 
 
 def check_same_dtype(node: torch.fx.Node, args: tuple, kwargs: dict) -> None:

@@ -137,6 +137,12 @@ def _trace(op, args, kwargs, mode, autocast: tuple[str, torch.dtype] | None) -> 
         return make_fx(call, tracing_mode="symbolic" if symbolic else "real")(*inputs)
 
 
+def trace_decomposition(op, args, kwargs, mode) -> torch.fx.GraphModule:
+    """``op``'s decomposition as eager runs it without autocast, traced on fake values (node vals in meta)."""
+    with _quiet_fake_tensor_log():
+        return _trace(op, args, kwargs, mode, None)
+
+
 def free_symbols(t: torch.Tensor) -> bool:
     return any(isinstance(s, torch.SymInt) for s in t.shape)
 

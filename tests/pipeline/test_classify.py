@@ -154,3 +154,43 @@ def test_mixed_float_inputs_are_a_dtype_mismatch():
     with pytest.raises(PrecastError) as err:
         precast.convert(Leak().eval(), (torch.randn(2, 4),))
     assert err.value.code == "dtype-mismatch"
+
+
+class ElementwiseEinsum(nn.Module):
+    """``einsum("bi,i->bi", low, param)``: no contracted index, so eager runs a ``mul`` (it promotes to fp32);
+    found by the stateful property test (tests/test_stateful_properties.py), refused as a dtype mismatch."""
+
+    def __init__(self, equation: str = "bi,i->bi"):
+        super().__init__()
+        self.equation = equation
+        self.w = nn.Parameter(torch.randn(8, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        return torch.einsum(self.equation, x.bfloat16(), self.w)
+
+
+def test_einsum_of_mixed_dtypes_without_contraction_converts():
+    model, x = ElementwiseEinsum(), (torch.randn(4, 8, generator=torch.Generator().manual_seed(1)),)
+    with torch.no_grad():
+        want = model(*x)
+    assert want.dtype == torch.float32
+    res = precast.convert(torch.export.export(model, x))
+    with torch.no_grad():
+        assert_bitwise(res.program.module()(*x), want)
+
+
+def test_einsum_of_mixed_dtypes_with_contraction_is_still_refused():
+    """The converse: "bi,i->b" reaches a bmm, which eager refuses on bf16 and fp32: still a mismatch (and
+    "bi,i->bi", a mul, is not)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from precast.pipeline.classify import composite_mismatch
+
+    with pytest.raises(RuntimeError):
+        ElementwiseEinsum("bi,i->b")(torch.randn(4, 8))
+    mode = FakeTensorMode()
+    with mode:
+        a, w = torch.empty(4, 8, dtype=torch.bfloat16), torch.empty(8)
+    einsum = torch.ops.aten.einsum.default
+    assert composite_mismatch(einsum, ("bi,i->b", [a, w]), {}, mode) is not None
+    assert composite_mismatch(einsum, ("bi,i->bi", [a, w]), {}, mode) is None
