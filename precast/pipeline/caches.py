@@ -31,7 +31,7 @@ from precast.errors import PrecastError, where
 from precast.ir.graph import ArgPath, tensor_args
 from precast.ir.mutation import MUTATION_OUTPUTS, AliasInfo, aliased_input, analyze, written_args
 from precast.ir.program import Program
-from precast.policy.writes import SAME_DTYPE_WRITES
+from precast.policy.writes import SAME_DTYPE_WRITES, arg_at
 
 # in-place ops that replace the destination's values without reading them (a store), besides SAME_DTYPE_WRITES
 STORES = SAME_DTYPE_WRITES | {"aten::copy_", "aten::fill_", "aten::zero_", "aten::copy"}
@@ -182,7 +182,7 @@ def cache_reads(
     store = _name(node) in STORES or _name(node) in FUNCTIONAL_STORES
     out = {}
     for path, value in tensor_args(args, kwargs):
-        arg = _arg(node, path)
+        arg = arg_at(node, path)
         if not isinstance(arg, torch.fx.Node) or arg in written or (store and path == ("args", 0)):
             continue
         original = _held(arg, program, alias)
@@ -209,9 +209,3 @@ def _held(arg: torch.fx.Node, program: Program, alias: AliasInfo) -> torch.dtype
 def _recorded_dtype(arg: torch.fx.Node) -> torch.dtype | None:
     val = arg.meta.get("val")
     return val.dtype if isinstance(val, torch.Tensor) else None
-
-
-def _arg(node: torch.fx.Node, path: ArgPath) -> object:
-    holder = node.args if path[0] == "args" else node.kwargs
-    value = holder[path[1]] if path[0] == "kwargs" or path[1] < len(holder) else None
-    return value[path[2]] if len(path) == 3 and isinstance(value, (list, tuple)) else value

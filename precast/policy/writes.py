@@ -121,7 +121,8 @@ def _schema_name(path: ArgPath, names: list[str]) -> str | None:
     return names[path[1]] if path[1] < len(names) else None
 
 
-def _arg(node: torch.fx.Node, path: ArgPath):
+def arg_at(node: torch.fx.Node, path: ArgPath) -> object:
+    """The FX argument of ``node`` at ``path`` (an ``ArgPath`` of ``tensor_args``)."""
     holder = node.args if path[0] == "args" else node.kwargs
     value = holder[path[1]] if path[0] == "kwargs" or path[1] < len(holder) else None
     return value[path[2]] if len(path) == 3 and isinstance(value, (list, tuple)) else value
@@ -129,7 +130,7 @@ def _arg(node: torch.fx.Node, path: ArgPath):
 
 def _recorded(node: torch.fx.Node, path: ArgPath, stored: dict) -> torch.dtype | None:
     """The dtype the program as exported gave this argument."""
-    arg = _arg(node, path)
+    arg = arg_at(node, path)
     if not isinstance(arg, torch.fx.Node):
         return None
     if arg in stored:
@@ -139,7 +140,7 @@ def _recorded(node: torch.fx.Node, path: ArgPath, stored: dict) -> torch.dtype |
 
 
 def _name(node: torch.fx.Node, path: ArgPath) -> str:
-    arg = _arg(node, path)
+    arg = arg_at(node, path)
     return arg.name if isinstance(arg, torch.fx.Node) else str(arg)
 
 
