@@ -29,12 +29,11 @@ def record_new_constants() -> Iterator[dict[str, torch.Tensor]]:
 
     def add_tensor_constant(self: Any, data: torch.Tensor, name: str | None = None) -> Any:
         box = original(self, data, name)
-        with contextlib.suppress(
-            Exception
-        ):  # a recording failure only leaves a copy unmatched, never a compile
-            real = type(data) is torch.Tensor or type(data) is torch.nn.Parameter
-            if real and data.dim() == 3 and data.is_floating_point() and not data.is_mkldnn:
-                added[box.get_name()] = data
+        # no failure is swallowed here (no silent except in the core): these reads cannot fail on a tensor, and a
+        # copy not recorded is named by load_weights' refusal
+        real = type(data) is torch.Tensor or type(data) is torch.nn.Parameter
+        if real and data.dim() == 3 and data.is_floating_point() and not data.is_mkldnn:
+            added[box.get_name()] = data
         return box
 
     GraphLowering.add_tensor_constant = add_tensor_constant  # type: ignore[method-assign]
