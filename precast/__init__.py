@@ -20,6 +20,8 @@ from precast.errors import PrecastError  # noqa: E402
 from precast.explain import Sensitivity, sensitivity  # noqa: E402
 from precast.guard import guard_module  # noqa: E402
 from precast.ir.program import constant_sources  # noqa: E402
+from precast.pipeline.streamed import with_weights  # noqa: E402
+from precast.pipeline.weightless import empty_parameters, export_weightless  # noqa: E402
 from precast.policy.auto import AutoPolicy  # noqa: E402
 from precast.policy.plan import Plan, load_plan  # noqa: E402
 from precast.policy.rules.policy import RulesPolicy  # noqa: E402
@@ -42,6 +44,9 @@ __all__ = [
     "load_plan",
     "report",
     "sensitivity",
+    "empty_parameters",
+    "export_weightless",
+    "with_weights",
     "compile",
     "CompiledModel",
 ]

@@ -14,6 +14,7 @@ applies to, or refused with one line.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,10 +25,13 @@ from torch.export import ExportedProgram
 from precast.dtypes import parse_low_dtype
 from precast.errors import PrecastError
 from precast.guard import guard_module
+from precast.ir import diagnostics
 from precast.ir.program import private_state
+from precast.ir.weights import WeightFiles, weightless
 from precast.pipeline.after_lowering import after_lowering
 from precast.pipeline.conversion import begin, run_checks
 from precast.pipeline.prepare import prepare
+from precast.pipeline.streamed import check_weights_out, write_weights
 from precast.pipeline.verify import verify_conversion
 from precast.policy.pinned import Pinned
 from precast.policy.plan import with_plan
@@ -86,6 +90,8 @@ def convert(
     allow: Iterable[str] = (),
     plan: Any = None,
     cache_dtype: torch.dtype | str | None = None,
+    weights: str | os.PathLike | None = None,
+    weights_out: str | os.PathLike | None = None,
 ) -> ConvertResult:
     """Convert a program (or module + example inputs) to explicit mixed precision. See the README.
 
@@ -99,10 +105,17 @@ def convert(
     ``cache_dtype``: hold the caches the program stores into (a KV cache) in this dtype (``"bf16"``,
     ``torch.float16``...), under any policy; refused with one line where a written buffer is not a cache
     (``precast/pipeline/caches.py``). The report states the cache bytes before and after.
+    ``weights``: a folder of safetensors shards (or one file) holding the program's weights, which the program
+    itself need not hold (exported with fake or meta weights, docs/streaming.md): the conversion decides on the
+    graph and writes the converted weights into ``weights_out`` one tensor at a time; ``res.program`` then holds
+    meta tensors for them (``precast.compile(res.program, weights=weights_out)`` runs it).
     """
     # one conversion at a time per process: torch 2.15's export picks up another thread's fake tensors as
     # constants (measured: 'fake tensor in the exported program constant's list'); see precast/threads.py
     with TORCH_LOCK:
+        files = streamed_source(program_or_module, weights, weights_out, policy, calibration, tolerance)
+        if files is not None:
+            program_or_module = weightless(program_or_module, files)
         policy, custom_rules, dtype, pins = with_plan(plan, policy, custom_rules, dtype)
         chosen, low = resolve_policy(policy, dtype, device_type, rule_options(locals()))
         if pins is not None:  # a plan over policy torch or the program's regions: its ops pinned to fp32
@@ -117,15 +130,61 @@ def convert(
             keep_io_types,
             cache_dtype_of(cache_dtype),
         )
+        state.weights = state.program.weights = files
         state.log = report = new_report(state, allow)
         run_checks(state)
         if state.unchanged:  # a program of its own (same graph, its own copies of the state it writes)
-            return ConvertResult(private_state(state.ep), unchanged_report(report))
+            out = private_state(state.ep)
+            if files is not None:
+                report.weights = write_weights(out, files, weights_out)  # type: ignore[arg-type]
+            return ConvertResult(out, unchanged_report(report))
         prepare(state)
         state.lower_program()
         after_lowering(state)
         fill_report(state, report)
-        if verify:
+        if verify and files is not None:
+            diagnostics.record(
+                report,
+                "verification-skipped",
+                "not verified: the weights are streamed from files, so no values are in memory to run; run "
+                "precast.compile(program, weights=...) on your inputs, or convert in memory to verify",
+            )
+        elif verify:
             report.verification = verify_conversion(state, report.verification)
+        if files is not None:
+            report.weights = write_weights(state.lowered.exported, files, weights_out)  # type: ignore[arg-type]
         write_program_info(state.lowered.exported, report)
         return ConvertResult(state.lowered.exported, report)
+
+
+def streamed_source(
+    source: Any, weights: Any, weights_out: Any, policy: Any, calibration: Any, tolerance: Any
+) -> WeightFiles | None:
+    """``weights=``: the files, once the options it cannot serve are refused (one line each)."""
+    if weights is None:
+        if weights_out is not None:
+            raise PrecastError(
+                "weights_out= is where streamed weights go: give weights= (their source) as well"
+            )
+        return None
+    if not isinstance(source, ExportedProgram):
+        raise PrecastError(
+            "weights= streams the weights of an ExportedProgram (exported with fake or meta weights, "
+            "docs/streaming.md); a module holds its weights already: convert it without weights="
+        )
+    if weights_out is None:
+        raise PrecastError("weights= needs weights_out=: the folder the converted weights are written to")
+    for name, value in (("calibration", calibration), ("tolerance", tolerance)):
+        if value is not None:
+            raise PrecastError(
+                f"{name}= runs the program on data, which streamed weights cannot (no values in memory); "
+                "convert in memory, or leave it out"
+            )
+    if policy == "auto" or type(policy).__name__ == "AutoPolicy":
+        raise PrecastError(
+            "policy='auto' times the converted program, which streamed weights cannot run; use 'torch', "
+            "'rules' or a plan"
+        )
+    files = WeightFiles(weights)
+    check_weights_out(files.path, weights_out)  # before the conversion, not after it
+    return files

@@ -84,6 +84,19 @@ def add_parser(sub) -> None:
         help="write the ops this conversion keeps in fp32 as a portable plan (with ModelOpt / Torch-TensorRT "
         "exclusion regexes)",
     )
+    p.add_argument(
+        "--weights",
+        default=None,
+        metavar="DIR",
+        help="stream the weights from this folder of safetensors shards (or one .safetensors file): the program "
+        "may hold none (exported with fake or meta weights, docs/streaming.md); memory stays about one tensor",
+    )
+    p.add_argument(
+        "--weights-out",
+        default=None,
+        metavar="DIR",
+        help="with --weights: the folder the converted weights go to (default: OUTPUT with the suffix .weights)",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the run comparing against the reference")
     p.add_argument(
         "--trust-pickle",
@@ -162,6 +175,14 @@ def check_options(args: argparse.Namespace) -> dict:
         check_program_file(args.source)
     elif not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", args.source):
         raise PrecastError(f"'{args.source}': expected a saved program path or 'package.module:factory'")
+    if args.weights_out and not args.weights:
+        raise PrecastError("--weights-out: give --weights (the folder the weights are read from) as well")
+    if args.weights and _is_factory(args.source):
+        raise PrecastError(
+            "--weights: streams the weights of a saved program; a factory's module holds its own"
+        )
+    if args.weights and not Path(args.weights).exists():
+        raise PrecastError(f"--weights {args.weights}: no such folder or file")
     if args.calibration and not Path(args.calibration).is_file():
         raise PrecastError(
             f"--calibration {args.calibration}: no such file; save a list of input tuples with torch.save"
@@ -203,6 +224,9 @@ def run(args: argparse.Namespace) -> int:
         opts["calibration"] = _load_calibration(args.calibration)  # small and quick: before the program
     import precast
 
+    if args.weights:
+        opts["weights"] = args.weights
+        opts["weights_out"] = args.weights_out or str(Path(args.output).with_suffix(".weights"))
     started = time.perf_counter()
     obj, inputs = load_source(args.source, args.trust_pickle)
     res = precast.convert(

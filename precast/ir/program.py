@@ -73,6 +73,9 @@ class Program:
         self.retyped: dict[torch.fx.Node, torch.dtype] = {}
         # the conversion's private fake mode and shape env (precast.classify.fake_state), made on first use
         self.fake_state: object | None = None
+        # weights streamed from files (``precast.ir.weights.WeightFiles``): the constants holding no values
+        # are read from there, one at a time, by the few rules that read values (init_max)
+        self.weights: object | None = None
         # constants the program writes: the conversion (and the program it returns) owns copies of them, so
         # no forward precast runs, and no call of the converted program, changes the caller's state
         self.written: set[str] = written_constant_targets(self.graph, self.input_spec, self.output_specs)
@@ -233,12 +236,23 @@ def _private_copy(value: object) -> object:
 
 def strip_dtype_asserts(module: torch.nn.Module) -> torch.nn.Module:
     """Remove export's ``_assert_tensor_metadata`` checks from ``module``'s graphs (region subgraphs too): they
-    pin the dtypes seen at export, which a reference run under autocast or in float32 legitimately changes."""
-    for sub in module.modules():
+    pin the dtypes seen at export, which a reference run under autocast or in float32 legitimately changes.
+
+    ``ExportedProgram.module()`` shares the region subgraph modules with the program it came from: each of those
+    is replaced by a copy before its checks are removed, so the program keeps its own (measured on torch 2.13:
+    stripping in place changed what the next conversion of the caller's program produced)."""
+    assert_op = torch.ops.aten._assert_tensor_metadata.default
+    for name, sub in list(module.named_modules()):
         if not isinstance(sub, torch.fx.GraphModule):
             continue
+        if not any(n.op == "call_function" and n.target is assert_op for n in sub.graph.nodes):
+            continue
+        if name:  # a submodule: a private copy in its parent (the root is ``module()``'s own)
+            parent_name, _, attr = name.rpartition(".")
+            sub = torch.fx.GraphModule(sub, copy.deepcopy(sub.graph))
+            setattr(module.get_submodule(parent_name), attr, sub)
         for node in list(sub.graph.nodes):
-            if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            if node.op == "call_function" and node.target is assert_op:
                 sub.graph.erase_node(node)
         sub.recompile()
     return module
@@ -305,7 +319,7 @@ def program_device_type(ep: ExportedProgram) -> str:
     devices = {
         v.device.type
         for v in list(ep.state_dict.values()) + list(ep.constants.values())
-        if isinstance(v, torch.Tensor) and v.is_floating_point()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.device.type != "meta"  # meta: streamed
     }
     if not devices:
         devices = {

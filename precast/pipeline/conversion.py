@@ -58,6 +58,7 @@ class Conversion:
     restore: list[torch.dtype | None]  # the input program's output dtypes, restored with keep_io_types
     keep_io: bool
     cache_dtype: torch.dtype | None = None  # cache_dtype=: the caches held in this dtype (pipeline/caches.py)
+    weights: Any = None  # weights=: the WeightFiles the value-less constants come from (ir/weights.py)
     log: DiagnosticLog = field(default_factory=DiagnosticLog)  # the report, as the stages see it
     verification: dict[str, dict] = field(default_factory=dict)  # what after-lowering checks measured
     binding: Binding | None = None  # what the policy's decider is bound with (None: the policy decides)
@@ -83,6 +84,7 @@ class Conversion:
         (``device_fp32=``, ``all_fp32=``); the previous lowering's diagnostics are recorded afresh."""
         del self.log.diagnostics[self.lowering_mark :]
         fresh = run_stage(None, "program_copy", lambda _: Program(self.ep, self.cache_dtype))
+        fresh.weights = self.weights
         run_stage(fresh, "inline_regions", lambda p: inline_regions(p.gm))
         return self._lower(fresh, self.decider_for(fresh, **more))
 

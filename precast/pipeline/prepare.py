@@ -41,9 +41,17 @@ def prepare(state: Conversion) -> None:
     low, program, log = state.low, state.program, state.log
     binding = Binding(options=hook(policy, "options")(low))
     tol = parse_tolerance(hook(policy, "tolerance")) if "tolerance" in steps else None
-    if "calibrate" in steps:
-        opts = binding.options
-        ranges = isinstance(opts, RuleOptions) and (opts.data_max is not None or opts.data_min is not None)
+    opts = binding.options
+    ranges = isinstance(opts, RuleOptions) and (opts.data_max is not None or opts.data_min is not None)
+    if "calibrate" in steps and state.weights is not None:  # streamed: no values to run (api refuses data)
+        if ranges:
+            diagnostics.record(
+                log,
+                "data-max-inactive",
+                "data_max and flush_to_zero are not applied: the weights are streamed from files, so nothing "
+                "runs the program during conversion; convert in memory with calibration=[...] to apply them",
+            )
+    elif "calibrate" in steps:
         binding.calibration = run_stage(
             program,
             "calibrate",

@@ -111,6 +111,8 @@ def write_program_info(ep: ExportedProgram, rep: Report) -> None:
     info["allowed"] = list(rep.allowed)
     if rep.verification:
         info["verification"] = json_finite(rep.verification)
+    if rep.weights:
+        info["weights"] = rep.weights
 
 
 def _op_name(node: torch.fx.Node) -> str:

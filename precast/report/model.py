@@ -62,6 +62,8 @@ class Report(DiagnosticLog):
     decomposed: list[str] = field(default_factory=list)
     # cache_dtype=: {"dtype", "caches": {FQN: dtype the program gave it}, "bytes_before", "bytes_after"}
     cache: dict = field(default_factory=dict)
+    # weights=: {"source", "output", "files", "tensors", "bytes_read", "bytes_written", "clamped", "seconds"}
+    weights: dict = field(default_factory=dict)
     verification: dict = field(default_factory=dict)
     casts: list[CastRecord] = field(default_factory=list)  # run-time casts (len == casts_runtime)
 
@@ -116,6 +118,12 @@ class Report(DiagnosticLog):
             lines.append(
                 f"caches held in {c['dtype']}: {len(c['caches'])}, {c['bytes_before'] / mb:.2f} MiB -> "
                 f"{c['bytes_after'] / mb:.2f} MiB"
+            )
+        if self.weights:
+            w = self.weights
+            lines.append(
+                f"weights streamed: {w['tensors']} tensors, {w['bytes_read'] / mb:.1f} MiB read from {w['source']}, "
+                f"{w['bytes_written'] / mb:.1f} MiB written to {w['output']} ({w['files']} file(s))"
             )
         if self.decomposed:
             lines.append(f"composites decomposed as eager autocast would: {len(self.decomposed)}")

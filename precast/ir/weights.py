@@ -1,0 +1,262 @@
+"""Weights outside memory: a model's safetensors files read one tensor at a time, and the program that stands for
+them with no values (its constants meta tensors).
+
+``WeightFiles`` opens one ``.safetensors`` file, or a folder of shards as transformers saves them (with
+``model.safetensors.index.json``, or every ``*.safetensors`` in it): names, shapes and dtypes come from the
+headers; ``read(name)`` copies one tensor in and closes the file again, so nothing stays mapped. The files are
+parsed by the safetensors library (no pickle, bounds checked); the index is JSON naming files inside the folder.
+
+``weightless(ep, files)`` is a copy of a program whose constants found in the files are meta tensors (shape and
+dtype checked against the file), so a conversion decides on the graph alone. It keeps real values only where the
+program needs them: the constants it writes (a KV cache saved with the weights) and one-element constants (an
+epsilon the rules read), both read from the files; constants absent from the files must hold values of their own
+(a rotary table made at construction), else a one-line error lists them. A program exported with fake weights
+(under ``FakeTensorMode``) or with meta weights is accepted as it is: its constants never held values.
+
+Input: a folder or file path; an ExportedProgram. Output: ``WeightFiles``; ``weightless`` -> ExportedProgram.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.export import ExportedProgram
+
+from precast.errors import PrecastError, first_line
+from precast.ir.program import CONSTANT_KINDS, written_targets
+
+INDEX = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, read in place (no copy, and no numpy: ``pip install precast`` does not
+    bring it, torch does not either)."""
+    n = t.numel() * t.element_size()
+    if not n:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def has_values(t: object) -> bool:
+    """Whether ``t`` is a tensor holding data (not meta, not a fake tensor)."""
+    return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.device.type != "meta"
+
+
+class WeightFiles:
+    """The tensors of one safetensors file or a folder of shards, read lazily (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike):
+        try:  # an extra of the core install (precast[weights]): imported where weights are streamed
+            from safetensors import safe_open
+        except ImportError as exc:
+            raise PrecastError(
+                "weights=: streaming weights needs safetensors: pip install 'precast[weights]'"
+            ) from exc
+
+        self._open = safe_open
+        self.path = Path(path)
+        self.where: dict[str, Path] = {}  # name -> file
+        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # name -> (shape, dtype)
+        self._absmax: dict[str, float] = {}
+        self.prefix = ""  # what the program's names add in front of the files' (a wrapper module's attribute)
+        for f in self._files():
+            self._read_header(f)
+        if not self.where:
+            raise PrecastError(f"weights {self.path}: no tensors in it; pass the folder a model was saved to")
+
+    def _files(self) -> list[Path]:
+        p = self.path
+        if p.is_file():
+            if p.suffix != ".safetensors":
+                raise PrecastError(
+                    f"weights {p}: not a .safetensors file; pass a .safetensors file or a folder of them"
+                )
+            return [p]
+        if not p.is_dir():
+            raise PrecastError(f"weights {p}: no such file or folder")
+        index = p / INDEX
+        if not index.is_file():
+            files = sorted(p.glob("*.safetensors"))
+            if not files:
+                raise PrecastError(f"weights {p}: no {INDEX} and no .safetensors files in it")
+            return files
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise PrecastError(f"weights {index}: not a safetensors index ({first_line(exc)})") from exc
+        files = []
+        for name in names:
+            # a plain file name in this folder: an index cannot send the reader elsewhere
+            if not isinstance(name, str) or Path(name).name != name or not (p / name).is_file():
+                raise PrecastError(f"weights {index}: names a shard {name!r} that is not a file in {p}")
+            files.append(p / name)
+        return files
+
+    def _read_header(self, f: Path) -> None:
+        try:
+            with self._open(str(f), framework="pt") as h:
+                for name in h.keys():  # noqa: SIM118 - safe_open is not a dict
+                    view = h.get_slice(name)
+                    dtype = SAFETENSORS_DTYPES.get(view.get_dtype())
+                    if dtype is None:
+                        raise PrecastError(
+                            f"weights {f}: {name} has dtype {view.get_dtype()}, which precast does not read"
+                        )
+                    if name in self.where:
+                        raise PrecastError(
+                            f"weights {self.path}: {name} is in both {self.where[name].name} and {f.name}"
+                        )
+                    self.where[name] = f
+                    self.meta[name] = (tuple(view.get_shape()), dtype)
+        except PrecastError:
+            raise
+        except Exception as exc:  # the library's own parse error, made one line
+            raise PrecastError(f"weights {f}: not a readable safetensors file ({first_line(exc)})") from exc
+
+    def match(self, names: list[str]) -> None:
+        """Find the prefix the program's constant ``names`` carry over the files' (``model.`` when the program
+        was exported from a wrapper holding the model as ``self.model``): the one that matches the most."""
+        counts: dict[str, int] = {}
+        for n in names:
+            parts = n.split(".")
+            for i in range(len(parts)):
+                if ".".join(parts[i:]) in self.where:
+                    prefix = ".".join(parts[:i]) + ("." if i else "")
+                    counts[prefix] = counts.get(prefix, 0) + 1
+        if counts:
+            self.prefix = max(sorted(counts), key=lambda p: (counts[p], -len(p)))
+
+    def file_name(self, name: str) -> str | None:
+        """The files' name for the program's constant ``name`` (None: not in the files)."""
+        if name.startswith(self.prefix) and name[len(self.prefix) :] in self.where:
+            return name[len(self.prefix) :]
+        return None
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.file_name(name) is not None
+
+    def shape_dtype(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        return self.meta[self.file_name(name)]  # type: ignore[index]
+
+    def file_of(self, name: str) -> Path:
+        return self.where[self.file_name(name)]  # type: ignore[index]
+
+    def read(self, name: str) -> torch.Tensor:
+        """The program's constant ``name``, copied in; the file is closed again (nothing of it stays mapped)."""
+        key = self.file_name(name)
+        with self._open(str(self.where[key]), framework="pt") as h:  # type: ignore[index]
+            return h.get_tensor(key)
+
+    def absmax(self, name: str) -> float:
+        """max |value| of a floating tensor (0 for others), read once and remembered."""
+        if name not in self._absmax:
+            t = self.read(name)
+            self._absmax[name] = float(t.abs().max()) if t.is_floating_point() and t.numel() else 0.0
+        return self._absmax[name]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_numel(s) * d.itemsize for s, d in self.meta.values())
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _as_meta(value: torch.Tensor) -> torch.Tensor:
+    meta = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.nn.Parameter):
+        return torch.nn.Parameter(meta, requires_grad=value.requires_grad)
+    return meta
+
+
+def _like(value: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, torch.nn.Parameter):
+        return torch.nn.Parameter(real, requires_grad=value.requires_grad)
+    return real
+
+
+def weightless(ep: ExportedProgram, files: WeightFiles) -> ExportedProgram:
+    """``ep`` with the constants found in ``files`` as meta tensors (see the module docstring)."""
+    read = {s.target for s in ep.graph_signature.input_specs if s.kind in CONSTANT_KINDS}
+    files.match(sorted(read))
+    written = written_targets(ep)
+    problems, missing = [], []
+    stores: list[dict[str, object]] = [dict(ep.state_dict), dict(ep.constants)]
+    for store in stores:
+        for name, value in store.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if name not in files:
+                if not has_values(value):
+                    if name in read:
+                        missing.append(name)
+                    else:
+                        store[name] = _as_meta(value)  # never read: only its metadata is kept
+                continue
+            shape, dtype = files.shape_dtype(name)
+            if tuple(value.shape) != shape or value.dtype != dtype:
+                problems.append(
+                    f"{name} is {dtype} {list(shape)} in the files, {value.dtype} {list(value.shape)} in the program"
+                )
+                continue
+            if name in written or value.numel() == 1:
+                store[name] = _like(value, files.read(name))  # written state and scalars: real values
+            else:
+                store[name] = _as_meta(value)
+    if missing:
+        problems.insert(
+            0,
+            f"{len(missing)} constant(s) the program reads hold no value and are not in the files: "
+            f"{', '.join(sorted(missing)[:8])}{' ...' if len(missing) > 8 else ''} (give them real values before "
+            "export, e.g. non-persistent buffers such as a rotary table)",
+        )
+    if problems:
+        raise PrecastError(f"weights {files.path}: {'; '.join(problems)}")
+    if not any(name in files for store in stores for name in store):
+        raise PrecastError(
+            f"weights {files.path}: none of its {len(files.where)} tensors is a constant of the program "
+            f"(it has e.g. {next(iter(files.where))}); pass the weights of the model the program was exported from"
+        )
+    out = copy.copy(ep)
+    out._state_dict, out._constants = stores
+    if ep.example_inputs is not None and not all(
+        has_values(t)
+        for t in torch.utils._pytree.tree_leaves(ep.example_inputs)
+        if isinstance(t, torch.Tensor)
+    ):
+        out._example_inputs = None  # fake example inputs of a weightless export: nothing to run on
+    return out
+
+
+def streamed_targets(ep: ExportedProgram) -> list[str]:
+    """The constants of ``ep`` that hold no values (they come from weight files)."""
+    return sorted(
+        name
+        for store in (ep.state_dict, ep.constants)
+        for name, v in store.items()
+        if isinstance(v, torch.Tensor) and not has_values(v)
+    )
