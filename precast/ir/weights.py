@@ -171,7 +171,9 @@ class WeightFiles:
         """max |value| of a floating tensor (0 for others), read once and remembered."""
         if name not in self._absmax:
             t = self.read(name)
-            self._absmax[name] = float(t.abs().max()) if t.is_floating_point() and t.numel() else 0.0
+            # (a norm, not abs().max(): no second tensor of the weight's size)
+            peak = torch.linalg.vector_norm(t, float("inf")) if t.is_floating_point() and t.numel() else 0.0
+            self._absmax[name] = float(peak)
         return self._absmax[name]
 
     @property

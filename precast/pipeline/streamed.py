@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -94,7 +95,9 @@ def write_weights(
     out = check_weights_out(files.path, out_dir)
     plan = _plan(ep, files)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    # an ordinary folder (mode 0777 minus the umask, applied by the kernel), not mkdtemp's private one
+    tmp = out.parent / f".{out.name}.{secrets.token_hex(6)}.tmp"
+    os.mkdir(tmp, 0o777)
     record = {
         "source": str(files.path.absolute()),
         "output": str(out),

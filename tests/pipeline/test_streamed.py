@@ -235,3 +235,20 @@ def test_verification_leaves_the_callers_region_subgraphs_alone(llama):
     fresh = precast.convert(real, policy="rules").program.graph_module.code
     precast.convert(real, policy="torch")  # verifies against the program run under autocast
     assert precast.convert(real, policy="rules").program.graph_module.code == fresh
+
+
+def test_device_check_runs_on_stand_in_weights(llama, tmp_path, monkeypatch):
+    """With example inputs the device check runs the converted program; streamed, each weight is a broadcast
+    zero (no memory): the same ops run, so the same program comes out."""
+    from precast.pipeline import after_lowering
+
+    folder, ep, real, ids = llama
+    runs = []
+    original = after_lowering.run_on_device
+    monkeypatch.setattr(after_lowering, "run_on_device", lambda *a, **k: runs.append(1) or original(*a, **k))
+    ref = precast.convert(real, (ids,), policy="rules", verify=False)
+    out = precast.convert(ep, (ids,), policy="rules", weights=folder, weights_out=tmp_path / "o")
+    assert len(runs) == 2
+    assert out.program.graph_module.code == ref.program.graph_module.code
+    ran = precast.with_weights(out.program, tmp_path / "o").module()(ids)
+    assert torch.equal(ran, ref.program.module()(ids))
