@@ -224,10 +224,10 @@ def run(args: argparse.Namespace) -> int:
     if stats:
         from precast.policy.rules.calibration import load_calibration
 
-        cals = [
-            load_calibration(f) for f in stats
-        ]  # checked before the program; merged (and keyed) in convert
-        opts["calibration"] = cals[0].merge(*cals[1:])
+        # a corrupt file or a bad merge is said before the program loads; convert checks each file against it
+        cals = [load_calibration(f) for f in stats]
+        cals[0].merge(*cals[1:])
+        opts["calibration"] = [Path(f) for f in stats]
     import precast
 
     started = time.perf_counter()
