@@ -154,6 +154,9 @@ def _share_sample(cal: Calibration, program: Program, ep: Any, group: Any) -> tu
 
 def reduce_energies(e: Energies, group: Any) -> Energies:
     """Every rank's energies summed (float64: equal to rounding to the sums one process makes), ranges merged."""
+    least = _all_reduce(torch.tensor([e.batches]), torch.distributed.ReduceOp.MIN, group)
+    if int(least[0]) == 0:  # said on every rank (a rank that stopped alone would leave the others waiting)
+        raise PrecastError("sensitivity: a rank has no batch in data=; give every rank at least one batch")
     reads = sorted(e.energy)
     check_same_key(f"{e.key}|{len(reads)}|{len(e.ranges)}", group, "sensitivity")
     ReduceOp = torch.distributed.ReduceOp

@@ -76,6 +76,12 @@ def main(out: Path) -> None:
         "decisions": decisions(res.report),
         "order": sens.estimate.order,
     }
+    # a rank without batches: calibration still merges (rank 0 measured all 8); sensitivity refuses on every rank
+    precast.calibrate(ep, batches if rank == 0 else [], dtype="fp16").save(out / f"rank{rank}.uneven.json")
+    try:
+        precast.sensitivity(ep, batches[0], dtype="fp16", data=shard if rank == 0 else [])
+    except precast.PrecastError as exc:
+        facts["empty_rank"] = str(exc)
     (out / f"rank{rank}.json").write_text(json.dumps(facts))
     if rank == 0:  # convert measuring its own data reduces nothing: rank 0 alone must not wait for rank 1
         precast.convert(ep, calibration=batches[:2], policy="rules", dtype="fp16", verify=False)

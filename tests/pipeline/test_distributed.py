@@ -175,7 +175,8 @@ def _free_port() -> int:
 def test_torchrun_two_ranks_match_one_process(setup, tmp_path):
     """``torchrun --nproc-per-node 2`` (gloo, CPU): each rank calibrates and estimates on its half; every rank's
     merged statistics are bitwise one process's over the same 8 batches, with the same kept sample, the same
-    decisions and converted program, and energies within ENERGY_RTOL."""
+    decisions and converted program, and energies within ENERGY_RTOL. A rank with no batches still merges
+    (calibration) or stops every rank with one line (sensitivity), never leaving the other waiting."""
     ep, batches, one = setup
     cmd = [
         sys.executable,
@@ -197,7 +198,9 @@ def test_torchrun_two_ranks_match_one_process(setup, tmp_path):
         got = precast.load_calibration(tmp_path / f"rank{rank}.cal.json")
         assert bits(got) == bits(one) and got.sample_index == one.sample_index
         assert all(torch.equal(a[0][0], b[0]) for a, b in zip(got.sample, batches, strict=True))
+        assert bits(precast.load_calibration(tmp_path / f"rank{rank}.uneven.json")) == bits(one)
         facts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "a rank has no batch in data=" in facts["empty_rank"]
         assert facts["decisions"] == decisions(ref.report)
         assert facts["hash"] == program_hash(ref.program)
         assert facts["order"] == sens.estimate.order
