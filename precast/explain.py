@@ -5,7 +5,9 @@ Input: an ``ExportedProgram`` or an ``nn.Module``, one batch of inputs, the low 
 ``Sensitivity``: every op the policy runs in low precision, ranked by the output error its rounding alone causes
 (``precast.pipeline.sensitivity``), the cumulative curve (estimated for every k, measured at a few), the first
 non-finite op (``precast.pipeline.nonfinite``), optionally a repro folder (``repro=DIR``) and the single-op
-ablation truth (``ablation=True``); ``plan(k)`` keeps the top k in fp32 as a portable ``Plan``.
+ablation truth (``ablation=True``); ``plan(k)`` keeps the top k in fp32 as a portable ``Plan``; ``energies``:
+what the ranking was made from, a mergeable value (``data=`` batches, summed over a process group's ranks, or
+given with ``energies=``; docs/distributed.md).
 
 Nothing here changes the caller's program or module: every program measured is a private copy, converted as
 ``precast.convert`` converts it.
@@ -44,7 +46,6 @@ from precast.report.sensitivity import sensitivity_dict
 REPRO_SCRIPT = '''"""Repro written by `precast sensitivity`: {op} ({node}) at {location}.
 {why}
 Runs the op alone on its captured inputs, in float32 and in {low}; needs only torch."""
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch

@@ -10,7 +10,9 @@ program taps every value each computing op reads (``Tapping``), and ``PROBES`` b
 give, per read, the expected output error its rounding to the low dtype causes (``probe_energies``). A read is
 rounded unless every op that makes the value and the op that reads it run in fp32 (``Source.members``), so with
 op X alone in low precision (every other op in fp32) exactly the sources X is a member of are rounded: X's
-estimate is the sum of their energies. Unlike the search, the matmul/convolution family is ranked too (the user
+estimate is the sum of their energies. With ``data`` the energies are estimated on each of its batches and the
+ranking uses their mean (``precast.pipeline.energies``), summed over a process group's ranks first when one is
+given (``precast.pipeline.distributed``); given ``Energies`` replace the measurement. Unlike the search, the matmul/convolution family is ranked too (the user
 asks which op breaks, and may keep any in fp32).
 
 Every program measured here is the one the conversion builds (``policy.bind(..., fallback=kept)`` then
