@@ -110,6 +110,71 @@ CASES: list[tuple[str, list[str]]] = [
             "{d}/inputs.pt",
         ],
     ),
+    (
+        "convert: --weights-out without --weights",
+        ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--weights-out", "{d}/w"],
+    ),
+    (
+        "convert: --weights folder missing",
+        ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--weights", "{d}/nope"],
+    ),
+    (
+        "convert: --weights folder with no safetensors",
+        ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--weights", "{d}/folder"],
+    ),
+    (
+        "convert: missing --calibration-stats",
+        [
+            "convert",
+            "{d}/good.pt2",
+            "-o",
+            "{d}/out.pt2",
+            "--policy",
+            "rules",
+            "--calibration-stats",
+            "{d}/nope.json",
+        ],
+    ),
+    (
+        "convert: --calibration-stats not JSON",
+        [
+            "convert",
+            "{d}/good.pt2",
+            "-o",
+            "{d}/out.pt2",
+            "--policy",
+            "rules",
+            "--calibration-stats",
+            "{d}/text.pt2",
+        ],
+    ),
+    (
+        "convert: --calibration-stats of another program",
+        [
+            "convert",
+            "{d}/good.pt2",
+            "-o",
+            "{d}/out.pt2",
+            "--policy",
+            "rules",
+            "--calibration-stats",
+            "{d}/other.json",
+        ],
+    ),
+    (
+        "convert: --calibration and --calibration-stats",
+        [
+            "convert",
+            "{d}/good.pt2",
+            "-o",
+            "{d}/out.pt2",
+            "--policy",
+            "rules",
+            "--calibration",
+            "{d}/inputs.pt",
+        ]
+        + ["--calibration-stats", "{d}/other.json"],
+    ),
     ("convert: factory spec malformed", ["convert", "a:b:c", "-o", "{d}/out.pt2"]),
     ("convert: factory module missing", ["convert", "no_such_pkg.models:make", "-o", "{d}/out.pt2"]),
     ("convert: factory missing", ["convert", "bad_input_factories:nosuch", "-o", "{d}/out.pt2"]),
@@ -193,6 +258,12 @@ def make_fixtures(d: Path) -> None:
     (d / "folder").mkdir()
     torch.save((torch.randn(4, 128),), d / "inputs.pt")
     torch.save((torch.randn(4, 7),), d / "wrong_inputs.pt")
+    import precast
+
+    # statistics of another program, for --calibration-stats
+    precast.calibrate(torch.nn.Linear(4, 4), [(torch.randn(2, 4),)], (torch.randn(2, 4),)).save(
+        d / "other.json"
+    )
     (d / "bad_input_factories.py").write_text(FACTORIES)
     (d / "bad_input_broken.py").write_text(BROKEN_IMPORT)
     (d / "shared").mkdir(mode=0o700)

@@ -15,15 +15,17 @@ warnings.filterwarnings(
     "ignore", message="Failed to initialize NumPy", category=UserWarning, module=r"torch\."
 )
 
-from precast.api import ConvertResult, convert  # noqa: E402
+from precast.api import ConvertResult, calibrate, convert  # noqa: E402
 from precast.errors import PrecastError  # noqa: E402
 from precast.explain import Sensitivity, sensitivity  # noqa: E402
 from precast.guard import guard_module  # noqa: E402
 from precast.ir.program import constant_sources  # noqa: E402
+from precast.pipeline.energies import Energies, load_energies  # noqa: E402
 from precast.pipeline.streamed import with_weights  # noqa: E402
 from precast.pipeline.weightless import empty_parameters, export_weightless  # noqa: E402
 from precast.policy.auto import AutoPolicy  # noqa: E402
 from precast.policy.plan import Plan, load_plan  # noqa: E402
+from precast.policy.rules.calibration import Calibration, load_calibration  # noqa: E402
 from precast.policy.rules.policy import RulesPolicy  # noqa: E402
 from precast.policy.torch_policy import TorchPolicy  # noqa: E402
 from precast.report.build import report  # noqa: E402
@@ -31,7 +33,9 @@ from precast.report.model import Report  # noqa: E402
 
 __all__ = [
     "AutoPolicy",
+    "Calibration",
     "ConvertResult",
+    "Energies",
     "Plan",
     "Sensitivity",
     "PrecastError",
@@ -40,7 +44,10 @@ __all__ = [
     "TorchPolicy",
     "constant_sources",
     "guard_module",
+    "calibrate",
     "convert",
+    "load_calibration",
+    "load_energies",
     "load_plan",
     "report",
     "sensitivity",

@@ -29,18 +29,23 @@ from precast.ir import diagnostics
 from precast.ir.program import private_state
 from precast.ir.weights import WeightFiles, weightless
 from precast.pipeline.after_lowering import after_lowering
+from precast.pipeline.calibrate import calibrate as calibrate_program
+from precast.pipeline.calibrate import is_given
 from precast.pipeline.conversion import begin, run_checks
+from precast.pipeline.distributed import process_group
 from precast.pipeline.prepare import prepare
 from precast.pipeline.streamed import check_weights_out, write_weights
 from precast.pipeline.verify import verify_conversion
 from precast.policy.pinned import Pinned
 from precast.policy.plan import with_plan
 from precast.policy.resolve import POLICY_NAMES, resolve_policy, rule_options
+from precast.policy.rules.calibration import Calibration
+from precast.policy.rules.measures import TOLERANCE_BATCHES
 from precast.report.build import fill_report, new_report, unchanged_report, write_program_info
 from precast.report.model import Report
 from precast.threads import TORCH_LOCK
 
-__all__ = ["POLICY_NAMES", "ConvertResult", "convert"]
+__all__ = ["POLICY_NAMES", "ConvertResult", "calibrate", "convert"]
 
 
 def cache_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
@@ -174,12 +179,16 @@ def streamed_source(
         )
     if weights_out is None:
         raise PrecastError("weights= needs weights_out=: the folder the converted weights are written to")
-    for name, value in (("calibration", calibration), ("tolerance", tolerance)):
-        if value is not None:
-            raise PrecastError(
-                f"{name}= runs the program on data, which streamed weights cannot (no values in memory); "
-                "convert in memory, or leave it out"
-            )
+    if calibration is not None and not is_given(calibration):
+        raise PrecastError(
+            "calibration= batches run the program, which streamed weights cannot (no values in memory); pass "
+            "statistics measured beforehand (precast.calibrate, docs/distributed.md), or convert in memory"
+        )
+    if tolerance is not None:
+        raise PrecastError(
+            "tolerance= runs the converted program on data, which streamed weights cannot (no values in "
+            "memory); convert in memory, or leave it out"
+        )
     if policy == "auto" or type(policy).__name__ == "AutoPolicy":
         raise PrecastError(
             "policy='auto' times the converted program, which streamed weights cannot run; use 'torch', "
@@ -188,3 +197,43 @@ def streamed_source(
     files = WeightFiles(weights)
     check_weights_out(files.path, weights_out)  # before the conversion, not after it
     return files
+
+
+def calibrate(
+    program_or_module: ExportedProgram | torch.nn.Module,
+    data: Iterable[Any],
+    example_inputs: Any = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device_type: str | None = None,
+    dynamic_shapes: Any = None,
+    keep: int = TOLERANCE_BATCHES,
+    shard: tuple[int, int] | None = None,
+    group: Any = None,
+    progress: bool | None = None,
+) -> Calibration:
+    """The calibration statistics ``convert(..., policy="rules", calibration=...)`` would measure on ``data``,
+    as a value: ``.save(path)``, ``precast.load_calibration(path)``, ``.merge(other, ...)``, and
+    ``convert(..., calibration=cal)`` (or its path, or a list of them) converts with them without measuring.
+
+    ``dtype``: the low dtype the conversion will use (its subnormal counts; a conversion to another is refused).
+    ``keep``: batches kept for the tolerance search (the globally first). ``shard=(rank, world)``: ``data`` is
+    ``batches[rank::world]`` (files of all the shards merge into the statistics of all the batches). With
+    torch.distributed initialised (or ``group=``), every rank passes its shard and gets the merged statistics
+    (docs/distributed.md); ``group=False``: this process alone. (``convert(calibration=batches)`` measures in
+    its process alone: a conversion on rank 0 only never waits for the others.)"""
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+        raise PrecastError(f"keep={keep!r}: give a number of batches >= 0")
+    with TORCH_LOCK:
+        policy, low = resolve_policy("rules", dtype, device_type, {})
+        state = begin(program_or_module, example_inputs, policy, low, device_type, dynamic_shapes, None)
+        return calibrate_program(
+            state.program,
+            state.ep,
+            data,
+            low=state.low,
+            keep=keep,
+            progress=progress,
+            shard=shard,
+            group=process_group(group),
+        )

@@ -5,7 +5,9 @@ Input: an ``ExportedProgram`` or an ``nn.Module``, one batch of inputs, the low 
 ``Sensitivity``: every op the policy runs in low precision, ranked by the output error its rounding alone causes
 (``precast.pipeline.sensitivity``), the cumulative curve (estimated for every k, measured at a few), the first
 non-finite op (``precast.pipeline.nonfinite``), optionally a repro folder (``repro=DIR``) and the single-op
-ablation truth (``ablation=True``); ``plan(k)`` keeps the top k in fp32 as a portable ``Plan``.
+ablation truth (``ablation=True``); ``plan(k)`` keeps the top k in fp32 as a portable ``Plan``; ``energies``:
+what the ranking was made from, a mergeable value (``data=`` batches, summed over a process group's ranks, or
+given with ``energies=``; docs/distributed.md).
 
 Nothing here changes the caller's program or module: every program measured is a private copy, converted as
 ``precast.convert`` converts it.
@@ -14,6 +16,7 @@ Nothing here changes the caller's program or module: every program measured is a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,10 @@ from precast.errors import PrecastError, module_path, user_source_line
 from precast.io import atomic_path
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.inputs import check_example_inputs, placeholder_values
+from precast.pipeline.calibrate import batches_of
 from precast.pipeline.conversion import begin
+from precast.pipeline.distributed import process_group
+from precast.pipeline.energies import Energies, load_energies
 from precast.pipeline.nonfinite import is_nonfinite, op_inputs, op_subgraph, run_watching
 from precast.pipeline.prepare import prepare
 from precast.pipeline.sensitivity import METRICS, Estimate, Estimator, ablate, estimate
@@ -74,6 +80,12 @@ class Sensitivity:
     policy: str = "rules"  # what a plan written from this ranking applies over (Plan.policy)
 
     @property
+    def energies(self) -> Energies:
+        """The per-read error energies the ranking was made from, summed over the batches they were measured on
+        (a mergeable value: ``.save(path)``, ``.merge(...)``, ``sensitivity(..., energies=[...])``)."""
+        return self.estimate.energies
+
+    @property
     def ops(self) -> list:
         return self.estimate.ops
 
@@ -115,13 +127,21 @@ def sensitivity(
     measure_points: int = 1,
     ablation: bool = False,
     repro: str | Path | None = None,
+    data: Iterable[Any] | None = None,
+    group: Any = None,
+    energies: Any = None,
 ) -> Sensitivity:
     """Rank the ops the policy runs in low precision by the output error their rounding causes (docs/sensitivity.md).
 
     ``inputs``: one batch (as for ``convert``'s ``example_inputs``); ``metric``: "rel" (relative L2 error of an
     output), "cosine" (1 - cosine of output rows) or "max_abs"; ``measure_points``: curve points measured on real
     conversions (0-3); ``ablation``: also measure each op alone in low precision (one conversion per op);
-    ``repro``: a folder to write the first non-finite op (else the top-ranked op) as a standalone repro."""
+    ``repro``: a folder to write the first non-finite op (else the top-ranked op) as a standalone repro.
+    ``data``: batches to estimate the energies on (their mean over the batches; ``inputs`` stays the batch the
+    measured points, the all-low errors and the non-finite search run on); with torch.distributed initialised
+    (or ``group=``; ``group=False``: this process alone) each rank passes its shard and the energies are
+    summed over every rank's batches (docs/distributed.md). ``energies``: ``Energies`` or their files (a list:
+    merged) measured before, used instead of measuring."""
     if metric not in METRICS:
         raise PrecastError(f"metric={metric!r}: choose {', '.join(METRICS)}")
     if not isinstance(measure_points, int) or not 0 <= measure_points <= 3:
@@ -148,6 +168,18 @@ def sensitivity(
         )
     if inputs is None:
         raise PrecastError("sensitivity needs inputs to measure on: give one batch, e.g. (x,)")
+    if energies is not None and (data is not None or group not in (None, False)):
+        raise PrecastError(
+            "energies= are used as given: measure more with data= (and a process group), not both"
+        )
+    group = process_group(group) if data is not None else None  # every rank estimating on its shard
+    given = None
+    if energies is not None:
+        given = [load_energies(e) for e in (energies if isinstance(energies, (list, tuple)) else [energies])]
+        if not given:
+            raise PrecastError("energies=[]: give Energies or their files")
+    if data is not None:
+        data = batches_of(data)
     state = begin(program_or_module, inputs, pol, low, device_type, dynamic_shapes, None)
     state.log = DiagnosticLog()
     prepare(state)  # calibration (fp16's data_max), auto's latencies: as the conversion prepares them
@@ -166,8 +198,9 @@ def sensitivity(
     low = state.low or low
     ep = state.ep
     batch = check_example_inputs(ep, inputs)
+    more = {"data": data, "group": group, "given": given}
     result, est = estimate(
-        ep, state.policy, state.binding, batch, metric, measure_points=measure_points, low=low
+        ep, state.policy, state.binding, batch, metric, measure_points=measure_points, low=low, **more
     )
     if ablation:
         ablate(est, result.ops)

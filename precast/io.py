@@ -8,6 +8,8 @@
   OSError here, not an abort inside a C++ stream writer's destructor).
 - ``private_dir(path)``: a cache folder created 0700; one owned by another user or writable by group/others is
   refused (anyone who can write it can make precast load their native code).
+- ``write_tensors(out, tensors, metadata)`` / ``read_tensors(path)``: named tensors in the safetensors format
+  (written and read here with torch alone: no pickle, no extra dependency; the ``safetensors`` package reads it).
 - ``file_lock(path)``: an inter-process lock that says which lock it waits for after a few seconds and gives up
   after ``$PRECAST_LOCK_TIMEOUT`` seconds (default 600) with one line.
 
@@ -17,15 +19,20 @@ Input: destination paths, bytes. Output: files written whole or not at all; Prec
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import json
 import os
 import secrets
 import shutil
 import stat
+import struct
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import torch
 
 from precast.errors import PrecastError
 
@@ -248,3 +255,91 @@ def file_lock(path: str | Path, what: str, timeout: float | None = None) -> Iter
         yield
     finally:
         lock.release()
+
+
+# the safetensors format: an 8-byte little-endian header size, a JSON header (name -> dtype, shape, byte offsets
+# into the data; "__metadata__": str -> str), then the tensors' bytes, little-endian, back to back
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+HEADER_LIMIT = 100 << 20  # the format's own bound on the header
+
+
+DTYPE_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def safetensors_header(
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str], what: str
+) -> bytes:
+    """The size and JSON header of a safetensors file whose tensors (name, dtype, shape) follow in this order:
+    written before the data, so a file can be streamed tensor by tensor."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape in entries:
+        if dtype not in DTYPE_CODES:
+            raise PrecastError(f"{what}: tensor {name} is {dtype}, which the safetensors format cannot hold")
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        header[name] = {
+            "dtype": DTYPE_CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as the safetensors library writes it
+    return struct.pack("<Q", len(head)) + head
+
+
+def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """``tensors`` (CPU copies are taken) and string ``metadata`` as one safetensors file, whole or not at all."""
+    flat = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    head = safetensors_header([(n, t.dtype, tuple(t.shape)) for n, t in flat.items()], metadata, str(path))
+    chunks = [
+        ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
+        for t in flat.values()
+    ]
+    write_bytes(path, head + b"".join(chunks))
+
+
+def read_tensors(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file; a file that is not one whole is one PrecastError (``what``)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise PrecastError(f"{what} {path}: cannot read it ({exc.strerror})") from exc
+    bad = f"{what} {path}: not a complete safetensors file"
+    try:
+        (size,) = struct.unpack("<Q", data[:8])
+        if size > min(HEADER_LIMIT, len(data) - 8):
+            raise ValueError("header size")
+        header = json.loads(data[8 : 8 + size])
+        metadata = header.pop("__metadata__", {}) or {}
+        body, out, end = memoryview(data)[8 + size :], {}, 0
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            dtype, shape, (b, e) = SAFETENSORS_DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+            count = 1
+            for d in shape:
+                count *= int(d)
+            if b != end or e - b != count * torch.empty((), dtype=dtype).element_size() or e > len(body):
+                raise ValueError(f"offsets of {name}")
+            end = e
+            flat = (
+                torch.frombuffer(bytearray(body[b:e]), dtype=dtype) if e > b else torch.empty(0, dtype=dtype)
+            )
+            out[name] = flat.reshape(shape)
+        if end != len(body) or not all(isinstance(v, str) for v in metadata.values()):
+            raise ValueError("trailing bytes")
+    except (ValueError, KeyError, TypeError, struct.error) as exc:
+        raise PrecastError(f"{bad} ({exc}); write it again") from exc
+    return out, metadata

@@ -63,6 +63,14 @@ def add_parser(sub) -> None:
         help="rules: a list of input tuples saved with torch.save, for data_max and tolerance",
     )
     p.add_argument(
+        "--calibration-stats",
+        nargs="+",
+        default=None,
+        metavar="FILE.json",
+        help="rules: statistics saved by precast.calibrate(...).save (one per shard or rank: merged), used "
+        "instead of measuring (docs/distributed.md)",
+    )
+    p.add_argument(
         "--patterns",
         nargs="*",
         default=None,
@@ -156,7 +164,13 @@ def check_options(args: argparse.Namespace) -> dict:
     opts = {name: getattr(args, name) for name in FLAGS if getattr(args, name) not in (None, (), [])}
     if args.patterns is not None:  # `--patterns` alone: none
         opts["patterns"] = tuple(args.patterns)
+    stats = getattr(args, "calibration_stats", None)
     rules_only = [FLAGS[name] for name in opts] + (["--calibration"] if args.calibration else [])
+    rules_only += ["--calibration-stats"] if stats else []
+    if args.calibration and stats:
+        raise PrecastError(
+            "--calibration and --calibration-stats: give batches to measure or statistics, not both"
+        )
     plan = getattr(args, "plan", None)
     if plan is not None and args.policy not in (None, "torch", "rules", "auto"):
         raise PrecastError(f"--plan: applies to --policy torch, rules or auto, not {args.policy}")
@@ -175,18 +189,24 @@ def check_options(args: argparse.Namespace) -> dict:
         check_program_file(args.source)
     elif not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", args.source):
         raise PrecastError(f"'{args.source}': expected a saved program path or 'package.module:factory'")
-    if args.weights_out and not args.weights:
+    weights, weights_out = getattr(args, "weights", None), getattr(args, "weights_out", None)
+    if weights_out and not weights:
         raise PrecastError("--weights-out: give --weights (the folder the weights are read from) as well")
-    if args.weights and _is_factory(args.source):
+    if weights and _is_factory(args.source):
         raise PrecastError(
             "--weights: streams the weights of a saved program; a factory's module holds its own"
         )
-    if args.weights and not Path(args.weights).exists():
-        raise PrecastError(f"--weights {args.weights}: no such folder or file")
+    if weights and not Path(weights).exists():
+        raise PrecastError(f"--weights {weights}: no such folder or file")
     if args.calibration and not Path(args.calibration).is_file():
         raise PrecastError(
             f"--calibration {args.calibration}: no such file; save a list of input tuples with torch.save"
         )
+    for f in stats or ():
+        if not Path(f).is_file():
+            raise PrecastError(
+                f"--calibration-stats {f}: no such file; write one with precast.calibrate(...).save"
+            )
     return opts
 
 
@@ -212,7 +232,8 @@ def _load_calibration(path: str) -> list:
 
 def run(args: argparse.Namespace) -> int:
     opts = check_options(args)
-    inputs_ = (None if _is_factory(args.source) else args.source, args.calibration)
+    stats = tuple(getattr(args, "calibration_stats", None) or ())
+    inputs_ = (None if _is_factory(args.source) else args.source, args.calibration, *stats)
     check_writable(args.output, inputs_)
     if args.write_plan:
         check_writable(args.write_plan, inputs_)
@@ -222,6 +243,13 @@ def run(args: argparse.Namespace) -> int:
         opts["plan"] = load_plan(args.plan)  # checked before the (long) load of the program
     if args.calibration:
         opts["calibration"] = _load_calibration(args.calibration)  # small and quick: before the program
+    if stats:
+        from precast.policy.rules.calibration import load_calibration
+
+        # a corrupt file or a bad merge is said before the program loads; convert checks each file against it
+        cals = [load_calibration(f) for f in stats]
+        cals[0].merge(*cals[1:])
+        opts["calibration"] = [Path(f) for f in stats]
     import precast
 
     if args.weights:

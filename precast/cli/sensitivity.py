@@ -76,6 +76,20 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--keep", type=int, default=None, help="with --write-plan: how many ops (the greedy order)"
     )
+    p.add_argument(
+        "--energies",
+        nargs="+",
+        default=None,
+        metavar="FILE.json",
+        help="rank from energies saved before (--write-energies; several: merged, e.g. one per rank) instead of "
+        "measuring them (docs/distributed.md)",
+    )
+    p.add_argument(
+        "--write-energies",
+        default=None,
+        metavar="OUT.json",
+        help="save the energies the ranking was made from",
+    )
     p.set_defaults(run=run, calibration=None, allow=[])
 
 
@@ -83,9 +97,14 @@ def run(args: argparse.Namespace) -> int:
     from precast.cli.convert import check_options, load_source
 
     opts = check_options(argparse.Namespace(**{**vars(args), "policy": _convert_policy(args.policy)}))
-    for path in (args.plot, args.model_explorer, args.write_plan):
+    for path in (args.plot, args.model_explorer, args.write_plan, args.write_energies):
         if path:
-            check_writable(path)
+            check_writable(path, tuple(args.energies or ()))
+    given = None
+    if args.energies:
+        from precast.pipeline.energies import load_energies
+
+        given = [load_energies(f) for f in args.energies]  # checked before the (long) load of the program
     if args.write_plan and args.keep is None:
         raise PrecastError("--write-plan: say how many of the ranked ops to keep in fp32 with --keep K")
     if args.keep is not None and args.keep < 0:
@@ -130,8 +149,11 @@ def run(args: argparse.Namespace) -> int:
         measure_points=args.measure_points,
         ablation=args.ablation,
         repro=args.repro,
+        energies=given,
     )
     est = s.estimate
+    if args.write_energies:
+        s.energies.save(args.write_energies)
     if args.plot:
         with atomic_path(args.plot) as tmp:
             plot_sensitivity(est, tmp, top=args.top)

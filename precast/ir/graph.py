@@ -1,10 +1,12 @@
 """Graph vocabulary shared by every stage: what a precast cast is, no-op conversions, views, constants bytes,
-output dtypes.
+output dtypes, a key for a graph's node names (``graph_key``).
 
 Input: FX nodes / graphs / Programs. Output: facts about them; nothing here rewrites a graph.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.utils._pytree as pytree
@@ -136,3 +138,15 @@ def op_device_type(args: tuple, kwargs: dict) -> str | None:
 
 # An argument position: ("args", 0), ("args", 1, 2) for the 3rd tensor of a list argument, ("kwargs", "weight")
 ArgPath = tuple
+
+
+def graph_key(graph: torch.fx.Graph) -> str:
+    """A hash of the graph's nodes (op, name, target, arguments) and its inputs' dtypes and ranks: what node
+    names mean in statistics measured on it. The same export of the same model gives the same key in any
+    process; another model, or another export of it, another key."""
+    h = hashlib.sha256()
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        typ = f"{val.dtype}/{val.dim()}" if n.op == "placeholder" and isinstance(val, torch.Tensor) else ""
+        h.update(f"{n.op}|{n.name}|{n.target}|{n.args}|{n.kwargs}|{typ}\n".encode())
+    return h.hexdigest()[:32]

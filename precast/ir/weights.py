@@ -29,22 +29,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import ExportedProgram
 
 from precast.errors import PrecastError, first_line
+from precast.io import SAFETENSORS_DTYPES
 from precast.ir.program import CONSTANT_KINDS, written_targets
 
 INDEX = "model.safetensors.index.json"
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-DTYPE_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from precast.errors import PrecastError
 from precast.ir import diagnostics
-from precast.pipeline.calibrate import calibrate_stage
+from precast.pipeline.calibrate import calibrate_stage, is_given
 from precast.pipeline.conversion import Conversion
 from precast.pipeline.latency import measure_program
 from precast.pipeline.runner import run_stage
@@ -43,21 +43,22 @@ def prepare(state: Conversion) -> None:
     tol = parse_tolerance(hook(policy, "tolerance")) if "tolerance" in steps else None
     opts = binding.options
     ranges = isinstance(opts, RuleOptions) and (opts.data_max is not None or opts.data_min is not None)
-    if "calibrate" in steps and state.weights is not None:  # streamed: no values to run (api refuses data)
+    data = hook(policy, "calibration")
+    # streamed weights: nothing can run; statistics measured beforehand (precast.calibrate) serve as they are
+    if "calibrate" in steps and state.weights is not None and not (data is not None and is_given(data)):
         if ranges:
             diagnostics.record(
                 log,
                 "data-max-inactive",
                 "data_max and flush_to_zero are not applied: the weights are streamed from files, so nothing "
-                "runs the program during conversion; convert in memory with calibration=[...] to apply them",
+                "runs the program during conversion; pass statistics measured with precast.calibrate (docs/"
+                "distributed.md) as calibration=, or convert in memory",
             )
     elif "calibrate" in steps:
         binding.calibration = run_stage(
             program,
             "calibrate",
-            lambda p: calibrate_stage(
-                p, state.ep, log, hook(policy, "calibration"), low, ranges=ranges, tol=tol is not None
-            ),
+            lambda p: calibrate_stage(p, state.ep, log, data, low, ranges=ranges, tol=tol is not None),
         )
     if tol is not None and binding.calibration is None:
         raise PrecastError("tolerance= needs data to measure the error on: pass calibration=[inputs, ...]")

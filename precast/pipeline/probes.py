@@ -2,7 +2,7 @@
 reference program computes how (``op_roles``), which ops round each read (``computing_producers``,
 ``read_sources``), the tapping forward that keeps every value each op reads (``Tapping``), and the expected output
 error each read's rounding causes, from random-sign backward probes (``probe_energies``) or without gradients
-(``local_energies``).
+(``local_energies``); the tapping forward that also keeps each watched op's value range (``Ranging``).
 
 Input: a reference Program, the decisions of its all-low lowering, one batch. Output: per tapped read, an energy;
 per read, the ops whose low precision rounds it (``Source``).
@@ -226,3 +226,37 @@ def random_probe(y: torch.Tensor, key: str, gen: torch.Generator) -> torch.Tenso
         norm > 0, (0.5**0.5) / norm.clamp_min(1e-300), torch.zeros_like(norm)
     )
     return v.reshape(y.shape)
+
+
+def value_range(t: torch.Tensor, tiny: float) -> tuple[float, float | None, int, int]:
+    """(absmax, smallest nonzero |value|, nonzero values below ``tiny``, nonzero values) of a floating tensor."""
+    a = t.detach().abs()
+    if a.numel() == 0:
+        return (0.0, None, 0, 0)
+    lo, hi = torch.aminmax(a)
+    absmin = lo.item()
+    if absmin > 0:  # no zero (nor NaN): one pass said it all, unless some values are below tiny
+        small = int(torch.count_nonzero(a < tiny).item()) if absmin < tiny else 0
+        return (hi.item(), absmin, small, a.numel())
+    nonzero = a > 0
+    count = int(nonzero.sum().item())
+    absmin = torch.where(nonzero, a, torch.full_like(a, float("inf"))).amin().item() if count else None
+    small = int((nonzero & (a < tiny)).sum().item())
+    return (hi.item(), absmin, small, count)
+
+
+class Ranging(Tapping):
+    """The tapping forward, also keeping each watched op's output range."""
+
+    def __init__(
+        self, gm: torch.fx.GraphModule, readers: set[str], watch: set[str], tiny: float, grad: bool = True
+    ):
+        super().__init__(gm, readers, grad)
+        self.watch, self.tiny = watch, tiny
+        self.ranges: dict[str, tuple] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.name in self.watch and isinstance(out, torch.Tensor) and out.is_floating_point():
+            self.ranges[n.name] = value_range(out, self.tiny)
+        return out

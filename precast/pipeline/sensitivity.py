@@ -10,7 +10,9 @@ program taps every value each computing op reads (``Tapping``), and ``PROBES`` b
 give, per read, the expected output error its rounding to the low dtype causes (``probe_energies``). A read is
 rounded unless every op that makes the value and the op that reads it run in fp32 (``Source.members``), so with
 op X alone in low precision (every other op in fp32) exactly the sources X is a member of are rounded: X's
-estimate is the sum of their energies. Unlike the search, the matmul/convolution family is ranked too (the user
+estimate is the sum of their energies. With ``data`` the energies are estimated on each of its batches and the
+ranking uses their mean (``precast.pipeline.energies``), summed over a process group's ranks first when one is
+given (``precast.pipeline.distributed``); given ``Energies`` replace the measurement. Unlike the search, the matmul/convolution family is ranked too (the user
 asks which op breaks, and may keep any in fp32).
 
 Every program measured here is the one the conversion builds (``policy.bind(..., fallback=kept)`` then
@@ -22,6 +24,7 @@ simulations. The policy's own program is measured by the watched run that looks 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,17 +35,26 @@ import torch.fx
 from torch.export import ExportedProgram
 
 from precast.dtypes import dtype_name
-from precast.errors import first_line, module_path, user_source_line
+from precast.errors import PrecastError, first_line, module_path, user_source_line
 from precast.ir.diagnostics import DiagnosticLog
-from precast.ir.graph import CAST_META, output_dtypes
+from precast.ir.graph import CAST_META, graph_key, output_dtypes
 from precast.ir.inputs import placeholder_values, user_values
 from precast.ir.program import Program
 from precast.ir.regions import POLICY_OP_META, REGION_META
 from precast.metrics import WorstError
 from precast.pipeline import lower
+from precast.pipeline.distributed import rank_and_size, reduce_energies
+from precast.pipeline.energies import Energies, merge_range, range_status
 from precast.pipeline.fold import CastCache
 from precast.pipeline.nonfinite import NonFinite, first_nonfinite
-from precast.pipeline.probes import Tapping, local_energies, op_roles, probe_energies, read_sources
+from precast.pipeline.probes import (
+    Ranging,
+    local_energies,
+    op_roles,
+    probe_energies,
+    read_sources,
+    value_range,
+)
 from precast.pipeline.regions import inline_regions
 from precast.pipeline.tolerance import check_program, user_outputs
 from precast.policy.pinned import pin_names
@@ -53,8 +65,6 @@ METRICS = ("rel", "cosine", "max_abs")
 # measured curve points: the fewest ops whose estimate leaves this share of the error
 CURVE_FRACTIONS = (0.1, 0.5, 0.01)
 SELECTIONS = {"embedding", "embedding_bag", "index_select", "gather"}  # ops that only pick values of a table
-# "underflow" when more than this share of an op's nonzero values are below the low dtype's normals
-UNDERFLOW_SHARE = 0.01
 # random-sign backward passes of the instrumented forward: more than the tolerance search's 2, since the
 # ranking itself is the product here (neighbouring layer norms differ by a few percent)
 PROBES = 8
@@ -106,6 +116,7 @@ class Estimate:
     fixed: float = 0.0  # estimated error no op of the ranking can remove
     nonfinite: NonFinite | None = None
     extra: dict = field(default_factory=dict)
+    energies: Energies | None = None  # what the ranking was made from (mergeable: precast.pipeline.energies)
 
 
 def metric_value(m: dict, metric: str) -> float:
@@ -117,11 +128,20 @@ class Estimator:
     """The reference (instrumented once), the policy's program and its low ops, and ``measure(kept)``."""
 
     def __init__(
-        self, ep: ExportedProgram, policy: Any, binding: Any, batch: tuple, metric: str, low: Any = None
+        self,
+        ep: ExportedProgram,
+        policy: Any,
+        binding: Any,
+        batch: tuple,
+        metric: str,
+        low: Any = None,
+        **more: Any,
     ):
         if metric not in METRICS:
             raise ValueError(metric)
         self.ep, self.policy, self.binding, self.batch, self.metric = ep, policy, binding, batch, metric
+        # energies from ``data`` (reduced over ``group``), else given (``given``: Energies), else from ``batch``
+        self.data, self.group, self.given = more.get("data"), more.get("group"), more.get("given")
         # a policy that binds a decider (rules, auto) keeps ops fp32 through it; policy torch and the program's
         # regions (policy None) through ``Pinned`` (precast/policy/pinned.py): the same estimator over either
         self.low = binding.options.low if binding is not None else low
@@ -160,6 +180,8 @@ class Estimator:
         self.roles = op_roles(
             self.ref, {n.name for n in program.graph.nodes}, decisions, set(self.candidates)
         )
+        key = f"{graph_key(program.graph)}|{'regions' if policy is None else policy.name}|{','.join(self.candidates)}"
+        self.energies = Energies(hashlib.sha256(key.encode()).hexdigest()[:32], dtype_name(self.low), metric)
         self.refs, self.sources, self.ranges, self.ranked_by = self._reference()
 
     def _candidate(self, node: torch.fx.Node, d: Any) -> bool:
@@ -221,36 +243,63 @@ class Estimator:
             # its reads are rounded by their producers, so they are tapped too
             readers |= {n.name for n in ref.graph.nodes if roles.get(n.name) == "follow" and _computes(n)}
         readers.add(ref.graph.output_node().name)
-        tiny = torch.finfo(self.low).tiny
-        interp = _Ranging(ref.gm, readers, set(self.candidates), tiny)
+        if self.given is not None or self.data is not None:  # the energies come from elsewhere
+            interp = Ranging(ref.gm, set(), set(), 0.0, grad=False)
+            with torch.no_grad():
+                self.forwards += 1
+                outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
+        else:
+            outs, energy, ranges, ranked_by = self._tap(self.user, readers)
+            self.energies.add(energy, ranges)
+            self.energies.ranked_by = ranked_by
+        if self.given is not None:
+            self.energies = self.energies.merge(*self.given) if self.given else self.energies
+        elif self.data is not None:
+            rank, world = rank_and_size(self.group) if self.group is not None else (0, 1)
+            for i, batch in enumerate(self.data):
+                user = user_values(self.all_low, self.ep, batch, f"sensitivity batch {i * world + rank}")
+                _, energy, ranges, self.energies.ranked_by = self._tap(user, readers)
+                self.energies.add(energy, ranges)
+                del user, batch, energy
+            if self.group is not None:
+                self.energies = reduce_energies(self.energies, self.group)
+        if self.energies.batches == 0:
+            raise PrecastError("sensitivity: data= holds no batch; give at least one (on every rank)")
+        refs = [[o.detach() if isinstance(o, torch.Tensor) else o for o in outs]]
+        self.out_shapes = [o.shape for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        sources = read_sources(ref, self.energies.mean(), roles)
+        return refs, sources, dict(self.energies.ranges), self.energies.ranked_by
+
+    def _tap(self, user: list, readers: set[str]) -> tuple[list, dict, dict, str]:
+        """One batch through the instrumented reference: (outputs, energy per read, range per ranked op, how
+        the energies were estimated)."""
+        ref, tiny = self.ref, torch.finfo(self.low).tiny
+        interp = Ranging(ref.gm, readers, set(self.candidates), tiny)
         ranked_by = "first-order sensitivity"
         tol = Tolerance({self.metric: 1.0})
         outs = None
         try:
             with torch.enable_grad():
                 self.forwards += 1
-                outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
+                outs = user_outputs(ref, interp.run(*placeholder_values(ref, user)))
                 energy = probe_energies(outs, interp, self.low, tol, PROBES, CONSTANT_PROBES)
             self.backwards += PROBES
         except Exception as exc:  # noqa: BLE001 - said in ranked_by: the estimate falls back to local rounding
             ranked_by = f"local rounding error (no gradients: {type(exc).__name__}: {first_line(exc)})"
             if outs is None:
-                interp = _Ranging(ref.gm, readers, set(self.candidates), tiny, grad=False)
+                interp = Ranging(ref.gm, readers, set(self.candidates), tiny, grad=False)
                 with torch.no_grad():
                     self.forwards += 1
-                    outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
+                    outs = user_outputs(ref, interp.run(*placeholder_values(ref, user)))
             energy = local_energies(interp.taps, self.low)
-        refs = [[o.detach() if isinstance(o, torch.Tensor) else o for o in outs]]
-        self.out_shapes = [o.shape for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()]
-        sources = read_sources(ref, energy, roles)
         ranges = dict(interp.ranges)
         seen: dict[str, tuple] = {}  # one range per value, however many ops read it
         for (value, reader), t in interp.taps.items():  # an op's range covers the values it reads
             if reader in ranges:
                 if value not in seen:
-                    seen[value] = _range(t, tiny)
-                ranges[reader] = _merge(ranges[reader], seen[value])
-        return refs, sources, ranges, ranked_by
+                    seen[value] = value_range(t, tiny)
+                ranges[reader] = merge_range(ranges[reader], seen[value])
+        return outs, energy, ranges, ranked_by
 
     def to_metric(self, energy: float) -> float:
         """Estimated error in the metric from an error energy (see ``probe_energies``): rel, the square root;
@@ -276,7 +325,7 @@ class Estimator:
         for name, e in per_op.items():
             node = self.nodes[name]
             rng = self.ranges.get(name)
-            status, note = _status(rng, finfo, dtype_name(self.low))
+            status, note = range_status(rng, finfo, dtype_name(self.low))
             out.append(
                 OpSensitivity(
                     name,
@@ -307,11 +356,13 @@ def estimate(
     *,
     measure_points: int = 1,
     low: Any = None,
+    **more: Any,
 ) -> tuple[Estimate, Estimator]:
     """Rank, curve (every k estimated; ``measure_points`` of them measured on real conversions), all-low.
-    ``low``: the low dtype, for a policy without a binding (torch, or None: the program's regions)."""
+    ``low``: the low dtype, for a policy without a binding (torch, or None: the program's regions); ``more``:
+    ``data`` (batches to estimate the energies on), ``group`` (to reduce them over), ``given`` (Energies)."""
     start = time.perf_counter()
-    est = Estimator(ep, policy, binding, batch, metric, low)
+    est = Estimator(ep, policy, binding, batch, metric, low, **more)
     ops = est.rank_ops()
     ranking = rank(est.candidates, est.sources)
     all_low = est.all_low_errors()
@@ -340,7 +391,7 @@ def estimate(
         fixed=est.to_metric(ranking.fixed),
         nonfinite=est.nonfinite,
     )
-    result.seconds = time.perf_counter() - start
+    result.seconds, result.energies = time.perf_counter() - start, est.energies
     return result, est
 
 
@@ -373,56 +424,3 @@ def ablate(est: Estimator, ops: list[OpSensitivity]) -> None:
     for o in ops:
         kept = {k: v for k, v in everything.items() if k != o.name}
         o.truth = metric_value(est.measure(kept), est.metric)
-
-
-def _range(t: torch.Tensor, tiny: float) -> tuple[float, float | None, int, int]:
-    """(absmax, smallest nonzero |value|, nonzero values below ``tiny``, nonzero values) of a floating tensor."""
-    a = t.detach().abs()
-    if a.numel() == 0:
-        return (0.0, None, 0, 0)
-    lo, hi = torch.aminmax(a)
-    absmin = lo.item()
-    if absmin > 0:  # no zero (nor NaN): one pass said it all, unless some values are below tiny
-        small = int(torch.count_nonzero(a < tiny).item()) if absmin < tiny else 0
-        return (hi.item(), absmin, small, a.numel())
-    nonzero = a > 0
-    count = int(nonzero.sum().item())
-    absmin = torch.where(nonzero, a, torch.full_like(a, float("inf"))).amin().item() if count else None
-    small = int((nonzero & (a < tiny)).sum().item())
-    return (hi.item(), absmin, small, count)
-
-
-def _merge(a: tuple, b: tuple) -> tuple:
-    mins = [x for x in (a[1], b[1]) if x is not None]
-    return (max(a[0], b[0]), min(mins) if mins else None, a[2] + b[2], a[3] + b[3])
-
-
-def _status(rng: tuple | None, finfo: Any, low: str) -> tuple[str, str]:
-    if rng is None:
-        return "fine", ""
-    absmax, absmin, small, nonzero = rng
-    if absmax > finfo.max:
-        return "overflow", f"|values| reach {absmax:.3g}, beyond {low}'s ±{finfo.max:.6g}"
-    if nonzero and small / nonzero > UNDERFLOW_SHARE:
-        return "underflow", (
-            f"{small / nonzero:.1%} of its nonzero values (as small as {absmin:.3g}) are below {low}'s smallest "
-            f"normal {finfo.tiny:.3g}: subnormal or flushed to zero"
-        )
-    return "fine", ""
-
-
-class _Ranging(Tapping):
-    """The tapping forward, also keeping each watched op's output range."""
-
-    def __init__(
-        self, gm: torch.fx.GraphModule, readers: set[str], watch: set[str], tiny: float, grad: bool = True
-    ):
-        super().__init__(gm, readers, grad)
-        self.watch, self.tiny = watch, tiny
-        self.ranges: dict[str, tuple] = {}
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        out = super().run_node(n)
-        if n.name in self.watch and isinstance(out, torch.Tensor) and out.is_floating_point():
-            self.ranges[n.name] = _range(out, self.tiny)
-        return out

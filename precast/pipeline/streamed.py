@@ -32,8 +32,9 @@ import torch
 from torch.export import ExportedProgram
 
 from precast.errors import PrecastError
+from precast.io import safetensors_header
 from precast.ir.program import constant_sources
-from precast.ir.weights import DTYPE_CODES, INDEX, WeightFiles, has_values, streamed_targets, tensor_bytes
+from precast.ir.weights import INDEX, WeightFiles, has_values, streamed_targets, tensor_bytes
 from precast.pipeline.fold import cast_constant
 from precast.progress import ProgressBar
 
@@ -70,24 +71,6 @@ def check_weights_out(source: Path, out_dir: str | os.PathLike) -> Path:
     return out
 
 
-def _header(entries: list[tuple[str, str, torch.dtype, tuple]], metadata: dict[str, str]) -> bytes:
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for stored, _original, dtype, shape in entries:
-        n = dtype.itemsize
-        for s in shape:
-            n *= s
-        header[stored] = {
-            "dtype": DTYPE_CODES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + n],
-        }
-        offset += n
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    return len(text).to_bytes(8, "little") + text
-
-
 def write_weights(
     ep: ExportedProgram, files: WeightFiles, out_dir: str | os.PathLike, progress: bool | None = None
 ) -> dict:
@@ -116,7 +99,13 @@ def write_weights(
                 entries.sort()
                 name = shard.name if shard.suffix == ".safetensors" else "model.safetensors"
                 with open(tmp / name, "wb") as f:
-                    f.write(_header(entries, {"format": "pt", "written_by": "precast"}))
+                    f.write(
+                        safetensors_header(
+                            [(stored, dtype, shape) for stored, _o, dtype, shape in entries],
+                            {"format": "pt", "written_by": "precast"},
+                            str(out / name),
+                        )
+                    )
                     for stored, original, dtype, shape in entries:
                         value = files.read(original)
                         record["bytes_read"] += value.numel() * value.element_size()

@@ -164,9 +164,9 @@ def test_refusals_are_one_line(llama, tmp_path):
                 weights=folder,
                 weights_out=tmp_path / "o",
                 policy="rules",
-                calibration=[(_ids,)],
+                tolerance=0.01,
             ),
-            "calibration=",
+            "tolerance=",
         ),
         (dict(weights=tmp_path / "nothing", weights_out=tmp_path / "o"), "no such file or folder"),
     ]
@@ -252,3 +252,28 @@ def test_device_check_runs_on_stand_in_weights(llama, tmp_path, monkeypatch):
     assert out.program.graph_module.code == ref.program.graph_module.code
     ran = precast.with_weights(out.program, tmp_path / "o").module()(ids)
     assert torch.equal(ran, ref.program.module()(ids))
+
+
+def test_statistics_measured_beforehand_serve_a_streamed_conversion(llama, tmp_path):
+    """Ranges measured with precast.calibrate (on a machine that holds the weights, or over ranks) apply to the
+    streamed conversion as to the in-memory one; only batches, which would run the program, are refused."""
+    folder, ep, real, ids = llama
+    batches = [(torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(s)),) for s in range(3)]
+    cal = precast.calibrate(real, batches, dtype="fp16", keep=0)
+    cal.save(tmp_path / "stats.json")
+    ref = precast.convert(real, policy="rules", dtype="fp16", calibration=cal, verify=False)
+    out = precast.convert(
+        ep,
+        policy="rules",
+        dtype="fp16",
+        calibration=tmp_path / "stats.json",
+        weights=folder,
+        weights_out=tmp_path / "o",
+    )
+    assert out.program.graph_module.code == ref.program.graph_module.code
+    assert "data-max-inactive" not in {d.code for d in out.report.diagnostics}
+    assert torch.equal(
+        precast.with_weights(out.program, tmp_path / "o").module()(ids), ref.program.module()(ids)
+    )
+    with pytest.raises(PrecastError, match="calibration= batches run the program"):
+        precast.convert(ep, policy="rules", calibration=batches, weights=folder, weights_out=tmp_path / "x")

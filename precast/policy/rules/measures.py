@@ -1,5 +1,6 @@
 """What the rules measure on an op: reduction depth (how many values an output sums), scalars beyond the low
-dtype's range, and the per-op value statistics calibration collects (``NodeStats``, ``Calibration``).
+dtype's range; the per-op value statistics calibration collects (``NodeStats``, ``Calibration``) are in
+``precast.policy.rules.calibration`` and re-exported here.
 
 Input: an op node with its (fake) arguments, or observed tensors. Output: numbers a rule compares with a limit.
 """
@@ -7,14 +8,19 @@ Input: an op node with its (fake) arguments, or observed tensors. Output: number
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from precast.ir.graph import tensor_args
 from precast.ir.op_families import CONV_OPS
+from precast.policy.rules.calibration import (  # re-exported: their home before the merge and files
+    COUNTS,
+    TOLERANCE_BATCHES,
+    Calibration,
+    NodeStats,
+    smallest_subnormal,
+)
 from precast.policy.rules.taxonomy import MATMUL_INNER, NORM_OPS, REDUCE_DIM_OPS, op_name
 
 
@@ -112,69 +118,12 @@ def scalar_beyond(
     return None
 
 
-# batches kept from the single pass over the calibration data for the tolerance search (several forwards each)
-TOLERANCE_BATCHES = 8
-
-
-@dataclass
-class NodeStats:
-    """Range of a node's floating outputs over every batch (non-finite values counted, not in the range).
-
-    With a low dtype given, also how many finite values are nonzero, how many of those are subnormal in the low
-    dtype (below its smallest normal, ``torch.finfo(low).tiny``: few significant bits left) and how many flush
-    to zero there (at most half its smallest subnormal, which rounds to 0).
-    """
-
-    absmax: float = 0.0
-    min: float = math.inf
-    max: float = -math.inf
-    nonfinite: int = 0
-    batches: int = 0
-    count: int = 0  # finite floating values seen
-    nonzero: int = 0
-    subnormal: int = 0  # nonzero values below the low dtype's smallest normal (flushed ones included)
-    flushed: int = 0  # nonzero values that become 0 in the low dtype
-
-    def update(self, value: object, low: torch.dtype | None = None) -> None:
-        seen = False
-        for t in pytree.tree_leaves(value):
-            if not (isinstance(t, torch.Tensor) and t.is_floating_point()) or t.numel() == 0:
-                continue
-            seen = True
-            self._update_tensor(t.detach(), low)
-        self.batches += seen
-
-    def _update_tensor(self, t: torch.Tensor, low: torch.dtype | None) -> None:
-        finite = torch.isfinite(t)
-        bad = int(t.numel() - finite.sum().item())
-        self.nonfinite += bad
-        vals = t[finite] if bad else t
-        self.count += vals.numel()
-        if not vals.numel():
-            return
-        lo, hi = vals.min().item(), vals.max().item()
-        self.min, self.max = min(self.min, lo), max(self.max, hi)
-        self.absmax = max(self.absmax, abs(lo), abs(hi))
-        if low is None:
-            return
-        mag = vals.abs()
-        nonzero = mag > 0
-        self.nonzero += int(nonzero.sum().item())
-        small = nonzero & (mag < torch.finfo(low).tiny)
-        if small.any():
-            self.subnormal += int(small.sum().item())
-            self.flushed += int((small & (mag <= smallest_subnormal(low) / 2)).sum().item())
-
-
-def smallest_subnormal(dtype: torch.dtype) -> float:
-    """2**-24 for float16, 2**-133 for bfloat16: the smallest positive value the dtype holds."""
-    info = torch.finfo(dtype)
-    return info.tiny * info.eps
-
-
-@dataclass
-class Calibration:
-    stats: dict[str, NodeStats] = field(default_factory=dict)
-    batches: int = 0
-    source: str = "calibration data"  # or "the example inputs"
-    sample: list[tuple[tuple, dict]] = field(default_factory=list)  # the first batches, as (args, kwargs)
+__all__ = [
+    "COUNTS",
+    "TOLERANCE_BATCHES",
+    "Calibration",
+    "NodeStats",
+    "reduction_depth",
+    "scalar_beyond",
+    "smallest_subnormal",
+]
