@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from precast.backends.signature import batch_symbols, exported_program
+from precast.backends.signature import batch_symbols, exported_program, refuse_written_state
 from precast.errors import PrecastError, first_line
 from precast.io import atomic_path
 from precast.threads import quiet_logger
@@ -96,6 +96,7 @@ def export_onnx(
     import onnx
 
     ep = exported_program(program, "export_onnx")
+    refuse_written_state(ep, "an ONNX Runtime session", "export_onnx")
     started = time.perf_counter()
     if dynamic_batch:
         ep = _dynamic(ep)

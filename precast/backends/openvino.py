@@ -50,7 +50,13 @@ from precast.backends.openvino_plan import (
     warn_overrides,
 )
 from precast.backends.openvino_precision import HINTS, exact_attention_scales, hints_to_try, prepare
-from precast.backends.signature import ProgramSignature, batch_symbols, dynamic_batch, exported_program
+from precast.backends.signature import (
+    ProgramSignature,
+    batch_symbols,
+    dynamic_batch,
+    exported_program,
+    refuse_written_state,
+)
 from precast.errors import PrecastError, first_line
 from precast.io import check_writable
 from precast.ir.program import node_records
@@ -152,6 +158,7 @@ def compile_openvino(
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise PrecastError(f"precast.compile(backend='openvino'): threads={threads!r}; give a positive int")
     _check_cpu_tensors(ep)
+    refuse_written_state(ep, "OpenVINO", "precast.compile(backend='openvino')")
     started = time.perf_counter()
     if dynamic and not batch_symbols(ep):
         ep = dynamic_batch(ep)  # warns when the graph fixes the batch size

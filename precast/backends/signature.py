@@ -379,3 +379,19 @@ def batch_symbols(ep: ExportedProgram) -> set[str]:
             if isinstance(dim, torch.SymInt) and dim.node.expr.free_symbols:
                 out.add(str(dim))
     return out
+
+
+def refuse_written_state(ep: ExportedProgram, engine: str, what: str) -> None:
+    """One line where ``ep`` writes state (a KV cache, a running statistic) that ``engine`` would not carry from
+    one call to the next: each call there would start again from the values the program was exported with
+    (measured with OpenVINO on a Llama decoder: prefill right, the next decode step's logits at cosine 0.07)."""
+    from precast.ir.program import written_targets
+
+    written = sorted(written_targets(ep))
+    if written:
+        shown = ", ".join(written[:4]) + (" ..." if len(written) > 4 else "")
+        raise PrecastError(
+            f"{what}: the program writes {len(written)} buffer(s) from call to call ({shown}: a KV cache or a "
+            f"running statistic), which {engine} does not carry between calls, so every call after the first "
+            "would be wrong; serve it with precast.compile (AOTInductor) or ExecuTorch, which keep them"
+        )

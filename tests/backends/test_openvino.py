@@ -419,3 +419,27 @@ def test_ir_files_get_the_umask_permissions(tmp_path):
     os.umask(umask)
     for name in ("m.xml", "m.bin"):
         assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_program_that_writes_state_is_refused(tmp_path):
+    """OpenVINO (and an ONNX Runtime session) would not carry a written buffer from call to call: each call would
+    start from the exported values (a decoder's next step wrong), so both refuse with one line."""
+
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(2, 4))
+
+        def forward(self, x, pos):
+            self.cache.index_copy_(0, pos, x)
+            return self.cache.sum(0)
+
+    ep = torch.export.export(Counter(), (torch.ones(1, 4), torch.tensor([0])))
+    with pytest.raises(PrecastError, match=r"writes 1 buffer\(s\) .*\(cache: .*does not carry") as info:
+        precast.compile(ep, backend="openvino")
+    assert "\n" not in str(info.value)
+    from precast.backends.onnx import export_onnx
+
+    with pytest.raises(PrecastError, match="ONNX Runtime session does not carry"):
+        export_onnx(ep, tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
