@@ -142,6 +142,9 @@ class SafetensorsSource(Mapping[str, torch.Tensor]):
         with self._opened(self._where[name]) as f:
             return f.get_tensor(name)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._where
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
