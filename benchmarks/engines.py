@@ -152,7 +152,9 @@ def engine_variants(
             out = compiled(*inputs)
         return (lambda: compiled(*inputs)), out, None
     if engine == "AOTInductor":
-        cm = precast.compile(ep, cache_dir=cache, progress=False)
+        # aoti_fresh loads the package alone (no precast): its weights inside the .so
+        configs = {"aot_inductor.package_constants_in_so": True}
+        cm = precast.compile(ep, cache_dir=cache, progress=False, inductor_configs=configs)
         out = aoti_fresh(cm.package_path, inputs, work)
         return (lambda: cm(*inputs)), out, cm.package_path.stat().st_size
     if engine == "ONNX Runtime":

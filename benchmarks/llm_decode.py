@@ -158,6 +158,8 @@ class Variant:
     name: str
     run: Callable[..., Any] | None  # run(input_ids=, cache_position=) -> logits
     package: Path | None = None  # a compiled package (for the fresh-process memory), None for eager
+    # precast's packages hold no weights: the fresh process loads the converted program and precast.compile's it
+    compile_spec: dict[str, Any] | None = None
     stored_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # weights / cache bytes held
     read_bytes: int = 0  # bytes a decode step reads (every weight but the embedding table, + the whole cache)
     reloadable: str = ""  # "yes" / "no" / why
@@ -280,6 +282,18 @@ def build_variants(
                 )
                 v.compile_s = time.perf_counter() - started
                 v.package, v.run = cm.package_path, _call(cm)
+                program_path = work / f"{name}-{tag}.program.pt2"
+                if not program_path.exists():
+                    torch.export.save(
+                        res.program, str(program_path.with_name(program_path.name + ".tmp.pt2"))
+                    )
+                    os.replace(program_path.with_name(program_path.name + ".tmp.pt2"), program_path)
+                v.compile_spec = {
+                    "program": str(program_path),
+                    "cache_dir": cache_dir,
+                    "mode": mode,
+                    "inductor_configs": CPP_GEMM if mode == "max-autotune" else None,
+                }
                 v.stored_bytes, v.read_bytes = _bytes(_state(res.program), shape)
                 v.reloadable = _check_reload(cm, {k: t.detach().clone() for k, t in ep32.state_dict.items()})
         except Exception as exc:  # noqa: BLE001 - one variant failing is a row of the table, not the end of the run
@@ -449,7 +463,21 @@ def rss_child(spec: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     prompt, tokens = inputs(shape)
     before = _rss()
-    if spec["package"]:
+    if spec.get("compile"):
+        import precast
+
+        c = spec["compile"]
+        # the program is not kept: under max-autotune the model holds only the packed copies its code reads
+        model = precast.compile(
+            torch.export.load(c["program"]),
+            cache_dir=c["cache_dir"],
+            dynamic=False,
+            mode=c["mode"],
+            inductor_configs=c["inductor_configs"],
+        )
+        if not model.from_cache:
+            raise RuntimeError("the fresh process compiled: the cache key differs from the parent's")
+    elif spec["package"]:
         model = torch._inductor.aoti_load_package(spec["package"])
     else:
         dtype = torch.bfloat16 if spec["name"] == "eager_bf16" else torch.float32
@@ -469,6 +497,7 @@ def fresh_rss_mb(v: Variant, shape: Shape) -> float | None:
     spec = {
         "name": v.name,
         "package": str(v.package) if v.package else None,
+        "compile": v.compile_spec,
         "shape": dataclasses.asdict(shape),
     }
     proc = subprocess.run(
@@ -478,9 +507,29 @@ def fresh_rss_mb(v: Variant, shape: Shape) -> float | None:
         timeout=600,
     )
     if proc.returncode != 0:
+        print(f"fresh-process memory of {v.name} failed: {proc.stderr[-1500:]}", file=sys.stderr)
         return None
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     return round(data["after"] - data["before"], 1)
+
+
+def memory_only(variants: dict[str, Variant], shape: Shape, log: Callable[[str], None]) -> int:
+    """``--memory-only``: each variant's fresh-process resident memory and its ratio to aoti_fp32's."""
+    rss = {}
+    for name, v in variants.items():
+        log(f"fresh-process memory: {name}")
+        rss[name] = fresh_rss_mb(v, shape) if v.run is not None else None
+    ref = rss.get("aoti_fp32") or rss.get("eager_fp32")
+    print("| variant | resident MiB (fresh process) | vs fp32 | weights + cache MiB | reloadable |")
+    print("|---|---:|---:|---:|---|")
+    for name, v in variants.items():
+        mb = rss[name]
+        ratio = f"{mb / ref:.3f}" if mb and ref else "-"
+        held = sum(v.stored_bytes.values()) / 2**20
+        print(
+            f"| {name} | {mb if mb is not None else v.error or '-'} | {ratio} | {held:.0f} | {v.reloadable} |"
+        )
+    return 0
 
 
 # ---- profile ------------------------------------------------------------------------------------------------
@@ -752,6 +801,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/precast-llm-decode", help="compiled baseline packages (reused)")
     ap.add_argument("--cache-dir", default=None, help="precast's package cache (default: its own)")
     ap.add_argument("--no-rss", action="store_true", help="skip the fresh-process memory measurement")
+    ap.add_argument(
+        "--memory-only", action="store_true", help="build the variants and measure only fresh-process memory"
+    )
     ap.add_argument("--profile", nargs="*", default=None, metavar="V", help="profile these variants' decode")
     ap.add_argument("--out", default=None, help="write llm_decode.json and llm_decode.md here")
     ap.add_argument(
@@ -800,6 +852,8 @@ def main(argv: list[str] | None = None) -> int:
 
     load_start = round(os.getloadavg()[0], 2)
     variants, fp32_state = build_variants(names, shape, work, args.cache_dir, log)
+    if args.memory_only:
+        return memory_only(variants, shape, log)
     params = sum(v.numel() for k, v in fp32_state.items() if "cache" not in k and "inv_freq" not in k)
     bandwidth = {}
     runs = {}

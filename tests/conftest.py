@@ -95,3 +95,14 @@ def compiled_a(converted_a, aoti_cache):
 
     _, _, res = converted_a
     return precast.compile(res.program, cache_dir=aoti_cache, progress=False)
+
+
+@pytest.fixture(scope="session")
+def compiled_a_in_so(converted_a, aoti_cache):
+    """The same with its weights inside the package (what ``precast compile -o`` writes): loadable by
+    ``torch._inductor.aoti_load_package`` alone. precast.compile's default package holds no weights."""
+    import precast
+
+    _, _, res = converted_a
+    configs = {"aot_inductor.package_constants_in_so": True}
+    return precast.compile(res.program, cache_dir=aoti_cache, progress=False, inductor_configs=configs)

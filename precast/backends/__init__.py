@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 BACKENDS = ("aoti", "openvino")
-_AOTI_ONLY = ("mode", "cache_dir", "inductor_configs", "progress")
+_AOTI_ONLY = ("mode", "cache_dir", "inductor_configs", "progress", "weights")
 
 
 def compile(program: Any, *, backend: str = "aoti", **options: Any) -> Any:

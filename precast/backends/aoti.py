@@ -4,7 +4,9 @@
     y = cm(x)                                   # any batch size (dim 0 is dynamic by default)
     cm.load_weights(model.state_dict())         # new fp32 weights by original name, cast on load
 
-Cache entries live in ``<cache_dir>/aoti/<key>/`` (``model.pt2`` + ``manifest.json``). The key hashes the
+Cache entries live in ``<cache_dir>/aoti/<key>/`` (``model.pt2`` + ``manifest.json``). The package holds no
+weights: the model hands the loader the program's own tensors (or, for a program with meta weights, those read
+from ``weights=`` shards), held once (``backends/weights.py``, ``backends/compiled.py``). The key hashes the
 graph, the weights, the compile options, inductor's config and environment, the C++ compiler and its version, the
 CPU's ISA, torch's version and git commit, precast's version and the device. An entry is built in a temporary
 folder and renamed into place after its manifest (sha256 of every file, the compiled program's input signature)
@@ -18,7 +20,7 @@ copies each weight it uses into a blocked (and for bf16 VNNI-interleaved) consta
 that copy. The compile records those copies (``record_new_constants``), finds the stored weight and the packing
 that reproduces each bit for bit (``match_packed``), and writes the plan in the manifest; ``load_weights`` packs
 the new weights the same way (``gemm_pack``), so they stay swappable. A copy precast cannot reproduce makes
-``load_weights`` refuse, as for weights folded by freezing.
+``load_weights`` refuse, as for weights folded by freezing. The originals the code never reads are not loaded.
 
 Input: an ExportedProgram (converted or not) and compile options. Output: a ``CompiledModel`` (callable,
 ``load_weights`` by original names) backed by a cached AOTInductor package (``backends/cache.py``).
@@ -41,7 +43,6 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.utils import _pytree as pytree
 
 from precast.backends.cache import (
     FORMAT,
@@ -59,149 +60,29 @@ from precast.backends.cache import (
     warn_rebuilding,
     write_durable,
 )
+from precast.backends.compiled import CompiledModel
 from precast.backends.packed import gemm_pack, match_packed, record_new_constants
 from precast.backends.signature import ProgramSignature, dynamic_batch, exported_program
+from precast.backends.weights import (
+    SafetensorsSource,
+    check_stored,
+    is_fake,
+    package_constants,
+    tensor_constants,
+    with_placeholders,
+)
 from precast.errors import PrecastError, first_line
 from precast.io import check_space, file_lock
+from precast.ir.program import written_targets
 from precast.threads import TORCH_LOCK
 
 MODES = ("default", "max-autotune")
+IN_SO = "aot_inductor.package_constants_in_so"
 
 # program -> {options key: CompiledModel}; weak so a cached model never keeps a program's weights alive. A hit
 # counts only if the model's key is the program's key now: weights changed in place give a new key
 _MEMO: weakref.WeakKeyDictionary[ExportedProgram, dict[str, CompiledModel]] = weakref.WeakKeyDictionary()
 _MEMO_LOCK = threading.Lock()
-
-
-class CompiledModel:
-    """A loaded AOTInductor package. Call it like the program's module; swap weights with ``load_weights``."""
-
-    def __init__(
-        self,
-        runner: Any,
-        package_path: Path,
-        key: str,
-        stored: dict[str, StoredConstant],
-        signature: ProgramSignature,
-        *,
-        from_cache: bool,
-        compile_seconds: float,
-        load_seconds: float,
-        packed: Mapping[str, Any] | None = None,
-    ):
-        self._runner = runner
-        # packed constant -> {"source": stored name, "transposed", "block_n", "vnni"}; "unmatched": [names]
-        self._packed = dict((packed or {}).get("plans", {}))
-        self._packed_unmatched = list((packed or {}).get("unmatched", []))
-        self.package_path = Path(package_path)
-        self.key = key
-        self._stored = stored
-        self.signature = signature
-        # call the loader directly: AOTICompiledModel.__call__ re-parses its call spec on every call
-        loader = getattr(runner, "loader", None)
-        self._boxed_run = getattr(loader, "boxed_run", None)
-        self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1]) if self._boxed_run else None
-        self._all_tensors = all(s.kind == "tensor" for s in signature.inputs)
-        self.from_cache = from_cache
-        self.compile_seconds = compile_seconds
-        self.load_seconds = load_seconds
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        flat = self.signature.check(
-            args, kwargs
-        )  # a one-line PrecastError before native code sees a bad input
-        if self._boxed_run is None:
-            return self._runner(*args, **kwargs)
-        tensors = list(flat) if self._all_tensors else [t for t in flat if isinstance(t, torch.Tensor)]
-        return pytree.tree_unflatten(self._boxed_run(tensors), self._out_spec)
-
-    def __repr__(self) -> str:
-        how = "from cache" if self.from_cache else f"compiled in {self.compile_seconds:.1f}s"
-        return f"CompiledModel({self.package_path}, {how})"
-
-    def constant_fqns(self) -> list[str]:
-        """Names of the constants the compiled code reads (stored names, possibly low precision)."""
-        return sorted(self._runner.get_constant_fqns())
-
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
-        """Replace the weights by the model's ORIGINAL state_dict (fp32, original names), without recompiling.
-
-        Each tensor is cast to the dtype(s) the converted program stores it in. Names, shapes and dtypes are
-        checked first; on any mismatch a PrecastError lists them all and the model keeps its old weights.
-        Non-persistent buffers and lifted constants (``position_ids``, ``inv_freq``: not in ``state_dict()``)
-        are swapped when given by name and otherwise keep the value the program baked. Returns
-        ``{"loaded": [...], "kept": [...]}``: the original names swapped, and those left as they were.
-        """
-        by_original: dict[str, list[StoredConstant]] = {}
-        for st in self._stored.values():
-            by_original.setdefault(st.source.original, []).append(st)
-        swappable = set(self._runner.get_constant_fqns())
-        kept = sorted(
-            n
-            for n, sts in by_original.items()
-            if n not in state_dict and not any(st.persistent for st in sts)
-        )
-        missing = sorted(n for n in by_original if n not in state_dict and n not in kept)
-        unexpected = sorted(n for n in state_dict if n not in by_original)
-        problems: list[str] = []
-        for name in sorted(set(by_original) & set(state_dict)):
-            value = state_dict[name]
-            want = by_original[name][0]
-            if not isinstance(value, torch.Tensor):
-                problems.append(f"{name} is a {type(value).__name__}, not a tensor")
-                continue
-            if tuple(value.shape) != want.shape:
-                problems.append(f"{name} has shape {tuple(value.shape)}, expected {want.shape}")
-            if value.dtype != want.source.original_dtype:
-                problems.append(f"{name} has dtype {value.dtype}, expected {want.source.original_dtype}")
-        folded = sorted(
-            st.source.stored for st in self._stored.values() if st.read and st.source.stored not in swappable
-        )
-        if missing:
-            problems.insert(0, f"missing {missing}")
-        if unexpected:
-            problems.insert(1 if missing else 0, f"unexpected {unexpected}")
-        if folded:
-            problems.append(
-                f"compiled code folded {folded} into itself (freezing, or always_keep_tensor_constants=False); "
-                "recompile without them to swap those"
-            )
-        if self._packed_unmatched:
-            problems.append(
-                f"compiled code packed weights into {sorted(self._packed_unmatched)} in a layout precast cannot "
-                "reproduce; recompile with mode='default' to swap them"
-            )
-        if problems:
-            raise PrecastError(
-                f"load_weights({self.package_path.name}): {len(problems)} problem(s): {'; '.join(problems)}; "
-                "pass the original fp32 state_dict of the model the program was converted from "
-                "(the compiled model still serves its previous weights)"
-            )
-        update: dict[str, torch.Tensor] = {}
-        for name, entries in by_original.items():
-            if name in kept:
-                continue
-            value = state_dict[name].detach()
-            for st in entries:
-                if not st.read:
-                    continue  # never read by the graph (e.g. num_batches_tracked): checked above, nothing to swap
-                # a fresh contiguous copy in the stored dtype: the same rounding fold_constant_casts applied
-                update[st.source.stored] = value.to(
-                    device=st.device, dtype=st.source.dtype, copy=True, memory_format=torch.contiguous_format
-                )
-        for (
-            name,
-            plan,
-        ) in self._packed.items():  # the GEMM template's copies, packed as the compile packed them
-            if plan["source"] in update:
-                update[name] = gemm_pack(
-                    update[plan["source"]],
-                    transposed=plan["transposed"],
-                    block_n=plan["block_n"],
-                    vnni=plan["vnni"],
-                )
-        self._runner.load_constants(update, check_full_update=set(update) >= swappable)
-        return {"loaded": sorted(n for n in by_original if n not in kept), "kept": kept}
 
 
 # ---- public entry point -------------------------------------------------------------------------------------
@@ -212,12 +93,16 @@ def compile_configs(
 
     Without freezing, every constant stays a swappable constant: AOTInductor otherwise inlines 0-d constants and
     1-d ones of <= 8 elements into its code (``GraphLowering.can_inline_constant``), and ``load_weights`` could
-    never swap an 8-element bias (``always_keep_tensor_constants``; the caller's own value wins)."""
+    never swap an 8-element bias (``always_keep_tensor_constants``; the caller's own value wins). And the
+    package leaves its constants out (``aot_inductor.package_constants_in_so=False``, the same name on torch 2.13
+    and 2.15): the model hands the loader tensors it owns, held once (``backends/weights.py``); freezing folds
+    weights into constants only the compile computes, so they stay in the .so there."""
     configs = dict(inductor_configs or {})
     if mode == "max-autotune":
         configs["max_autotune"] = True
     if not configs.get("freezing"):
         configs.setdefault("always_keep_tensor_constants", True)
+        configs.setdefault(IN_SO, False)
     return configs
 
 
@@ -230,6 +115,7 @@ def compile(
     inductor_configs: Mapping[str, Any] | None = None,
     progress: bool | None = None,
     lock_timeout: float | None = None,
+    weights: str | os.PathLike | None = None,
 ) -> CompiledModel:
     """Compile ``program`` (an ExportedProgram or a ConvertResult) with AOTInductor, cached; returns a loaded model.
 
@@ -238,31 +124,50 @@ def compile(
     (default: only when stderr is a terminal and ``CI`` is unset). ``lock_timeout``: seconds to wait for another
     process compiling the same key (default ``$PRECAST_LOCK_TIMEOUT`` or 600); a line on stderr after 5 s.
     Safe to call from several threads (torch's compile and load are serialized; see precast/threads.py).
+    ``weights``: for a program whose constants are fake or meta (converted with streamed weights), a
+    ``.safetensors`` file or a directory of shards (+ ``model.safetensors.index.json``) holding them by the
+    program's stored names, in their stored dtypes; checked against the program, then read once.
+    The compiled model reads the program's own weight tensors (no copy): change weights with ``load_weights``.
     """
     ep = exported_program(program, "precast.compile")
     if mode not in MODES:
         raise PrecastError(f"precast.compile: mode={mode!r}; choose one of {', '.join(MODES)}")
     configs = compile_configs(mode, inductor_configs)
+    fake = sorted(n for n, v in tensor_constants(ep).items() if is_fake(v))
+    device = _check_fake(ep, fake, weights, configs, mode)
     root = resolve_cache_dir(cache_dir)
     options = json.dumps(
         {"configs": configs, "dynamic": dynamic, "root": str(root)}, sort_keys=True, default=str
     )
     key = cache_key(ep, configs, dynamic)  # by content: weights changed in place give another key
     with _MEMO_LOCK:
-        model = _MEMO.get(ep, {}).get(options)
+        model = None if weights is not None else _MEMO.get(ep, {}).get(options)
     if model is not None and model.key == key:
         return model
 
-    stored = stored_constants(ep)
+    stored = stored_constants(ep, device if fake else None)
     entry = root / "aoti" / key
     started = time.perf_counter()
     compile_seconds = 0.0
     manifest, _ = read_entry(entry, key)
     if manifest is None:
         compile_seconds, manifest = _build_locked(
-            ep, root, key, configs, dynamic, stored, progress, lock_timeout
+            with_placeholders(ep, device) if fake else ep,
+            root,
+            key,
+            configs,
+            dynamic,
+            stored,
+            progress,
+            lock_timeout,
+            fake=bool(fake),
         )
     from_cache = compile_seconds == 0.0  # published by an earlier run or by a process we waited for
+    layout = manifest["weights"]
+    constants = None
+    if layout["external"]:
+        source = SafetensorsSource(weights, "precast.compile(weights=...)") if fake else None
+        constants = _constants(ep, source, layout, manifest["packed"]["plans"])
     with TORCH_LOCK:
         runner = _load(entry / PACKAGE)
     model = CompiledModel(
@@ -275,10 +180,67 @@ def compile(
         compile_seconds=compile_seconds,
         load_seconds=time.perf_counter() - started - compile_seconds,
         packed=manifest.get("packed"),
+        constants=constants,
+        unread=tuple(layout["unread"]),
     )
     with _MEMO_LOCK:
         _MEMO.setdefault(ep, {})[options] = model
     return model
+
+
+def _check_fake(
+    ep: ExportedProgram, fake: list[str], weights: Any, configs: dict[str, Any], mode: str
+) -> str:
+    """The device the constants live on at run time; refuses a fake-weight program this compile cannot serve."""
+    inputs = [
+        n.meta["val"].device.type
+        for n in ep.graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    real = [v.device.type for v in tensor_constants(ep).values() if not is_fake(v)]
+    device = next((d for d in real + inputs if d != "meta"), "cpu")
+    if weights is not None and not fake:
+        raise PrecastError(
+            "precast.compile: weights= is for a program whose constants are fake or meta (converted with streamed "
+            "weights); this one holds its weights: drop weights=, or swap them after with load_weights"
+        )
+    if not fake:
+        return device
+    if weights is None:
+        raise PrecastError(
+            f"precast.compile: {len(fake)} constant(s) of the program have no data (fake or meta), e.g. "
+            f"{fake[0]!r}; pass weights=DIR (the shards the conversion wrote) or a .safetensors file"
+        )
+    if configs.get(IN_SO, True) or mode == "max-autotune":
+        raise PrecastError(
+            "precast.compile: a program with fake or meta weights compiles only with mode='default' and its "
+            f"weights outside the package (no freezing, {IN_SO} not True): max-autotune and freezing compute new "
+            "constants from the weights' values at compile time; load the weights into the program for those"
+        )
+    return device
+
+
+def _constants(
+    ep: ExportedProgram, source: SafetensorsSource | None, layout: dict[str, Any], plans: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """The tensors the loader will read: the program's own (a buffer the code writes is copied: the caller's
+    program stays as it was), or those of ``source``; plus the packed copies, packed from them."""
+    program = tensor_constants(ep)
+    unread = set(layout["unread"])
+    needed = {n for n in layout["every"] if n not in unread and n not in plans}
+    wanted = needed | {p["source"] for n, p in plans.items() if n not in unread}
+    if source is None:
+        written = written_targets(ep)
+        values = {n: program[n].clone() if n in written else program[n] for n in wanted}
+    else:
+        check_stored(source, program, wanted, "precast.compile(weights=...)")
+        values = dict(source.read(wanted))
+    out = {n: values[n] for n in needed}
+    for name, plan in plans.items():
+        if name not in unread:
+            kw = {k: plan[k] for k in ("transposed", "block_n", "vnni")}
+            out[name] = gemm_pack(values[plan["source"]], **kw)
+    return out
 
 
 def _build_locked(
@@ -290,6 +252,7 @@ def _build_locked(
     stored: dict[str, StoredConstant],
     progress: bool | None,
     lock_timeout: float | None,
+    fake: bool = False,
 ) -> tuple[float, dict[str, Any]]:
     """Compile and publish the entry for ``key`` unless another process did it while we waited for the lock.
 
@@ -304,11 +267,7 @@ def _build_locked(
             remove_entry(entry, root)
         for stale in (root / "tmp").glob(f"{key}.*"):  # left by a killed compile: we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
-        weights = sum(
-            v.numel() * v.element_size()
-            for v in {**ep.state_dict, **ep.constants}.values()
-            if isinstance(v, torch.Tensor)
-        )
+        weights = sum(v.numel() * v.element_size() for v in tensor_constants(ep).values())
         # the package holds the weights and the compiler writes intermediates: refuse early, not mid-write
         check_space(root / "tmp", 2 * weights + (64 << 20), f"precast.compile: cache dir {root}")
         build = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=root / "tmp"))
@@ -321,6 +280,15 @@ def _build_locked(
                 TORCH_LOCK,
             ):
                 compiled, packed = _aoti_compile(ep, build / PACKAGE, configs, dynamic)
+                layout = _layout(build / PACKAGE, ep, packed, configs)
+                if layout is None:  # the code reads constants precast cannot hand it: they go in the .so
+                    if fake:
+                        raise PrecastError(
+                            "precast.compile: AOTInductor computed constants from the weights' values, which a "
+                            "program with fake or meta weights does not have; load the weights into the program"
+                        )
+                    compiled, packed = _aoti_compile(ep, build / PACKAGE, {**configs, IN_SO: True}, dynamic)
+                    layout = {"external": False, "every": [], "unread": []}
             seconds = time.perf_counter() - started
             manifest = {
                 "format": FORMAT,
@@ -337,6 +305,7 @@ def _build_locked(
                     for name, st in stored.items()
                 },
                 "packed": packed,
+                "weights": layout,
             }
             write_durable(build / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=str))
             fsync_dir(build)
@@ -347,6 +316,24 @@ def _build_locked(
             raise
         notify_compiled(key, seconds, root)
         return seconds, manifest
+
+
+def _layout(
+    package: Path, ep: ExportedProgram, packed: dict[str, Any], configs: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Where the package's constants come from at load: ``{"external": False, ...}`` when they are in the .so;
+    else every constant its code declares and those it never reads; None when it reads one that is neither a
+    program constant nor a packed copy precast reproduces (or its wrapper source cannot be read)."""
+    if configs.get(IN_SO, True):
+        return {"external": False, "every": [], "unread": []}
+    found = package_constants(package)
+    if found is None or packed["unmatched"]:
+        return None
+    every, unread = found
+    known = set(tensor_constants(ep)) | set(packed["plans"])
+    if any(n not in known for n in every if n not in unread):
+        return None
+    return {"external": True, "every": every, "unread": unread}
 
 
 @contextlib.contextmanager

@@ -36,8 +36,9 @@ from precast.ir.program import CONSTANT_KINDS, ConstantSource, constant_sources
 
 MANIFEST = "manifest.json"
 PACKAGE = "model.pt2"
-FORMAT = 3  # 2: the manifest carries the compiled program's input signature; the key covers the toolchain;
-# 3: and the plan of the weights the compiled code reads through packed copies (backends/aoti.py, "packed")
+FORMAT = 4  # 2: the manifest carries the compiled program's input signature; the key covers the toolchain;
+# 3: and the plan of the weights the compiled code reads through packed copies (backends/aoti.py, "packed");
+# 4: packages leave their constants out; "weights" says which the code declares and which it never reads
 
 # environment variables that change what inductor or the C++ compiler emits (read at compile time)
 TOOLCHAIN_ENV_PREFIXES = ("TORCHINDUCTOR_", "AOT_INDUCTOR", "TORCH_COMPILE", "INDUCTOR_")
@@ -121,7 +122,11 @@ def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic:
             else:
                 put("input", f"{node.name}:{val!r}")
     for name, value in sorted({**ep.constants, **ep.state_dict}.items()):
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and (value.device.type == "meta" or _is_fake_tensor(value)):
+            # no data (streamed weights): the package is built without constants, so it depends on their
+            # metadata only; the values are checked against it when loaded (backends/weights.py)
+            put("fake-tensor", f"{name}:{value.dtype}:{tuple(value.shape)}:{value.stride()}")
+        elif isinstance(value, torch.Tensor):
             t = value.detach().cpu().contiguous()
             put("tensor", f"{name}:{t.dtype}:{tuple(t.shape)}")
             h.update(tensor_bytes(t))  # the bytes numpy gave before: the key of a given program is unchanged
@@ -139,6 +144,12 @@ def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic:
             f"{torch.version.cuda}:{torch.cuda.get_device_capability()}:{torch.cuda.get_device_name()}",
         )
     return h.hexdigest()[:32]
+
+
+def _is_fake_tensor(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -235,8 +246,9 @@ def program_device(ep: ExportedProgram) -> str:
     return "cpu"
 
 
-def stored_constants(ep: ExportedProgram) -> dict[str, StoredConstant]:
-    """The program's constants by stored name: where each came from, its shape and device, whether it is read."""
+def stored_constants(ep: ExportedProgram, device: str | None = None) -> dict[str, StoredConstant]:
+    """The program's constants by stored name: where each came from, its shape and device (``device`` where
+    given: a program with meta weights runs elsewhere), whether it is read."""
     sources = constant_sources(ep)
     read = {n.name for n in ep.graph.nodes if n.op == "placeholder" and n.users}
     out = {}
@@ -251,7 +263,7 @@ def stored_constants(ep: ExportedProgram) -> dict[str, StoredConstant]:
             out[spec.target] = StoredConstant(
                 sources[spec.target],
                 tuple(value.shape),
-                str(value.device),
+                device or str(value.device),
                 read=spec.arg.name in read,
                 persistent=persistent,
             )
@@ -293,6 +305,8 @@ def read_entry(entry: Path, key: str) -> tuple[dict[str, Any] | None, str | None
         return None, "malformed manifest (no valid input signature)"
     if not packed_plan_ok(manifest.get("packed")):
         return None, "malformed manifest (no valid packed-weights plan)"
+    if not weights_layout_ok(manifest.get("weights")):
+        return None, "malformed manifest (no valid weights layout)"
     for name, digest in files.items():
         if "/" in name or name.startswith("."):
             return None, f"manifest names {name!r} outside the entry"
@@ -316,6 +330,19 @@ def packed_plan_ok(packed: Any) -> bool:
         and isinstance(p.get("transposed"), bool)
         and all(type(p.get(k)) is int and p[k] > 0 for k in ("block_n", "vnni"))
         for p in plans.values()
+    )
+
+
+def weights_layout_ok(layout: Any) -> bool:
+    """The manifest's ``"weights"``: ``{"external": bool, "every": [names], "unread": [names]}``
+    (backends/aoti.py ``_layout``)."""
+    return (
+        isinstance(layout, dict)
+        and isinstance(layout.get("external"), bool)
+        and all(
+            isinstance(layout.get(k), list) and all(isinstance(n, str) for n in layout[k])
+            for k in ("every", "unread")
+        )
     )
 
 

@@ -1,5 +1,5 @@
 """precast compile IN.pt2 [--backend aoti|openvino|onnx|executorch] [-o FILE] [--mode default|max-autotune]
-                   [--cache-dir DIR] [--static]
+                   [--cache-dir DIR] [--static] [--weights DIR]
 
 Input: a saved program. Output: the artifact the engine loads (AOTInductor package, OpenVINO IR .xml + .bin, .onnx,
 .pte), written atomically.
@@ -37,8 +37,9 @@ def add_parser(sub) -> None:
         "-o",
         "--output",
         default=None,
-        help="write the artifact here (aoti: default prints the cached package's path; openvino (.xml), onnx, "
-        "executorch: required)",
+        help="write the artifact here (aoti: a package with its weights inside, for torch._inductor."
+        "aoti_load_package; default prints the cached package's path, whose weights precast.compile loads; "
+        "openvino (.xml), onnx, executorch: required)",
     )
     p.add_argument("--backend", choices=BACKENDS, default="aoti", help="default: aoti (AOTInductor)")
     p.add_argument("--mode", choices=["default", "max-autotune"], default="default", help="aoti only")
@@ -47,6 +48,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--static", action="store_true", help="keep the program's static shapes (no dynamic batch)"
+    )
+    p.add_argument(
+        "--weights",
+        default=None,
+        metavar="DIR",
+        help="aoti only: the weights of a program converted with streamed weights (its constants meta): a "
+        "directory of safetensors shards with model.safetensors.index.json, or one .safetensors file",
     )
     p.add_argument(
         "--trust-pickle",
@@ -68,11 +76,27 @@ def run(args: argparse.Namespace) -> int:
     from precast.pipeline.capture import load_program
 
     compile_mod = importlib.import_module("precast.backends.aoti")
+    weights = getattr(args, "weights", None)
     if args.output:
+        if weights:
+            raise PrecastError(
+                "precast compile: -o writes a package with its weights inside, which a program with streamed "
+                "(meta) weights cannot give; drop -o (the cached package loads them with precast.compile(program, "
+                "weights=...)) or convert with the weights in memory"
+            )
         check_writable(args.output, (args.source,))
     started = time.perf_counter()
     program = load_program(args.source, trust_pickle=args.trust_pickle)
-    cm = compile_mod.compile(program, mode=args.mode, cache_dir=args.cache_dir, dynamic=not args.static)
+    # -o: a self-contained package (constants inside the .so), loadable without precast
+    configs = {compile_mod.IN_SO: True} if args.output else None
+    cm = compile_mod.compile(
+        program,
+        mode=args.mode,
+        cache_dir=args.cache_dir,
+        dynamic=not args.static,
+        inductor_configs=configs,
+        weights=weights,
+    )
     how = "loaded from cache" if cm.from_cache else f"compiled in {cm.compile_seconds:.1f}s"
     if args.output:
         write_bytes(args.output, cm.package_path.read_bytes(), (args.source,))
@@ -90,8 +114,8 @@ def _run_export(args: argparse.Namespace, backend: str) -> int:
 
     if not args.output:
         raise PrecastError(f"--backend {backend} needs -o FILE (e.g. -o model{SUFFIXES[backend]})")
-    if args.mode != "default" or args.cache_dir is not None:
-        option = "--mode" if args.mode != "default" else "--cache-dir"
+    if args.mode != "default" or args.cache_dir is not None or getattr(args, "weights", None):
+        option = "--mode" if args.mode != "default" else "--cache-dir" if args.cache_dir else "--weights"
         raise PrecastError(f"{option} applies to --backend aoti only; drop it for --backend {backend}")
     check_writable(args.output, (args.source,))
     if backend == "openvino":

@@ -232,6 +232,8 @@ def test_cli_compile_copies_package(converted_a, compiled_a, aoti_cache, tmp_pat
     src = tmp_path / "fast.pt2"
     torch.export.save(res.program, str(src))
     out = tmp_path / "pkg.pt2"
+    # -o: a package with its weights inside (another cache entry than compiled_a's, whose weights stay outside)
+    assert main(["compile", str(src), "-o", str(out), "--cache-dir", str(aoti_cache)]) == 0
     assert main(["compile", str(src), "-o", str(out), "--cache-dir", str(aoti_cache)]) == 0
     assert "loaded from cache" in capsys.readouterr().err
     loaded = torch._inductor.aoti_load_package(str(out))

@@ -1,7 +1,9 @@
-"""The package precast.compile writes is a plain AOTInductor package: a process that imports only torch loads it
-with ``torch._inductor.aoti_load_package`` and computes exactly what precast's loaded model computes.
+"""The package precast.compile writes with its weights inside (``precast compile -o``, or
+``inductor_configs={"aot_inductor.package_constants_in_so": True}``) is a plain AOTInductor package: a process that
+imports only torch loads it with ``torch._inductor.aoti_load_package`` and computes exactly what precast's loaded
+model computes, weights inside the package or not (the default, docs/compile.md).
 
-Uses the session's compiled small MLP (tests/conftest.py ``compiled_a``): no compile of its own.
+Uses the session's compiled small MLP (tests/conftest.py ``compiled_a``, ``compiled_a_in_so``).
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ print(json.dumps({"precast": sorted(m for m in sys.modules if m == "precast" or 
 """
 
 
-def test_package_runs_in_a_process_without_precast(converted_a, compiled_a, tmp_path):
+def test_package_runs_in_a_process_without_precast(converted_a, compiled_a, compiled_a_in_so, tmp_path):
     _, inputs, res = converted_a
     g = torch.Generator().manual_seed(3)
     batches = [inputs, (torch.randn(1, inputs[0].shape[1], generator=g),), (torch.randn(7, 64, generator=g),)]
     torch.save(batches, tmp_path / "inputs.pt")
     proc = run_python(
-        CHILD, str(compiled_a.package_path), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")
+        CHILD, str(compiled_a_in_so.package_path), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -61,7 +63,8 @@ def test_real_model_package_runs_without_precast(aoti_cache, tmp_path):
     built = bert()
     inputs = built.inputs[2]
     res = precast.convert(export(built.make(False), inputs), inputs, policy="torch", dtype=torch.bfloat16)
-    cm = precast.compile(res.program, cache_dir=aoti_cache, progress=False)
+    configs = {"aot_inductor.package_constants_in_so": True}
+    cm = precast.compile(res.program, cache_dir=aoti_cache, progress=False, inductor_configs=configs)
     batches = [inputs, built.inputs[3]]
     torch.save(batches, tmp_path / "inputs.pt")
     proc = run_python(CHILD, str(cm.package_path), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"))

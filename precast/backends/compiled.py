@@ -1,0 +1,184 @@
+"""``CompiledModel``: a loaded AOTInductor package, called like the program's module, with ``load_weights``.
+
+The package's constants are outside it (``backends/weights.py``): the model owns the tensors the loader reads
+(``user_managed``), so it holds each weight once; under max-autotune it holds only the packed copies the code
+reads, and repacks them from new originals on ``load_weights``.
+
+Input: a loader, the stored constants' sources, the packed-weights plan, the constants' values. Output: outputs of
+the compiled code; ``load_weights`` by original names (a state_dict, a .safetensors file or a directory of shards).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from precast.backends.cache import StoredConstant
+from precast.backends.packed import gemm_pack
+from precast.backends.signature import ProgramSignature
+from precast.backends.weights import SafetensorsSource
+from precast.errors import PrecastError
+
+
+class CompiledModel:
+    """A loaded AOTInductor package. Call it like the program's module; swap weights with ``load_weights``."""
+
+    def __init__(
+        self,
+        runner: Any,
+        package_path: Path,
+        key: str,
+        stored: dict[str, StoredConstant],
+        signature: ProgramSignature,
+        *,
+        from_cache: bool,
+        compile_seconds: float,
+        load_seconds: float,
+        packed: Mapping[str, Any] | None = None,
+        constants: dict[str, torch.Tensor] | None = None,
+        unread: tuple[str, ...] = (),
+    ):
+        self._runner = runner
+        # packed constant -> {"source": stored name, "transposed", "block_n", "vnni"}; "unmatched": [names]
+        self._packed = dict((packed or {}).get("plans", {}))
+        self._packed_unmatched = list((packed or {}).get("unmatched", []))
+        # the constants the loader reads through their pointers (package built without them); None: in the .so
+        self._constants = constants
+        self._unread = frozenset(unread)  # constants the code never reads: not loaded, not kept
+        if constants is not None:
+            runner.load_constants(constants, check_full_update=False, user_managed=True)
+        self.package_path = Path(package_path)
+        self.key = key
+        self._stored = stored
+        self.signature = signature
+        # call the loader directly: AOTICompiledModel.__call__ re-parses its call spec on every call
+        loader = getattr(runner, "loader", None)
+        self._boxed_run = getattr(loader, "boxed_run", None)
+        self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1]) if self._boxed_run else None
+        self._all_tensors = all(s.kind == "tensor" for s in signature.inputs)
+        self.from_cache = from_cache
+        self.compile_seconds = compile_seconds
+        self.load_seconds = load_seconds
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = self.signature.check(
+            args, kwargs
+        )  # a one-line PrecastError before native code sees a bad input
+        if self._boxed_run is None:
+            return self._runner(*args, **kwargs)
+        tensors = list(flat) if self._all_tensors else [t for t in flat if isinstance(t, torch.Tensor)]
+        return pytree.tree_unflatten(self._boxed_run(tensors), self._out_spec)
+
+    def __repr__(self) -> str:
+        how = "from cache" if self.from_cache else f"compiled in {self.compile_seconds:.1f}s"
+        return f"CompiledModel({self.package_path}, {how})"
+
+    def constant_fqns(self) -> list[str]:
+        """Names of the constants the compiled code reads (stored names, possibly low precision)."""
+        return sorted(n for n in self._runner.get_constant_fqns() if n not in self._unread)
+
+    def load_weights(
+        self, state_dict: Mapping[str, torch.Tensor] | str | os.PathLike
+    ) -> dict[str, list[str]]:
+        """Replace the weights by the model's ORIGINAL state_dict (fp32, original names), without recompiling.
+
+        ``state_dict``: a mapping of tensors, or the path of a ``.safetensors`` file or of a directory of
+        shards with a transformers-style ``model.safetensors.index.json`` (read one tensor at a time: the peak
+        is the new weights in their stored dtypes plus one original). Each tensor is cast to the dtype(s) the
+        converted program stores it in. Names, shapes and dtypes are checked first; on any mismatch a
+        PrecastError lists them all and the model keeps its old weights. Non-persistent buffers and lifted
+        constants (``position_ids``, ``inv_freq``: not in ``state_dict()``) are swapped when given by name and
+        otherwise keep the value the program baked. Returns ``{"loaded": [...], "kept": [...]}``: the original
+        names swapped, and those left as they were.
+        """
+        what = f"load_weights({self.package_path.name})"
+        source = (
+            SafetensorsSource(state_dict, what) if isinstance(state_dict, (str, os.PathLike)) else state_dict
+        )
+        by_original: dict[str, list[StoredConstant]] = {}
+        for st in self._stored.values():
+            by_original.setdefault(st.source.original, []).append(st)
+        swappable = set(self._runner.get_constant_fqns())
+        kept = sorted(
+            n for n, sts in by_original.items() if n not in source and not any(st.persistent for st in sts)
+        )
+        missing = sorted(n for n in by_original if n not in source and n not in kept)
+        unexpected = sorted(n for n in source if n not in by_original)
+        problems: list[str] = []
+        for name in sorted(set(by_original) & set(source)):
+            meta = _meta(source, name)
+            want = by_original[name][0]
+            if meta is None:
+                problems.append(f"{name} is a {type(source[name]).__name__}, not a tensor")
+                continue
+            if meta[0] != want.shape:
+                problems.append(f"{name} has shape {meta[0]}, expected {want.shape}")
+            if meta[1] != want.source.original_dtype:
+                problems.append(f"{name} has dtype {meta[1]}, expected {want.source.original_dtype}")
+        folded = sorted(
+            st.source.stored for st in self._stored.values() if st.read and st.source.stored not in swappable
+        )
+        if missing:
+            problems.insert(0, f"missing {missing}")
+        if unexpected:
+            problems.insert(1 if missing else 0, f"unexpected {unexpected}")
+        if folded:
+            problems.append(
+                f"compiled code folded {folded} into itself (freezing, or always_keep_tensor_constants=False); "
+                "recompile without them to swap those"
+            )
+        if self._packed_unmatched:
+            problems.append(
+                f"compiled code packed weights into {sorted(self._packed_unmatched)} in a layout precast cannot "
+                "reproduce; recompile with mode='default' to swap them"
+            )
+        if problems:
+            raise PrecastError(
+                f"{what}: {len(problems)} problem(s): {'; '.join(problems)}; "
+                "pass the original fp32 state_dict of the model the program was converted from "
+                "(the compiled model still serves its previous weights)"
+            )
+        names = {n for n in by_original if n not in kept}
+        pairs = (
+            source.read(names) if isinstance(source, SafetensorsSource) else ((n, source[n]) for n in names)
+        )
+        update: dict[str, torch.Tensor] = {}
+        for name, value in pairs:
+            for st in by_original[name]:
+                if not st.read:
+                    continue  # never read by the graph (e.g. num_batches_tracked): checked above, nothing to swap
+                # a fresh contiguous copy in the stored dtype: the same rounding fold_constant_casts applied
+                update[st.source.stored] = value.detach().to(
+                    device=st.device, dtype=st.source.dtype, copy=True, memory_format=torch.contiguous_format
+                )
+        for (
+            name,
+            plan,
+        ) in self._packed.items():  # the GEMM template's copies, packed as the compile packed them
+            if plan["source"] in update:
+                update[name] = gemm_pack(
+                    update[plan["source"]],
+                    transposed=plan["transposed"],
+                    block_n=plan["block_n"],
+                    vnni=plan["vnni"],
+                )
+        if self._constants is None:
+            self._runner.load_constants(update, check_full_update=set(update) >= swappable)
+        else:
+            for name in self._unread:  # only their packed copies are read: repacked above, not kept
+                update.pop(name, None)
+            self._runner.load_constants(update, check_full_update=False, user_managed=True)
+            self._constants.update(update)  # the loader reads these pointers now; the old tensors may go
+        return {"loaded": sorted(names), "kept": kept}
+
+
+def _meta(source: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], Any] | None:
+    if isinstance(source, SafetensorsSource):
+        return source.meta(name)
+    value = source[name]
+    return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
