@@ -234,7 +234,7 @@ def _constants(
         values = {n: program[n].clone() if n in written else program[n] for n in wanted}
     else:
         check_stored(source, program, wanted, "precast.compile(weights=...)")
-        values = dict(source.read(wanted))
+        values = dict(source.read_many(wanted))
     out = {n: values[n] for n in needed}
     for name, plan in plans.items():
         if name not in unread:

@@ -145,7 +145,9 @@ class CompiledModel:
             )
         names = {n for n in by_original if n not in kept}
         pairs = (
-            source.read(names) if isinstance(source, SafetensorsSource) else ((n, source[n]) for n in names)
+            source.read_many(names)
+            if isinstance(source, SafetensorsSource)
+            else ((n, source[n]) for n in names)
         )
         update: dict[str, torch.Tensor] = {}
         for name, value in pairs:

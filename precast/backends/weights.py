@@ -15,150 +15,30 @@ constants by stored name, placeholders to compile a fake-weight program, and the
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch.export import ExportedProgram
 
-from precast.errors import PrecastError, first_line
+from precast.errors import PrecastError
+from precast.ir.weights import WeightFiles, has_values
 
-INDEX = "model.safetensors.index.json"
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+# the reader is precast.ir.weights' (conversion streams the same files): one file or a folder of shards, headers
+# checked by the safetensors library, an index naming only files inside its folder, tensors read one at a time
+SafetensorsSource = WeightFiles
 
 
 def is_fake(value: object) -> bool:
     """A tensor without data: on the meta device or a FakeTensor (a program converted with streamed weights)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(value, torch.Tensor) and (value.device.type == "meta" or isinstance(value, FakeTensor))
+    return isinstance(value, torch.Tensor) and not has_values(value)
 
 
 def tensor_constants(ep: ExportedProgram) -> dict[str, torch.Tensor]:
     """The program's tensor constants (parameters, buffers, lifted constants) by stored name."""
     return {k: v for k, v in {**ep.state_dict, **ep.constants}.items() if isinstance(v, torch.Tensor)}
-
-
-class SafetensorsSource(Mapping[str, torch.Tensor]):
-    """The tensors of one ``.safetensors`` file or of a directory of shards, read one at a time (``items()``
-    goes file by file, so a caller that keeps only what it derives holds about one tensor of the files)."""
-
-    def __init__(self, path: str | os.PathLike, what: str):
-        try:
-            from safetensors import safe_open
-        except ImportError as exc:
-            raise PrecastError(f"{what}: reading {path} needs safetensors; pip install safetensors") from exc
-        self._open = safe_open
-        self.path = Path(path)
-        self._what = what
-        self._where: dict[str, Path] = {}
-        self._meta: dict[str, tuple[tuple[int, ...], torch.dtype | str]] = {}
-        files, index = self._files()
-        for file in files:
-            with self._opened(file) as f:
-                for name in f.keys():  # noqa: SIM118 - a safetensors handle is not iterable
-                    if name in self._where:
-                        raise PrecastError(
-                            f"{what}: tensor {name!r} is in both {self._where[name].name} and {file.name}; "
-                            "each name must be in one shard"
-                        )
-                    sl = f.get_slice(name)
-                    dtype = sl.get_dtype()
-                    self._where[name] = file
-                    self._meta[name] = (tuple(sl.get_shape()), _DTYPES.get(dtype, dtype))
-        if index is not None:
-            wrong = sorted(n for n, file in index.items() if self._where.get(n, Path()).name != file)
-            if wrong:
-                raise PrecastError(
-                    f"{what}: {INDEX} in {self.path} maps {wrong[:8]} to shards that do not hold them; "
-                    "rewrite the index from the shards"
-                )
-
-    def _files(self) -> tuple[list[Path], dict[str, str] | None]:
-        if self.path.is_file():
-            return [self.path], None
-        if not self.path.is_dir():
-            raise PrecastError(
-                f"{self._what}: {self.path} is neither a .safetensors file nor a directory; pass one"
-            )
-        index_path = self.path / INDEX
-        if not index_path.exists():
-            files = sorted(self.path.glob("*.safetensors"))
-            if len(files) != 1:
-                raise PrecastError(
-                    f"{self._what}: {self.path} has no {INDEX} and {len(files)} .safetensors files; "
-                    f"write the index (transformers' format) or pass one file"
-                )
-            return files, None
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise TypeError("weight_map")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise PrecastError(
-                f"{self._what}: {index_path} is not a transformers index (a JSON object with a weight_map of "
-                f"name -> shard file) ({type(exc).__name__}); rewrite it"
-            ) from exc
-        names = sorted(set(weight_map.values()))
-        outside = [n for n in names if "/" in n or "\\" in n or n.startswith(".")]
-        if outside:
-            raise PrecastError(f"{self._what}: {index_path} names files outside {self.path}: {outside[:4]}")
-        absent = [n for n in names if not (self.path / n).is_file()]
-        if absent:
-            raise PrecastError(f"{self._what}: {index_path} names shards that are not there: {absent[:8]}")
-        return [self.path / n for n in names], dict(weight_map)
-
-    def _opened(self, file: Path):  # noqa: ANN202 - safetensors' handle
-        try:
-            return self._open(str(file), framework="pt", device="cpu")
-        except Exception as exc:  # safetensors raises its own error types for a bad header or a short file
-            raise PrecastError(
-                f"{self._what}: {file} is not a valid safetensors file ({first_line(exc)[:160]}); "
-                "re-write it (a truncated or damaged file is refused before any tensor is read)"
-            ) from exc
-
-    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype | str]:
-        """Shape and dtype from the header (no data read); an unknown dtype stays its safetensors name."""
-        return self._meta[name]
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        with self._opened(self._where[name]) as f:
-            return f.get_tensor(name)
-
-    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
-        return name in self._where
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def read(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` for ``names``, one file open at a time."""
-        for file in sorted(set(self._where.values())):
-            wanted = [n for n, f in self._where.items() if f == file and n in names]
-            if wanted:
-                with self._opened(file) as f:
-                    for name in wanted:
-                        yield name, f.get_tensor(name)
 
 
 def check_stored(source: SafetensorsSource, program: Mapping[str, torch.Tensor], needed: set[str], what: str):

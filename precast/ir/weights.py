@@ -52,7 +52,7 @@ def has_values(t: object) -> bool:
 class WeightFiles:
     """The tensors of one safetensors file or a folder of shards, read lazily (see the module docstring)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, what: str = "weights"):
         try:  # an extra of the core install (precast[weights]): imported where weights are streamed
             from safetensors import safe_open
         except ImportError as exc:
@@ -62,64 +62,74 @@ class WeightFiles:
 
         self._open = safe_open
         self.path = Path(path)
+        self.what = what
         self.where: dict[str, Path] = {}  # name -> file
-        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # name -> (shape, dtype)
+        # name -> (shape, dtype); a dtype torch has no name for here stays the file's code (e.g. "F8_E4M3")
+        self.headers: dict[str, tuple[tuple[int, ...], torch.dtype | str]] = {}
         self._absmax: dict[str, float] = {}
         self.prefix = ""  # what the program's names add in front of the files' (a wrapper module's attribute)
-        for f in self._files():
+        files, index = self._files()
+        for f in files:
             self._read_header(f)
         if not self.where:
-            raise PrecastError(f"weights {self.path}: no tensors in it; pass the folder a model was saved to")
+            raise PrecastError(f"{what} {self.path}: no tensors in it; pass the folder a model was saved to")
+        wrong = sorted(n for n, f in (index or {}).items() if self.where.get(n, Path()).name != f)
+        if wrong:
+            raise PrecastError(
+                f"{what} {self.path}: {INDEX} maps {wrong[:8]} to shards that do not hold them; rewrite the index"
+            )
 
-    def _files(self) -> list[Path]:
-        p = self.path
+    def _files(self) -> tuple[list[Path], dict[str, str] | None]:
+        """The files to read, and the index's name -> file map (None without an index)."""
+        p, what = self.path, self.what
         if p.is_file():
             if p.suffix != ".safetensors":
                 raise PrecastError(
-                    f"weights {p}: not a .safetensors file; pass a .safetensors file or a folder of them"
+                    f"{what} {p}: not a .safetensors file; pass a .safetensors file or a folder of them"
                 )
-            return [p]
+            return [p], None
         if not p.is_dir():
-            raise PrecastError(f"weights {p}: no such file or folder")
+            raise PrecastError(f"{what} {p}: no such file or folder")
         index = p / INDEX
         if not index.is_file():
             files = sorted(p.glob("*.safetensors"))
             if not files:
-                raise PrecastError(f"weights {p}: no {INDEX} and no .safetensors files in it")
-            return files
+                raise PrecastError(f"{what} {p}: no {INDEX} and no .safetensors files in it")
+            return files, None
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
             names = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise PrecastError(f"weights {index}: not a safetensors index ({first_line(exc)})") from exc
+            raise PrecastError(f"{what} {index}: not a safetensors index ({first_line(exc)})") from exc
         files = []
         for name in names:
             # a plain file name in this folder: an index cannot send the reader elsewhere
             if not isinstance(name, str) or Path(name).name != name or not (p / name).is_file():
-                raise PrecastError(f"weights {index}: names a shard {name!r} that is not a file in {p}")
+                raise PrecastError(f"{what} {index}: names a shard {name!r} that is not a file in {p}")
             files.append(p / name)
-        return files
+        return files, weight_map
 
     def _read_header(self, f: Path) -> None:
         try:
             with self._open(str(f), framework="pt") as h:
                 for name in h.keys():  # noqa: SIM118 - safe_open is not a dict
                     view = h.get_slice(name)
-                    dtype = SAFETENSORS_DTYPES.get(view.get_dtype())
-                    if dtype is None:
-                        raise PrecastError(
-                            f"weights {f}: {name} has dtype {view.get_dtype()}, which precast does not read"
-                        )
+                    code = view.get_dtype()
                     if name in self.where:
                         raise PrecastError(
-                            f"weights {self.path}: {name} is in both {self.where[name].name} and {f.name}"
+                            f"{self.what} {self.path}: {name} is in both {self.where[name].name} and {f.name}"
                         )
                     self.where[name] = f
-                    self.meta[name] = (tuple(view.get_shape()), dtype)
+                    self.headers[name] = (tuple(view.get_shape()), SAFETENSORS_DTYPES.get(code, code))
         except PrecastError:
             raise
-        except Exception as exc:  # the library's own parse error, made one line
-            raise PrecastError(f"weights {f}: not a readable safetensors file ({first_line(exc)})") from exc
+        except Exception as exc:  # the library's own parse error (a bad header, a short file), made one line
+            raise PrecastError(
+                f"{self.what} {f}: not a valid safetensors file ({first_line(exc)[:160]}); write it again "
+                "(a truncated or damaged file is refused before any tensor is read)"
+            ) from exc
 
     def match(self, names: list[str]) -> None:
         """Find the prefix the program's constant ``names`` carry over the files' (``model.`` when the program
@@ -141,10 +151,35 @@ class WeightFiles:
         return None
 
     def __contains__(self, name: object) -> bool:
+        """Whether the program's constant ``name`` is in the files (the prefix ``match`` found applied)."""
         return isinstance(name, str) and self.file_name(name) is not None
 
-    def shape_dtype(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
-        return self.meta[self.file_name(name)]  # type: ignore[index]
+    def shape_dtype(self, name: str) -> tuple[tuple[int, ...], torch.dtype | str]:
+        """Shape and dtype of the program's constant ``name`` (the files' prefix applied), from the header."""
+        return self.headers[self.file_name(name)]  # type: ignore[index]
+
+    # ---- by the files' own names (a converted program's weights: names as stored) --------------------------
+    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype | str]:
+        return self.headers[name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with self._open(str(self.where[name]), framework="pt") as h:
+            return h.get_tensor(name)
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def read_many(self, names: set[str]):  # noqa: ANN201 - an iterator of (name, tensor)
+        """``(name, tensor)`` for ``names``, file by file, one file open at a time."""
+        for file in sorted(set(self.where.values())):
+            wanted = [n for n, f in self.where.items() if f == file and n in names]
+            if wanted:
+                with self._open(str(file), framework="pt") as h:
+                    for name in wanted:
+                        yield name, h.get_tensor(name)
 
     def file_of(self, name: str) -> Path:
         return self.where[self.file_name(name)]  # type: ignore[index]
@@ -166,7 +201,7 @@ class WeightFiles:
 
     @property
     def nbytes(self) -> int:
-        return sum(_numel(s) * d.itemsize for s, d in self.meta.values())
+        return sum(_numel(s) * d.itemsize for s, d in self.headers.values() if isinstance(d, torch.dtype))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

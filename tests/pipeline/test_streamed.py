@@ -191,7 +191,7 @@ def test_refusals_are_one_line(llama, tmp_path):
         precast.convert(ep, policy="torch", weights=part, weights_out=tmp_path / "o")
     assert "\n" not in str(info.value) and not (tmp_path / "o").exists()
     (part / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(PrecastError, match="not a readable safetensors file"):
+    with pytest.raises(PrecastError, match="not a valid safetensors file"):
         precast.convert(ep, policy="torch", weights=part, weights_out=tmp_path / "o")
 
 
