@@ -180,6 +180,7 @@ def stage_run(work: Path, policy: str) -> dict:
     hashes = {k: _hash(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
     with torch.no_grad():
         logits = ep.module()(_ids())
+    torch.save(logits, work / f"{policy}.eager_logits.pt")
     return {
         "graph": hashlib.sha256(ep.graph_module.code.encode()).hexdigest()[:24],
         "weights": hashes,
@@ -188,6 +189,19 @@ def stage_run(work: Path, policy: str) -> dict:
 
 
 CGROUP = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller, where the machine lets root make one
+
+
+def stage_compiled(work: Path, policy: str) -> dict:
+    """The streamed output compiled with AOTInductor, its weights loaded from the output shards."""
+    import precast
+
+    start = time.perf_counter()
+    model = precast.compile(torch.export.load(work / f"{policy}.pt2"), weights=work / f"{policy}.weights")
+    seconds = time.perf_counter() - start
+    with torch.no_grad():
+        logits = model(_ids())
+    torch.save(logits, work / f"{policy}.compiled_logits.pt")
+    return {"compile_seconds": seconds, "from_cache": model.from_cache}
 
 
 def child(stage: str, work: Path, arg: str, cap_mib: int | None = None) -> dict:
@@ -234,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default=None, help="write streamed_weights.json here")
     ap.add_argument(
+        "--compile", action="store_true", help="also compile each output with AOTInductor, run it"
+    )
+    ap.add_argument(
         "--cap-mib", type=int, default=None, help="run each streamed conversion in a memory cgroup"
     )
     ap.add_argument("--stage", default=None, help=argparse.SUPPRESS)
@@ -246,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             "stream": stage_stream,
             "memory": stage_memory,
             "run": stage_run,
+            "compiled": stage_compiled,
         }[args.stage]
         result = stage(Path(args.work), args.arg)
         result["peak_mib"] = _peak_mib()
@@ -268,6 +286,16 @@ def main(argv: list[str] | None = None) -> int:
         streamed = child("stream", work, policy, args.cap_mib)
         reference = child("memory", work, policy)
         ran = child("run", work, policy)
+        compiled = {}
+        if args.compile:
+            compiled = child("compiled", work, policy)
+            a = torch.load(work / f"{policy}.eager_logits.pt").float()
+            b = torch.load(work / f"{policy}.compiled_logits.pt").float()
+            compiled["cosine_vs_eager"] = float(
+                torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+            )
+            ea, eb = a.reshape(-1, a.shape[-1]).argmax(-1), b.reshape(-1, b.shape[-1]).argmax(-1)
+            compiled["argmax_agree"] = f"{int((ea == eb).sum())}/{ea.numel()}"
         rows.append(
             {
                 "policy": policy,
@@ -286,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 "tensors": len(ran["weights"]),
                 "logits_equal": ran["logits"] == reference["logits"],
                 "run_peak_gb": ran["peak_mib"] * 2**20 / 1e9,
+                "compiled": compiled,
             }
         )
         print(json.dumps(rows[-1]), flush=True)
