@@ -167,8 +167,7 @@ class RulesDecider:
 
     def const_absmax(self, name: str, t: torch.Tensor) -> float:
         if name not in self._absmax:
-            t = t.detach()
-            self._absmax[name] = t.abs().max().item() if t.is_floating_point() and t.numel() else 0.0
+            self._absmax[name] = self.program.absmax(t)
         return self._absmax[name]
 
     def decide(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Decision | None:
