@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     from precast.bench.variants import check_options
     from precast.errors import PrecastError
 
+    if args.llama and not args.convert:
+        raise PrecastError("bench: --llama measures the conversion; add --convert")
     if args.convert:
         return run_convert(args)
     if args.repeats < 1:
@@ -184,6 +186,21 @@ def run_convert_gb(args: argparse.Namespace) -> int:
     from precast.bench.convert_gb import LLAMA_SHAPES, gb_markdown, run_gb_bench, write_gb_outputs
     from precast.errors import PrecastError
 
+    ignored = [
+        f
+        for f, on in (
+            ("--model", args.model),
+            ("--sizes", args.sizes),
+            ("--no-memory", args.no_memory),
+            ("--no-verify", args.no_verify),
+        )
+        if on
+    ]
+    if ignored:
+        raise PrecastError(
+            f"bench --convert --llama: {', '.join(ignored)} do(es) not apply (a Llama is converted with default "
+            "options, verify included, its RSS sampled); drop them or drop --llama"
+        )
     unknown = [s for s in args.llama if s not in LLAMA_SHAPES]
     if unknown:
         raise PrecastError(f"bench --convert --llama {unknown}: choose from {', '.join(LLAMA_SHAPES)}")

@@ -47,3 +47,13 @@ def test_cli_llama_unknown_size_is_one_line_error(capsys):
     assert main(["bench", "--convert", "--llama", "7b"]) == 2
     err = capsys.readouterr().err
     assert "--llama ['7b']: choose from tiny, 0.2b, 1.1b" in err and err.count("\n") == 1
+
+
+def test_cli_llama_refuses_options_it_does_not_take(capsys):
+    from precast.cli import main
+
+    assert main(["bench", "--convert", "--llama", "tiny", "--sizes", "4", "--no-verify"]) == 2
+    err = capsys.readouterr().err
+    assert "--sizes, --no-verify do(es) not apply" in err and err.count("\n") == 1
+    assert main(["bench", "--llama", "tiny"]) == 2
+    assert "add --convert" in capsys.readouterr().err
