@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -60,7 +61,13 @@ def user_source_line(node: torch.fx.Node) -> str | None:
     that called the layer. Only torch's own directory is skipped, not all of site-packages: for a library model
     (``site-packages/transformers/models/bert/modeling_bert.py``) the library's line is the model's line.
     """
-    frames = _frames(node.meta.get("stack_trace") or "")
+    return _trace_source_line(node.meta.get("stack_trace") or "")
+
+
+@functools.lru_cache(maxsize=4096)
+def _trace_source_line(trace: str) -> str | None:
+    # memoized: the ops of repeated layers share their trace text (measured: 0.2-0.5 s of a 0.2 B Llama's report)
+    frames = _frames(trace)
     if not frames:
         return None
     model = [f for f in frames if not _is_torch_frame(f[0])]

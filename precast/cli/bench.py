@@ -3,6 +3,7 @@
 precast bench [--model NAME|module:factory ...] [--batch N ...] [--dtype bf16|fp16] [--device cpu|cuda]
               [--repeats N] [--variant V ...] [--out DIR]
 precast bench --convert [--model chain NAME ...] [--sizes N ...] [--policy none torch] [--no-memory] [--out DIR]
+precast bench --convert --llama 0.2b 1.1b [--policy none torch rules] [--out DIR]
 
 Input: argv. Output: tables on stdout, files in ``--out``, an exit status.
 """
@@ -68,7 +69,22 @@ def add_parser(sub) -> None:
     conv.add_argument(
         "--sizes", nargs="+", type=int, default=None, metavar="N", help="chain sizes (default 250 ... 8000)"
     )
-    conv.add_argument("--policy", nargs="+", choices=["none", "torch"], default=["none", "torch"])
+    conv.add_argument(
+        "--policy",
+        nargs="+",
+        choices=["none", "torch", "rules"],
+        default=None,
+        help="policies to measure (default: none torch; with --llama: none torch rules)",
+    )
+    conv.add_argument(
+        "--llama",
+        nargs="+",
+        default=None,
+        metavar="SIZE",
+        help="instead: seconds per GB of weights and peak RSS above them, per stage, converting a Llama-shaped "
+        "transformers model with random weights (0.2b, 1.1b: TinyLlama's shapes), one fresh process per "
+        "(size, policy); a large one waits for /tmp/precast-bigmem.lock (flock)",
+    )
     conv.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run (halves the time)")
     conv.add_argument("--no-verify", action="store_true", help="skip timing verification")
     p.set_defaults(run=run)
@@ -82,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     from precast.bench.variants import check_options
     from precast.errors import PrecastError
 
+    if args.llama and not args.convert:
+        raise PrecastError("bench: --llama measures the conversion; add --convert")
     if args.convert:
         return run_convert(args)
     if args.repeats < 1:
@@ -129,6 +147,9 @@ def run_convert(args: argparse.Namespace) -> int:
     from precast import bench
     from precast.errors import PrecastError
 
+    if args.llama:
+        return run_convert_gb(args)
+    args.policy = args.policy or ["none", "torch"]
     models = args.model or ["chain", *bench.real_models()]
     sizes = tuple(args.sizes or bench.CHAIN_SIZES) if "chain" in models else ()
     if any(n < 1 for n in sizes):
@@ -156,6 +177,41 @@ def run_convert(args: argparse.Namespace) -> int:
         print(f"linearity (ms/node, {key}): {ratio}")
     if args.out:
         for path in bench.write_convert_outputs(results, args.out, bench.machine_info()):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def run_convert_gb(args: argparse.Namespace) -> int:
+    from precast import bench
+    from precast.bench.convert_gb import LLAMA_SHAPES, gb_markdown, run_gb_bench, write_gb_outputs
+    from precast.errors import PrecastError
+
+    ignored = [
+        f
+        for f, on in (
+            ("--model", args.model),
+            ("--sizes", args.sizes),
+            ("--no-memory", args.no_memory),
+            ("--no-verify", args.no_verify),
+        )
+        if on
+    ]
+    if ignored:
+        raise PrecastError(
+            f"bench --convert --llama: {', '.join(ignored)} do(es) not apply (a Llama is converted with default "
+            "options, verify included, its RSS sampled); drop them or drop --llama"
+        )
+    unknown = [s for s in args.llama if s not in LLAMA_SHAPES]
+    if unknown:
+        raise PrecastError(f"bench --convert --llama {unknown}: choose from {', '.join(LLAMA_SHAPES)}")
+    if args.out:
+        out_dir(args.out, "convert_gb.json")
+    policies = tuple(None if p == "none" else p for p in (args.policy or ["none", "torch", "rules"]))
+    rows = run_gb_bench(tuple(args.llama), policies)
+    machine = bench.machine_info()
+    print(gb_markdown(rows, machine))
+    if args.out:
+        for path in write_gb_outputs(rows, args.out, machine):
             print(f"wrote {path}", file=sys.stderr)
     return 0
 

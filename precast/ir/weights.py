@@ -28,6 +28,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import ExportedProgram
 
+from precast.dtypes import absmax
 from precast.errors import PrecastError, first_line
 from precast.io import SAFETENSORS_DTYPES
 from precast.ir.program import CONSTANT_KINDS, written_targets
@@ -191,12 +192,10 @@ class WeightFiles:
             return h.get_tensor(key)
 
     def absmax(self, name: str) -> float:
-        """max |value| of a floating tensor (0 for others), read once and remembered."""
+        """max |value| of the program's constant ``name`` (``precast.dtypes.absmax``: no second tensor of the
+        weight's size), read once and remembered."""
         if name not in self._absmax:
-            t = self.read(name)
-            # (a norm, not abs().max(): no second tensor of the weight's size)
-            peak = torch.linalg.vector_norm(t, float("inf")) if t.is_floating_point() and t.numel() else 0.0
-            self._absmax[name] = float(peak)
+            self._absmax[name] = absmax(self.read(name))
         return self._absmax[name]
 
     @property

@@ -16,12 +16,13 @@ Input: a Program after insert_casts. Output: ``FoldResult`` (folded, created, dr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
-from precast.dtypes import dtype_name
+from precast.dtypes import absmax, dtype_name
 from precast.ir.graph import (
     NOOP_CONVERSIONS,
     VIEW_OPS,
@@ -45,9 +46,12 @@ class FoldResult:
     clamped: dict[str, int] = field(default_factory=dict)  # new constant -> values clamped to the low range
 
 
-def cast_constant(value: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+def cast_constant(
+    value: torch.Tensor, dtype: torch.dtype, peak: Callable[[torch.Tensor], float] = absmax
+) -> tuple[torch.Tensor, int]:
     """``value`` cast to ``dtype``, finite values beyond the dtype's range clamped to its largest finite value
-    (never inf); returns the tensor and how many values were clamped."""
+    (never inf); returns the tensor and how many values were clamped. ``peak``: how to read its absmax
+    (``Program.absmax`` reuses what the rules already read)."""
     if (
         value.is_floating_point()
         and value.device.type != "meta"  # streamed weights: clamped when written (pipeline/streamed.py)
@@ -57,8 +61,7 @@ def cast_constant(value: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor
     ):
         limit = torch.finfo(dtype).max
         # one reduction says whether any value can need the clamp (NaN compares false: counted below)
-        peak = torch.linalg.vector_norm(value.detach(), float("inf"))
-        if not bool(peak <= limit):
+        if not peak(value) <= limit:
             over = torch.isfinite(value) & (value.abs() > limit)
             count = int(over.sum().item())
             if count:
@@ -165,7 +168,9 @@ def fold_constant_casts(program: Program, casts: CastCache | None = None) -> Fol
             key = (const, dtype)
             if key not in cast_constants:
                 cast_value, clamped = (
-                    casts.cast(value, dtype) if casts is not None else cast_constant(value, dtype)
+                    casts.cast(value, dtype)
+                    if casts is not None
+                    else cast_constant(value, dtype, program.absmax)
                 )
                 new = program.add_constant_like(const, cast_value, f"_{dtype_name(dtype)}")
                 if clamped:

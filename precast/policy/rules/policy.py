@@ -167,12 +167,12 @@ class RulesDecider:
 
     def const_absmax(self, name: str, t: torch.Tensor) -> float:
         if name not in self._absmax:
-            t = t.detach()
             if t.device.type == "meta":  # streamed weights: its value is read from the file, once
                 node = next(n for n in self.program.graph.nodes if n.name == name)
-                self._absmax[name] = self.program.weights.absmax(self.program.constant_target(node))  # type: ignore[union-attr]
+                target = self.program.constant_target(node)
+                self._absmax[name] = self.program.weights.absmax(target)  # type: ignore[union-attr]
             else:
-                self._absmax[name] = t.abs().max().item() if t.is_floating_point() and t.numel() else 0.0
+                self._absmax[name] = self.program.absmax(t)
         return self._absmax[name]
 
     def decide(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Decision | None:
