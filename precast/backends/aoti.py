@@ -62,7 +62,7 @@ from precast.backends.cache import (
 )
 from precast.backends.compiled import CompiledModel
 from precast.backends.packed import gemm_pack, match_packed, record_new_constants
-from precast.backends.signature import ProgramSignature, dynamic_batch, exported_program
+from precast.backends.signature import ProgramSignature, dynamic_batch, exported_program, with_example_inputs
 from precast.backends.weights import (
     SafetensorsSource,
     check_stored,
@@ -129,7 +129,7 @@ def compile(
     program's stored names, in their stored dtypes; checked against the program, then read once.
     The compiled model reads the program's own weight tensors (no copy): change weights with ``load_weights``.
     """
-    ep = exported_program(program, "precast.compile")
+    ep = with_example_inputs(exported_program(program, "precast.compile"))
     if mode not in MODES:
         raise PrecastError(f"precast.compile: mode={mode!r}; choose one of {', '.join(MODES)}")
     configs = compile_configs(mode, inductor_configs)
@@ -229,12 +229,14 @@ def _constants(
     unread = set(layout["unread"])
     needed = {n for n in layout["every"] if n not in unread and n not in plans}
     wanted = needed | {p["source"] for n, p in plans.items() if n not in unread}
-    if source is None:
-        written = written_targets(ep)
-        values = {n: program[n].clone() if n in written else program[n] for n in wanted}
-    else:
-        check_stored(source, program, wanted, "precast.compile(weights=...)")
-        values = dict(source.read_many(wanted))
+    # the files hold what the program has no values for (streamed weights); a buffer made at construction
+    # (a rotary table) or a KV cache stays the program's own
+    from_files = {n for n in wanted if is_fake(program[n])} if source is not None else set()
+    written = written_targets(ep)
+    values = {n: program[n].clone() if n in written else program[n] for n in wanted - from_files}
+    if source is not None:
+        check_stored(source, program, from_files, "precast.compile(weights=...)")
+        values.update(source.read_many(from_files))
     out = {n: values[n] for n in needed}
     for name, plan in plans.items():
         if name not in unread:

@@ -15,6 +15,7 @@ user inputs, or a one-line PrecastError naming the argument, the expected and th
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from dataclasses import dataclass
@@ -395,3 +396,34 @@ def refuse_written_state(ep: ExportedProgram, engine: str, what: str) -> None:
             f"running statistic), which {engine} does not carry between calls, so every call after the first "
             "would be wrong; serve it with precast.compile (AOTInductor) or ExecuTorch, which keep them"
         )
+
+
+def with_example_inputs(ep: ExportedProgram) -> ExportedProgram:
+    """``ep`` itself when it has example inputs; else a copy whose example inputs are zeros of each input's
+    shape (a dynamic size at the hint export recorded), dtype and device. AOTInductor needs example inputs to
+    compile; a program exported without weights (fake inputs, dropped) or saved without them has none."""
+    from torch.utils import _pytree as pytree
+
+    if ep.example_inputs is not None:
+        return ep
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    flat = []
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind != InputKind.USER_INPUT:
+            continue
+        val = placeholders[spec.arg.name].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise PrecastError(
+                f"precast.compile: the program has no example inputs and its input {spec.arg.name!r} is not a "
+                "tensor; export it with example inputs (torch.export keeps them)"
+            )
+        sizes = [s if isinstance(s, int) else s.node.hint for s in val.shape]
+        if any(s is None for s in sizes):
+            raise PrecastError(
+                f"precast.compile: the program has no example inputs and input {spec.arg.name!r} has a size "
+                "with no recorded value; export it with example inputs"
+            )
+        flat.append(torch.zeros(sizes, dtype=val.dtype, device=val.device))
+    out = copy.copy(ep)
+    out._example_inputs = pytree.tree_unflatten(flat, ep.call_spec.in_spec)
+    return out

@@ -100,7 +100,9 @@ def export_weightless(
     out = copy.copy(ep)
     out._state_dict = {k: _meta(v) for k, v in ep.state_dict.items()}
     out._constants = {k: _meta(v) if isinstance(v, torch.Tensor) else v for k, v in ep.constants.items()}
-    out._example_inputs = None  # fake: nothing to run on
+    # the caller's own inputs (small: token ids) stay the program's example inputs, as torch.export keeps them
+    real = all(has_values(t) for t in tensors)
+    out._example_inputs = (tuple(args), kwargs) if real else None
     return out
 
 

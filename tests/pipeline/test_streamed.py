@@ -277,3 +277,24 @@ def test_statistics_measured_beforehand_serve_a_streamed_conversion(llama, tmp_p
     )
     with pytest.raises(PrecastError, match="calibration= batches run the program"):
         precast.convert(ep, policy="rules", calibration=batches, weights=folder, weights_out=tmp_path / "x")
+
+
+def test_compiled_from_the_output_shards(llama, tmp_path, aoti_cache):
+    """precast.compile of the streamed program, its weights loaded from the shards it wrote: the same tokens as
+    the in-memory conversion run eagerly (AOTInductor's kernels are not bitwise eager's)."""
+    folder, ep, real, ids = llama
+    out = precast.convert(ep, policy="torch", weights=folder, weights_out=tmp_path / "o")
+    loaded = torch.export.load(_saved(out.program, tmp_path / "p.pt2"))
+    loaded._example_inputs = None  # as a program saved without them: precast.compile makes its own
+    compiled = precast.compile(loaded, weights=tmp_path / "o", cache_dir=aoti_cache)
+    want = precast.convert(real, policy="torch", verify=False).program.module()(ids)
+    got = compiled(ids)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (
+        torch.nn.functional.cosine_similarity(got.flatten().float(), want.flatten().float(), dim=0) > 0.9999
+    )
+
+
+def _saved(program, path):
+    torch.export.save(program, path)
+    return path
