@@ -75,9 +75,7 @@ def accuracy(
     ep = torch.export.export(model, inputs)
     start = time.perf_counter()
     known = (cache or {}).get(key)
-    s = precast.sensitivity(
-        ep, inputs, dtype=dtype, policy=policy, ablation=known is None, measure_points=0
-    )
+    s = precast.sensitivity(ep, inputs, dtype=dtype, policy=policy, ablation=known is None, measure_points=0)
     seconds = time.perf_counter() - start
     ops = s.ops
     if known is not None:
