@@ -10,7 +10,6 @@ a folder another user owns or group/others may write is refused. See docs/compil
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import hashlib
 import json
@@ -33,6 +32,7 @@ from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError
 from precast.io import cache_root, private_dir
 from precast.ir.program import CONSTANT_KINDS, ConstantSource, constant_sources
+from precast.ir.weights import has_values, tensor_bytes
 
 MANIFEST = "manifest.json"
 PACKAGE = "model.pt2"
@@ -122,7 +122,7 @@ def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic:
             else:
                 put("input", f"{node.name}:{val!r}")
     for name, value in sorted({**ep.constants, **ep.state_dict}.items()):
-        if isinstance(value, torch.Tensor) and (value.device.type == "meta" or _is_fake_tensor(value)):
+        if isinstance(value, torch.Tensor) and not has_values(value):
             # no data (streamed weights): the package is built without constants, so it depends on their
             # metadata only; the values are checked against it when loaded (backends/weights.py)
             put("fake-tensor", f"{name}:{value.dtype}:{tuple(value.shape)}:{value.stride()}")
@@ -144,21 +144,6 @@ def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic:
             f"{torch.version.cuda}:{torch.cuda.get_device_capability()}:{torch.cuda.get_device_name()}",
         )
     return h.hexdigest()[:32]
-
-
-def _is_fake_tensor(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, read in place (no copy, and no numpy: ``pip install precast`` does not
-    bring it, torch does not either)."""
-    n = t.numel() * t.element_size()
-    if not n:
-        return memoryview(b"")
-    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
 
 
 def toolchain() -> dict[str, str]:

@@ -198,22 +198,14 @@ class WeightFiles:
             self._absmax[name] = absmax(self.read(name))
         return self._absmax[name]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(_numel(s) * d.itemsize for s, d in self.headers.values() if isinstance(d, torch.dtype))
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _as_meta(value: torch.Tensor) -> torch.Tensor:
+def as_meta(value: torch.Tensor, requires_grad: bool | None = None) -> torch.Tensor:
+    """A meta tensor of ``value``'s shape, strides and dtype; a Parameter stays one (``requires_grad``: its flag,
+    else ``value``'s)."""
     meta = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="meta")
     if isinstance(value, torch.nn.Parameter):
-        return torch.nn.Parameter(meta, requires_grad=value.requires_grad)
+        flag = value.requires_grad if requires_grad is None else requires_grad
+        return torch.nn.Parameter(meta, requires_grad=flag)
     return meta
 
 
@@ -239,7 +231,7 @@ def weightless(ep: ExportedProgram, files: WeightFiles) -> ExportedProgram:
                     if name in read:
                         missing.append(name)
                     else:
-                        store[name] = _as_meta(value)  # never read: only its metadata is kept
+                        store[name] = as_meta(value)  # never read: only its metadata is kept
                 continue
             shape, dtype = files.shape_dtype(name)
             if tuple(value.shape) != shape or value.dtype != dtype:
@@ -250,7 +242,7 @@ def weightless(ep: ExportedProgram, files: WeightFiles) -> ExportedProgram:
             if name in written or value.numel() == 1:
                 store[name] = _like(value, files.read(name))  # written state and scalars: real values
             else:
-                store[name] = _as_meta(value)
+                store[name] = as_meta(value)
     if missing:
         problems.insert(
             0,

@@ -24,7 +24,7 @@ from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
 from precast.errors import PrecastError, first_line
-from precast.ir.weights import has_values
+from precast.ir.weights import as_meta, has_values
 from precast.threads import TORCH_LOCK
 
 
@@ -107,7 +107,4 @@ def export_weightless(
 
 
 def _meta(v: torch.Tensor) -> torch.Tensor:
-    if has_values(v):
-        return v
-    meta = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
-    return torch.nn.Parameter(meta, requires_grad=False) if isinstance(v, torch.nn.Parameter) else meta
+    return v if has_values(v) else as_meta(v, requires_grad=False)
