@@ -195,7 +195,7 @@ def streamed_source(
             "'rules' or a plan"
         )
     files = WeightFiles(weights)
-    check_weights_out(files.path, weights_out)  # before the conversion, not after it
+    check_weights_out(files, weights_out)  # before the conversion, not after it
     return files
 
 

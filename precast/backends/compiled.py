@@ -16,13 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from precast.backends.cache import StoredConstant
 from precast.backends.packed import gemm_pack
 from precast.backends.signature import ProgramSignature
 from precast.backends.weights import SafetensorsSource
-from precast.errors import PrecastError
+from precast.errors import NAMES_SHOWN, PrecastError, name_list
+from precast.ir.weights import has_values
+from precast.pipeline.fold import cast_constant
 
 
 class CompiledModel:
@@ -110,12 +113,20 @@ class CompiledModel:
         missing = sorted(n for n in by_original if n not in source and n not in kept)
         unexpected = sorted(n for n in source if n not in by_original)
         problems: list[str] = []
+        nodata: list[str] = []  # tensors without data the loader could read (fake, meta, ...)
+        nodata_why: dict[str, str] = {}
         for name in sorted(set(by_original) & set(source)):
             meta = _meta(source, name)
             want = by_original[name][0]
             if meta is None:
                 problems.append(f"{name} is a {type(source[name]).__name__}, not a tensor")
                 continue
+            if not isinstance(source, SafetensorsSource):
+                why = _no_data(source[name])
+                if why:
+                    nodata.append(name)
+                    nodata_why.setdefault(why, name)
+                    continue
             if meta[0] != want.shape:
                 problems.append(f"{name} has shape {meta[0]}, expected {want.shape}")
             if meta[1] != want.source.original_dtype:
@@ -123,25 +134,37 @@ class CompiledModel:
         folded = sorted(
             st.source.stored for st in self._stored.values() if st.read and st.source.stored not in swappable
         )
-        if missing:
-            problems.insert(0, f"missing {missing}")
+        if nodata:
+            kinds = ", ".join(f"{why} ({name})" for why, name in nodata_why.items())
+            problems.insert(
+                0,
+                f"{len(nodata)} tensor(s) hold no data the compiled code can read: {kinds}; give real CPU/device "
+                f"tensors (e.g. the module's state_dict after loading its weights): {name_list(nodata)}",
+            )
         if unexpected:
-            problems.insert(1 if missing else 0, f"unexpected {unexpected}")
+            problems.insert(0, f"unexpected {len(unexpected)}: {name_list(unexpected)}")
+        if missing:
+            problems.insert(0, f"missing {len(missing)}: {name_list(missing)}")
         if folded:
             problems.append(
-                f"compiled code folded {folded} into itself (freezing, or always_keep_tensor_constants=False); "
+                f"compiled code folded {name_list(folded)} into itself (freezing, or always_keep_tensor_constants=False); "
                 "recompile without them to swap those"
             )
         if self._packed_unmatched:
             problems.append(
-                f"compiled code packed weights into {sorted(self._packed_unmatched)} in a layout precast cannot "
+                f"compiled code packed weights into {name_list(sorted(self._packed_unmatched))} in a layout precast cannot "
                 "reproduce; recompile with mode='default' to swap them"
             )
         if problems:
+            given = set(source)
+            another = bool(by_original) and len(given & set(by_original)) * 2 < min(
+                len(by_original), len(given)
+            )
+            hint = "these weights belong to another model (most names differ); pass" if another else "pass"
             raise PrecastError(
-                f"{what}: {len(problems)} problem(s): {'; '.join(problems)}; "
-                "pass the original fp32 state_dict of the model the program was converted from "
-                "(the compiled model still serves its previous weights)"
+                f"{what}: {hint} the original fp32 state_dict of the model the program was converted from "
+                f"(the compiled model still serves its previous weights); {len(problems)} problem(s): "
+                f"{'; '.join(problems[:NAMES_SHOWN])}{' ...' if len(problems) > NAMES_SHOWN else ''}"
             )
         names = {n for n in by_original if n not in kept}
         pairs = (
@@ -154,10 +177,9 @@ class CompiledModel:
             for st in by_original[name]:
                 if not st.read:
                     continue  # never read by the graph (e.g. num_batches_tracked): checked above, nothing to swap
-                # a fresh contiguous copy in the stored dtype: the same rounding fold_constant_casts applied
-                update[st.source.stored] = value.detach().to(
-                    device=st.device, dtype=st.source.dtype, copy=True, memory_format=torch.contiguous_format
-                )
+                # a fresh contiguous copy in the stored dtype: cast_constant, the rounding and fp16 clamping
+                # fold_constant_casts and the streamed writer apply
+                update[st.source.stored] = _stored_copy(value, st.device, st.source.dtype)
         for (
             name,
             plan,
@@ -177,6 +199,29 @@ class CompiledModel:
             self._runner.load_constants(update, check_full_update=False, user_managed=True)
             self._constants.update(update)  # the loader reads these pointers now; the old tensors may go
         return {"loaded": sorted(names), "kept": kept}
+
+
+def _no_data(value: torch.Tensor) -> str | None:
+    """Why ``value`` holds no data the loader can read (its pointer would be used as it is), or None."""
+    if isinstance(value, FakeTensor):
+        return "a FakeTensor"
+    if not has_values(value):
+        return f"a {value.device.type} tensor"
+    if value.layout != torch.strided or value.is_nested:
+        return f"a {str(value.layout).removeprefix('torch.')} tensor"
+    if type(value) not in (torch.Tensor, torch.nn.Parameter):
+        return f"a {type(value).__name__} (a tensor subclass)"
+    return None
+
+
+def _stored_copy(value: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """A new contiguous tensor on ``device`` in ``dtype``, never sharing memory with ``value``."""
+    on = value.detach()
+    if on.dtype == dtype or on.device != torch.device(device):
+        on = on.to(device=device, copy=True, memory_format=torch.contiguous_format)
+    if on.dtype == dtype:
+        return on
+    return cast_constant(on, dtype)[0].contiguous()  # another dtype: a new tensor
 
 
 def _meta(source: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], Any] | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.export import ExportedProgram
 
-from precast.errors import PrecastError
+from precast.errors import NAMES_SHOWN, PrecastError, name_list
 from precast.ir.weights import WeightFiles, has_values
 
 # the reader is precast.ir.weights' (conversion streams the same files): one file or a folder of shards, headers
@@ -42,8 +42,9 @@ def tensor_constants(ep: ExportedProgram) -> dict[str, torch.Tensor]:
 
 
 def check_stored(source: SafetensorsSource, program: Mapping[str, torch.Tensor], needed: set[str], what: str):
-    """One line listing every missing, unexpected and mismatched name of ``source`` against the program's
-    constants (stored names, stored dtypes); ``needed``: the names the compiled code reads."""
+    """One line naming the missing, unexpected and mismatched names of ``source`` against the program's
+    constants (stored names, stored dtypes; each list bounded, ``name_list``), the hint first; ``needed``: the
+    names the compiled code reads."""
     missing = sorted(needed - set(source))
     unexpected = sorted(set(source) - set(program))
     mismatched = []
@@ -55,14 +56,21 @@ def check_stored(source: SafetensorsSource, program: Mapping[str, torch.Tensor],
                 f"{name} is {dtype} {list(shape)}, the program stores {want.dtype} {list(want.shape)}"
             )
     problems = (
-        ([f"missing {missing}"] if missing else [])
-        + ([f"unexpected {unexpected}"] if unexpected else [])
-        + mismatched
+        ([f"missing {len(missing)}: {name_list(missing)}"] if missing else [])
+        + ([f"unexpected {len(unexpected)}: {name_list(unexpected)}"] if unexpected else [])
+        + ([f"{len(mismatched)} mismatched: {'; '.join(mismatched[:NAMES_SHOWN])}"] if mismatched else [])
     )
     if problems:
+        shared = len(set(source) & set(needed))
+        hint = (
+            f"these files belong to another model (only {shared} of the {len(needed)} constants the code reads "
+            "are in them); pass"
+            if needed and shared * 2 < len(needed)
+            else "pass"
+        )
         raise PrecastError(
-            f"{what}: {source.path} does not match the program's constants: {'; '.join(problems)}; "
-            "pass the weights written by the conversion of this program (stored names and dtypes)"
+            f"{what}: {source.path} does not match the program's constants: {hint} the weights written by the "
+            f"conversion of this program (stored names and dtypes); {'; '.join(problems)}"
         )
 
 

@@ -210,6 +210,23 @@ def check_options(args: argparse.Namespace) -> dict:
     return opts
 
 
+def _check_outputs_outside(args: argparse.Namespace, weights_out: str) -> None:
+    """-o and --write-plan never land on or inside the input weights, nor on the weights output folder."""
+    from precast.ir.weights import WeightFiles
+    from precast.pipeline.streamed import check_file_outside, check_weights_out, overlaps, resolved
+
+    files = WeightFiles(args.weights)
+    out = check_weights_out(files, weights_out)
+    for flag, path in (("-o", args.output), ("--write-plan", args.write_plan)):
+        if path:
+            check_file_outside(path, files, flag)
+            if overlaps(resolved(path), [out]) is not None:
+                raise PrecastError(
+                    f"{flag} {path}: resolves into the weights output {out}; give the weights and the program "
+                    "different places"
+                )
+
+
 def _as_flag(message: str) -> str:
     """``data_max=-1.0: ...`` -> ``--data-max=-1.0: ...``: name the flag the user typed."""
     for name, flag in FLAGS.items():
@@ -255,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
     if args.weights:
         opts["weights"] = args.weights
         opts["weights_out"] = args.weights_out or str(Path(args.output).with_suffix(".weights"))
+        _check_outputs_outside(args, opts["weights_out"])
     started = time.perf_counter()
     obj, inputs = load_source(args.source, args.trust_pickle)
     res = precast.convert(

@@ -18,18 +18,22 @@ Input: a folder or file path; an ExportedProgram. Output: ``WeightFiles``; ``wei
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import json
 import os
+import stat
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import ExportedProgram
 
 from precast.dtypes import absmax
-from precast.errors import PrecastError, first_line
+from precast.errors import NAMES_SHOWN, PrecastError, first_line, name_list
 from precast.io import SAFETENSORS_DTYPES
 from precast.ir.program import CONSTANT_KINDS, written_targets
 
@@ -77,28 +81,45 @@ class WeightFiles:
         wrong = sorted(n for n, f in (index or {}).items() if self.where.get(n, Path()).name != f)
         if wrong:
             raise PrecastError(
-                f"{what} {self.path}: {INDEX} maps {wrong[:8]} to shards that do not hold them; rewrite the index"
+                f"{what} {self.path}: {INDEX} maps {len(wrong)} name(s) to shards that do not hold them; rewrite the "
+                f"index: {name_list(wrong)}"
             )
 
     def _files(self) -> tuple[list[Path], dict[str, str] | None]:
         """The files to read, and the index's name -> file map (None without an index)."""
         p, what = self.path, self.what
-        if p.is_file():
+        kind = _kind(p)
+        if kind == "file":
             if p.suffix != ".safetensors":
                 raise PrecastError(
                     f"{what} {p}: not a .safetensors file; pass a .safetensors file or a folder of them"
                 )
             return [p], None
-        if not p.is_dir():
+        if kind is None:
             raise PrecastError(f"{what} {p}: no such file or folder")
+        if kind != "folder":
+            raise PrecastError(
+                f"{what} {p}: {kind}, not a regular file or a folder; pass a folder of .safetensors files"
+            )
         index = p / INDEX
-        if not index.is_file():
+        index_kind = _kind(index)
+        if index_kind is None:
             files = sorted(p.glob("*.safetensors"))
             if not files:
                 raise PrecastError(f"{what} {p}: no {INDEX} and no .safetensors files in it")
+            for f in files:
+                if _kind(f) != "file":
+                    raise PrecastError(
+                        f"{what} {f}: {_kind(f) or 'a broken link'}, not a regular file; only regular files are read "
+                        "from a weights folder: remove it or move it out"
+                    )
             return files, None
+        if index_kind != "file":
+            raise PrecastError(
+                f"{what} {index}: {index_kind}, not a regular file; replace it with the index JSON"
+            )
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = json.loads(_read_regular(index, what))["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not an object")
             names = sorted(set(weight_map.values()))
@@ -107,14 +128,16 @@ class WeightFiles:
         files = []
         for name in names:
             # a plain file name in this folder: an index cannot send the reader elsewhere
-            if not isinstance(name, str) or Path(name).name != name or not (p / name).is_file():
-                raise PrecastError(f"{what} {index}: names a shard {name!r} that is not a file in {p}")
+            if not isinstance(name, str) or Path(name).name != name or _kind(p / name) != "file":
+                raise PrecastError(
+                    f"{what} {index}: names a shard {name!r} that is not a regular file in {p}"
+                )
             files.append(p / name)
         return files, weight_map
 
     def _read_header(self, f: Path) -> None:
         try:
-            with self._open(str(f), framework="pt") as h:
+            with self._opened(f) as h:
                 for name in h.keys():  # noqa: SIM118 - safe_open is not a dict
                     view = h.get_slice(name)
                     code = view.get_dtype()
@@ -131,6 +154,19 @@ class WeightFiles:
                 f"{self.what} {f}: not a valid safetensors file ({first_line(exc)[:160]}); write it again "
                 "(a truncated or damaged file is refused before any tensor is read)"
             ) from exc
+
+    @contextlib.contextmanager
+    def _opened(self, f: Path) -> Iterator[Any]:
+        """``safe_open`` of ``f`` once it is known to be a regular file: opened here without blocking and checked
+        on the open descriptor (a FIFO or device put in its place meanwhile cannot hang the reader), then handed
+        to safetensors through ``/proc/self/fd`` (the same file, not the name again) where there is one."""
+        fd = _open_regular(f, self.what)
+        try:
+            proc = f"/proc/self/fd/{fd}"
+            with self._open(proc if os.path.exists(proc) else str(f), framework="pt") as h:
+                yield h
+        finally:
+            os.close(fd)
 
     def match(self, names: list[str]) -> None:
         """Find the prefix the program's constant ``names`` carry over the files' (``model.`` when the program
@@ -164,7 +200,7 @@ class WeightFiles:
         return self.headers[name]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        with self._open(str(self.where[name]), framework="pt") as h:
+        with self._opened(self.where[name]) as h:
             return h.get_tensor(name)
 
     def __iter__(self):  # noqa: ANN204
@@ -178,7 +214,7 @@ class WeightFiles:
         for file in sorted(set(self.where.values())):
             wanted = [n for n, f in self.where.items() if f == file and n in names]
             if wanted:
-                with self._open(str(file), framework="pt") as h:
+                with self._opened(file) as h:
                     for name in wanted:
                         yield name, h.get_tensor(name)
 
@@ -188,7 +224,7 @@ class WeightFiles:
     def read(self, name: str) -> torch.Tensor:
         """The program's constant ``name``, copied in; the file is closed again (nothing of it stays mapped)."""
         key = self.file_name(name)
-        with self._open(str(self.where[key]), framework="pt") as h:  # type: ignore[index]
+        with self._opened(self.where[key]) as h:  # type: ignore[index]
             return h.get_tensor(key)
 
     def absmax(self, name: str) -> float:
@@ -197,6 +233,44 @@ class WeightFiles:
         if name not in self._absmax:
             self._absmax[name] = absmax(self.read(name))
         return self._absmax[name]
+
+
+def _kind(p: Path) -> str | None:
+    """ "file" (a regular file, through links), "folder", None (nothing there, or a broken link), else what it is."""
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    return {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device"}.get(
+        stat.S_IFMT(mode), "a block device" if stat.S_ISBLK(mode) else "not a regular file"
+    )
+
+
+def _open_regular(f: Path, what: str) -> int:
+    """A read-only descriptor of ``f``, opened without blocking (a FIFO never waits for a writer) and refused
+    (one line) unless it is a regular file."""
+    try:
+        fd = os.open(f, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise PrecastError(f"{what} {f}: cannot be opened ({exc.strerror}); check the file") from exc
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise PrecastError(
+            f"{what} {f}: not a regular file (a FIFO, device or socket); only regular files are read from a "
+            "weights folder: remove it or move it out"
+        )
+    return fd
+
+
+def _read_regular(f: Path, what: str) -> str:
+    fd = _open_regular(f, what)
+    with os.fdopen(fd, "rb") as h:
+        return h.read().decode("utf-8")
 
 
 def as_meta(value: torch.Tensor, requires_grad: bool | None = None) -> torch.Tensor:
@@ -243,20 +317,38 @@ def weightless(ep: ExportedProgram, files: WeightFiles) -> ExportedProgram:
                 store[name] = _like(value, files.read(name))  # written state and scalars: real values
             else:
                 store[name] = as_meta(value)
-    if missing:
+    found = sum(name in files for store in stores for name in store)
+    if not found:
+        raise PrecastError(
+            f"weights {files.path}: these files belong to another model: none of its {len(files.where)} tensors is "
+            f"a constant of the program (it has e.g. {name_list(sorted(files.where), 3)}); pass the weights of the "
+            "model the program was exported from"
+        )
+    if (
+        len(problems) * 2 > found
+    ):  # most names there, most shapes or dtypes not: the same family, another size
         problems.insert(
             0,
-            f"{len(missing)} constant(s) the program reads hold no value and are not in the files: "
-            f"{', '.join(sorted(missing)[:8])}{' ...' if len(missing) > 8 else ''} (give them real values before "
-            "export, e.g. non-persistent buffers such as a rotary table)",
+            f"these files belong to another model: {len(problems)} of the {found} constants found differ in shape "
+            "or dtype; pass the weights of the model the program was exported from",
+        )
+    elif missing and len(missing) > found:  # most of what the program needs is not there: not a rotary table
+        problems.insert(
+            0,
+            f"these files belong to another model: {len(missing)} constant(s) the program reads are not in them "
+            f"(only {found} are): {name_list(sorted(missing))}; pass the weights of the model the program was "
+            "exported from",
+        )
+    elif missing:
+        problems.insert(
+            0,
+            f"{len(missing)} constant(s) the program reads hold no value and are not in the files; give them real "
+            "values before export (e.g. non-persistent buffers such as a rotary table): "
+            f"{name_list(sorted(missing))}",
         )
     if problems:
-        raise PrecastError(f"weights {files.path}: {'; '.join(problems)}")
-    if not any(name in files for store in stores for name in store):
-        raise PrecastError(
-            f"weights {files.path}: none of its {len(files.where)} tensors is a constant of the program "
-            f"(it has e.g. {next(iter(files.where))}); pass the weights of the model the program was exported from"
-        )
+        more = f" ... ({len(problems)} problems in all)" if len(problems) > NAMES_SHOWN else ""
+        raise PrecastError(f"weights {files.path}: {'; '.join(problems[:NAMES_SHOWN])}{more}")
     out = copy.copy(ep)
     out._state_dict, out._constants = stores
     if ep.example_inputs is not None and not all(

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.export import ExportedProgram
 
-from precast.errors import PrecastError
+from precast.errors import NAMES_SHOWN, PrecastError, name_list
 from precast.io import safetensors_header
 from precast.ir.program import constant_sources
 from precast.ir.weights import INDEX, WeightFiles, has_values, streamed_targets, tensor_bytes
@@ -56,13 +56,41 @@ def _plan(ep: ExportedProgram, files: WeightFiles) -> dict[Path, list[tuple[str,
     return plan
 
 
-def check_weights_out(source: Path, out_dir: str | os.PathLike) -> Path:
-    """The output folder, refused (one line) where writing it would touch the input weights or a folder that is not
-    precast's own."""
-    out, src = Path(out_dir).absolute(), Path(source).absolute()
-    if out == src or src in out.parents or (src.is_dir() and out in src.parents):
+def resolved(path: str | os.PathLike) -> Path:
+    """``path`` as the kernel will reach it: absolute, every symlink followed, each ``..`` applied after the
+    component before it (``new/../in`` is ``in`` even while ``new`` does not exist yet; ``link/..`` is the link
+    target's parent)."""
+    return Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
+
+
+def protected(files: WeightFiles | str | os.PathLike) -> list[Path]:
+    """The paths a conversion must never write: the input folder (or file) and, resolved, every file it reads
+    (a shard may be a symlink into another folder, as in Hugging Face's cache)."""
+    if isinstance(files, WeightFiles):
+        return sorted({resolved(files.path), *(resolved(f) for f in files.where.values())})
+    return [resolved(files)]
+
+
+def overlaps(out: Path, inputs: list[Path]) -> Path | None:
+    """The first of ``inputs`` that writing or replacing the folder ``out`` would touch: ``out`` is it, lies
+    inside it, or holds it (all three resolved)."""
+    for p in inputs:
+        if out == p or p in out.parents or out in p.parents:
+            return p
+    return None
+
+
+def check_weights_out(source: WeightFiles | str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """The output folder, resolved (``resolved``), refused (one line) where writing it would touch the input
+    weights (``protected``) or a folder that is not precast's own."""
+    out = resolved(out_dir)
+    hit = overlaps(out, protected(source))
+    if hit is not None:
+        src = source.path if isinstance(source, WeightFiles) else Path(source)
         raise PrecastError(
-            f"weights output {out}: it would overwrite the input weights {src}; choose another folder"
+            f"weights output {out_dir}: it would overwrite the input weights {src} (it resolves to {out}, which "
+            f"{'is' if out == hit else 'lies inside' if hit in out.parents else 'holds'} {hit}); choose another "
+            "folder"
         )
     if out.exists() and not _ours(out):
         raise PrecastError(
@@ -71,11 +99,23 @@ def check_weights_out(source: Path, out_dir: str | os.PathLike) -> Path:
     return out
 
 
+def check_file_outside(output: str | os.PathLike, files: WeightFiles, flag: str = "-o") -> None:
+    """An output file (the CLI's ``-o``) refused (one line) where it would write a file of the input weights or
+    anything inside their folder, whatever the spelling (``resolved``)."""
+    out = resolved(output)
+    hit = overlaps(out, protected(files))
+    if hit is not None:
+        raise PrecastError(
+            f"{flag} {output}: resolves to {out}, {'an input weights file' if out == hit else 'inside the input weights'}"
+            f" {files.path}; write the output elsewhere (the input weights are never written)"
+        )
+
+
 def write_weights(
     ep: ExportedProgram, files: WeightFiles, out_dir: str | os.PathLike, progress: bool | None = None
 ) -> dict:
     """Write the weights ``ep`` holds no values for into ``out_dir`` (see the module docstring)."""
-    out = check_weights_out(files.path, out_dir)
+    out = check_weights_out(files, out_dir)
     plan = _plan(ep, files)
     out.parent.mkdir(parents=True, exist_ok=True)
     # an ordinary folder (mode 0777 minus the umask, applied by the kernel), not mkdtemp's private one
@@ -130,6 +170,11 @@ def write_weights(
                 "weight_map": dict(sorted(weight_map.items())),
             }
             (tmp / INDEX).write_text(json.dumps(index, indent=2))
+        # checked again just before the rename: a symlink swapped in meanwhile is refused, not followed
+        if check_weights_out(files, out_dir) != out:
+            raise PrecastError(
+                f"weights output {out_dir}: now resolves to {resolved(out_dir)}, not {out} (a link changed while writing); nothing was written"
+            )
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -203,12 +248,13 @@ def with_weights(ep: ExportedProgram, weights: str | os.PathLike) -> ExportedPro
         t = files.read(name)
         values[name] = torch.nn.Parameter(t, requires_grad=False) if isinstance(v, torch.nn.Parameter) else t
     if missing:
-        problems.insert(
-            0, f"missing {len(missing)}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
-        )
+        problems.insert(0, f"missing {len(missing)}: {name_list(missing)}")
     if problems:
+        another = "these files belong to another model; " if len(missing) * 2 > len(targets) else ""
+        more = f" ... ({len(problems)} problems in all)" if len(problems) > NAMES_SHOWN else ""
         raise PrecastError(
-            f"weights {files.path}: {'; '.join(problems)}; pass the folder precast.convert wrote"
+            f"weights {files.path}: {another}pass the folder precast.convert wrote for this program: "
+            f"{'; '.join(problems[:NAMES_SHOWN])}{more}"
         )
     out = copy.copy(ep)
     out._state_dict = {k: values.get(k, v) for k, v in ep.state_dict.items()}

@@ -215,8 +215,8 @@ def test_load_weights_reports_every_mismatch_and_keeps_old_weights(converted_a, 
     print(msg)
     assert "\n" not in msg
     for part in (
-        "missing ['layers.1.bias']",
-        "unexpected ['layers.9.weight']",
+        "missing 1: layers.1.bias",
+        "unexpected 1: layers.9.weight",
         "layers.0.weight has shape (64, 32)",
         "head.bias has dtype torch.float16",
     ):
