@@ -8,8 +8,9 @@ one in that case, so a user still finds ``encoder.0.weight`` in the converted pr
 
 A constant the program writes (an in-place op on it or on a view of it, or a BUFFER_MUTATION output after
 ``run_decompositions()``) is never folded: its value changes from call to call, so its casts stay at run time
-(``FoldResult.written`` names them). A value beyond float16's range is stored clamped to ±65504, never as inf
-(``FoldResult.clamped``: name -> number of values clamped), as ModelOpt does.
+(``FoldResult.written`` names them). A finite value beyond float16's range is stored clamped to ±65504, never as inf
+(``FoldResult.clamped``: name -> number of values clamped), as ModelOpt does; ``inf``, ``-inf`` and NaN stay as
+they are (``cast_constant``).
 
 Input: a Program after insert_casts. Output: ``FoldResult`` (folded, created, dropped, written, clamped).
 """
@@ -49,8 +50,11 @@ class FoldResult:
 def cast_constant(
     value: torch.Tensor, dtype: torch.dtype, peak: Callable[[torch.Tensor], float] = absmax
 ) -> tuple[torch.Tensor, int]:
-    """``value`` cast to ``dtype``, finite values beyond the dtype's range clamped to its largest finite value
-    (never inf); returns the tensor and how many values were clamped. ``peak``: how to read its absmax
+    """``value`` cast to ``dtype`` under one rule, whatever else the tensor holds: a finite value beyond the
+    dtype's range is stored as its largest finite value of that sign (a finite weight never becomes inf); ``inf``,
+    ``-inf`` and NaN are stored as they are (the low dtype holds them exactly, and the program computed with them).
+    Returns the tensor and how many values were clamped (the finite values beyond the range, each stored as the
+    largest finite value). ``peak``: how to read its absmax
     (``Program.absmax`` reuses what the rules already read)."""
     if (
         value.is_floating_point()
@@ -60,12 +64,15 @@ def cast_constant(
         and value.numel()
     ):
         limit = torch.finfo(dtype).max
-        # one reduction says whether any value can need the clamp (NaN compares false: counted below)
+        # one reduction says whether any value can need the clamp (inf and NaN too: told apart below)
         if not peak(value) <= limit:
             over = torch.isfinite(value) & (value.abs() > limit)
             count = int(over.sum().item())
             if count:
-                return value.clamp(-limit, limit).to(dtype), count
+                # only the finite values beyond the range: inf, -inf and NaN are stored as they are
+                low = value.to(dtype)
+                low[over] = value[over].clamp(-limit, limit).to(dtype)
+                return low, count
     return value.to(dtype), 0
 
 

@@ -21,13 +21,13 @@ FP16, BF16 = torch.float16, torch.bfloat16
 
 
 def full_count(value: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    """``cast_constant`` as it was: every value checked, then clamped when any finite one is out of range."""
+    """The rule, element by element: a finite value beyond the range is the largest finite value of its sign
+    (counted); inf, -inf and NaN stay as they are; everything else is the plain cast."""
     limit = torch.finfo(dtype).max
     over = torch.isfinite(value) & (value.abs() > limit)
-    count = int(over.sum().item())
-    if count:
-        return value.clamp(-limit, limit).to(dtype), count
-    return value.to(dtype), 0
+    plain = value.to(dtype)
+    clamped = torch.where(value > 0, limit, -limit).to(dtype)
+    return torch.where(over, clamped, plain), int(over.sum().item())
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -53,10 +53,15 @@ def test_cast_constant_range_check_keeps_the_full_count():
             assert same(got, want) and count == want_count, (name, dtype, got, want, count, want_count)
     assert cast_constant(cases["beyond"], FP16)[1] == 3
     assert cast_constant(cases["inf"], FP16)[0].tolist() == [inf, -inf, 2.0]
-    # as before the range check: once a finite value needs the clamp, the clamp takes inf to ±65504 too
-    assert cast_constant(cases["inf and beyond"], FP16)[0].tolist() == [65504.0, 65504.0, -65504.0, 1.0]
+    # one rule whatever else the tensor holds (issue 33 item 6): inf stays inf beside a finite value that needs
+    # the clamp, as it does alone, and the count is the values stored clamped
+    got, count = cast_constant(cases["inf and beyond"], FP16)
+    assert got.tolist() == [inf, 65504.0, -65504.0, 1.0] and count == 2
     got, count = cast_constant(cases["nan and beyond"], FP16)
-    assert count == 1 and got[0].isnan() and got[1:].tolist() == [65504.0, -65504.0]
+    assert count == 1 and got[0].isnan() and got[1:].tolist() == [65504.0, -inf]
+    # 65504 < |x| < 65520 rounds to 65504 in a plain cast too: counted as clamped, stored the same
+    got, count = cast_constant(torch.tensor([65510.0, -65519.0]), FP16)
+    assert got.tolist() == [65504.0, -65504.0] and count == 2
 
 
 class BigWeights(nn.Module):
