@@ -38,8 +38,8 @@ def add_parser(sub) -> None:
         "--output",
         default=None,
         help="write the artifact here (aoti: a package with its weights inside, for torch._inductor."
-        "aoti_load_package; default prints the cached package's path, whose weights precast.compile loads; "
-        "openvino (.xml), onnx, executorch: required)",
+        "aoti_load_package, with --weights too: the weights are read into it; default prints the cached package's "
+        "path, whose weights precast.compile loads; openvino (.xml), onnx, executorch: required)",
     )
     p.add_argument("--backend", choices=BACKENDS, default="aoti", help="default: aoti (AOTInductor)")
     p.add_argument("--mode", choices=["default", "max-autotune"], default="default", help="aoti only")
@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
         default=None,
         metavar="DIR",
         help="aoti only: the weights of a program converted with streamed weights (its constants meta): a "
-        "directory of safetensors shards with model.safetensors.index.json, or one .safetensors file",
+        "directory of safetensors shards with model.safetensors.index.json, or one .safetensors file; with -o "
+        "they are written into the package",
     )
     p.add_argument(
         "--trust-pickle",
@@ -77,16 +78,31 @@ def run(args: argparse.Namespace) -> int:
 
     compile_mod = importlib.import_module("precast.backends.aoti")
     weights = getattr(args, "weights", None)
+    files = None
+    if weights:
+        from precast.ir.weights import WeightFiles
+
+        files = WeightFiles(weights, "--weights")  # checked (headers, regular files) before the program loads
     if args.output:
-        if weights:
-            raise PrecastError(
-                "precast compile: -o writes a package with its weights inside, which a program with streamed "
-                "(meta) weights cannot give; drop -o (the cached package loads them with precast.compile(program, "
-                "weights=...)) or convert with the weights in memory"
-            )
         check_writable(args.output, (args.source,))
+        if files is not None:
+            from precast.pipeline.streamed import check_file_outside
+
+            check_file_outside(args.output, files)
     started = time.perf_counter()
     program = load_program(args.source, trust_pickle=args.trust_pickle)
+    if args.output and files is not None:
+        # -o: a self-contained package; the weights go inside it, so the program takes them in now (read once,
+        # names, shapes and dtypes checked by with_weights) and compiles as a program holding its weights
+        from precast.ir.weights import streamed_targets
+        from precast.pipeline.streamed import with_weights
+
+        if not streamed_targets(program):
+            raise PrecastError(
+                f"--weights {weights}: {args.source} holds its weights (none of its constants is fake or meta); "
+                "drop --weights"
+            )
+        program, weights = with_weights(program, weights), None
     # -o: a self-contained package (constants inside the .so), loadable without precast
     configs = {compile_mod.IN_SO: True} if args.output else None
     cm = compile_mod.compile(

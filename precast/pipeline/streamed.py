@@ -19,13 +19,16 @@ report's ``weights`` record (files, bytes read and written, values clamped).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import re
 import secrets
 import shutil
-import tempfile
+import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -118,9 +121,23 @@ def write_weights(
     out = check_weights_out(files, out_dir)
     plan = _plan(ep, files)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # an ordinary folder (mode 0777 minus the umask, applied by the kernel), not mkdtemp's private one
-    tmp = out.parent / f".{out.name}.{secrets.token_hex(6)}.tmp"
-    os.mkdir(tmp, 0o777)
+    stale = remove_stale(out.parent)  # what a conversion killed outright (SIGKILL, power loss) left here
+    with _work_folder(out.parent, out.name) as tmp:
+        record = _write(ep, files, plan, tmp, out, out_dir, progress)
+    record["stale_removed"] = stale
+    return record
+
+
+def _write(
+    ep: ExportedProgram,
+    files: WeightFiles,
+    plan: dict[Path, list[tuple[str, str, torch.dtype, tuple]]],
+    tmp: Path,
+    out: Path,
+    out_dir: str | os.PathLike,
+    progress: bool | None,
+) -> dict:
+    """The shards and the index written into ``tmp``, then renamed to ``out``."""
     record = {
         "source": str(files.path.absolute()),
         "output": str(out),
@@ -132,68 +149,145 @@ def write_weights(
     clamped: dict[str, int] = {}
     weight_map: dict[str, str] = {}
     start = time.perf_counter()
-    try:
-        total = sum(len(v) for v in plan.values())
-        with ProgressBar(f"writing weights to {out.name}", total, progress) as bar:
-            for shard, entries in sorted(plan.items()):
-                entries.sort()
-                name = shard.name if shard.suffix == ".safetensors" else "model.safetensors"
-                with open(tmp / name, "wb") as f:
-                    f.write(
-                        safetensors_header(
-                            [(stored, dtype, shape) for stored, _o, dtype, shape in entries],
-                            {"format": "pt", "written_by": "precast"},
-                            str(out / name),
-                        )
+    total = sum(len(v) for v in plan.values())
+    with ProgressBar(f"writing weights to {out.name}", total, progress) as bar:
+        for shard, entries in sorted(plan.items()):
+            entries.sort()
+            name = shard.name if shard.suffix == ".safetensors" else "model.safetensors"
+            with open(tmp / name, "wb") as f:
+                f.write(
+                    safetensors_header(
+                        [(stored, dtype, shape) for stored, _o, dtype, shape in entries],
+                        {"format": "pt", "written_by": "precast"},
+                        str(out / name),
                     )
-                    for stored, original, dtype, shape in entries:
-                        value = files.read(original)
-                        record["bytes_read"] += value.numel() * value.element_size()
-                        low, n = cast_constant(value, dtype) if value.dtype != dtype else (value, 0)
-                        del value
-                        if n:
-                            clamped[stored] = n
-                        low = low.contiguous()
-                        if tuple(low.shape) != shape:
-                            raise PrecastError(
-                                f"internal: {stored} is {list(low.shape)}, the program says {list(shape)}"
-                            )
-                        f.write(tensor_bytes(low))
-                        record["bytes_written"] += low.numel() * low.element_size()
-                        weight_map[stored] = name
-                        bar.advance()
-                    f.flush()
-                    os.fsync(f.fileno())
-                record["files"] += 1
-            index = {
-                "metadata": {"total_size": record["bytes_written"], "written_by": "precast"},
-                "weight_map": dict(sorted(weight_map.items())),
-            }
-            (tmp / INDEX).write_text(json.dumps(index, indent=2))
-        # checked again just before the rename: a symlink swapped in meanwhile is refused, not followed
-        if check_weights_out(files, out_dir) != out:
-            raise PrecastError(
-                f"weights output {out_dir}: now resolves to {resolved(out_dir)}, not {out} (a link changed while writing); nothing was written"
-            )
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                )
+                for stored, original, dtype, shape in entries:
+                    value = files.read(original)
+                    record["bytes_read"] += value.numel() * value.element_size()
+                    low, n = cast_constant(value, dtype) if value.dtype != dtype else (value, 0)
+                    del value
+                    if n:
+                        clamped[stored] = n
+                    low = low.contiguous()
+                    if tuple(low.shape) != shape:
+                        raise PrecastError(
+                            f"internal: {stored} is {list(low.shape)}, the program says {list(shape)}"
+                        )
+                    f.write(tensor_bytes(low))
+                    record["bytes_written"] += low.numel() * low.element_size()
+                    weight_map[stored] = name
+                    bar.advance()
+                f.flush()
+                os.fsync(f.fileno())
+            record["files"] += 1
+        index = {
+            "metadata": {"total_size": record["bytes_written"], "written_by": "precast"},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (tmp / INDEX).write_text(json.dumps(index, indent=2))
+    # checked again just before the rename: a symlink swapped in meanwhile is refused, not followed
+    if check_weights_out(files, out_dir) != out:
+        raise PrecastError(
+            f"weights output {out_dir}: now resolves to {resolved(out_dir)}, not {out} (a link changed while "
+            "writing); nothing was written"
+        )
+    _replace_dir(tmp, out)
     record["tensors"] = len(weight_map)
     record["clamped"] = clamped
     record["seconds"] = round(time.perf_counter() - start, 3)
     return record
 
 
+# the marker of a folder precast is writing (JSON: written_by, pid) and the lock its writer holds until done; a
+# killed writer's lock is free (the kernel drops it with the process), which is how the next run knows
+MARK = ".precast-writing"
+LOCK = ".precast-writing.lock"
+_WORK = re.compile(r"\..+\.[0-9a-f]{12}\.tmp")
+
+
+@contextlib.contextmanager
+def _work_folder(parent: Path, name: str) -> Iterator[Path]:
+    """A new folder ``.NAME.<hex>.tmp`` in ``parent`` holding ``MARK`` with ``LOCK`` held while the block runs;
+    removed when the block fails. An ordinary folder (mode 0777 minus the umask), not mkdtemp's private one."""
+    from filelock import FileLock
+
+    for _ in range(100):
+        tmp = parent / f".{name}.{secrets.token_hex(6)}.tmp"
+        try:
+            os.mkdir(tmp, 0o777)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise PrecastError(f"weights output {parent / name}: cannot create a temporary folder beside it")
+    lock = FileLock(str(tmp / LOCK))
+    try:
+        lock.acquire(timeout=0)
+        (tmp / MARK).write_text(json.dumps({"written_by": "precast", "pid": os.getpid()}))
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        lock.release()
+
+
+def remove_stale(parent: Path) -> list[str]:
+    """Remove the work folders in ``parent`` that a killed conversion left: named ``.NAME.<hex>.tmp``, owned by
+    this user, holding precast's ``MARK`` (or nothing yet but the marker and its lock), and whose ``LOCK`` is
+    free (no process writes there any more). A folder another conversion is writing keeps its lock and stays.
+    Returns the names removed."""
+    from filelock import FileLock, Timeout
+
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return removed  # not listable: nothing of ours can be found there
+    for entry in entries:
+        if not _WORK.fullmatch(entry.name) or not _is_our_work(entry):
+            continue
+        lock = FileLock(str(entry / LOCK))
+        try:
+            lock.acquire(timeout=0)
+        except (Timeout, OSError):
+            continue  # held (a live writer) or gone (another run removed it first): not ours to touch
+        try:
+            shutil.rmtree(entry)
+        finally:
+            lock.release()
+        removed.append(entry.name)
+    return removed
+
+
+def _is_our_work(folder: Path) -> bool:
+    """A real folder of this user's with precast's marker (or only the marker and lock being made)."""
+    try:
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or (hasattr(os, "getuid") and st.st_uid != os.getuid()):
+            return False
+        names = {e.name for e in folder.iterdir()}
+        if MARK not in names:
+            return names <= {LOCK}
+        return json.loads((folder / MARK).read_text()).get("written_by") == "precast"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _replace_dir(new: Path, out: Path) -> None:
-    """``new`` renamed to ``out``; an existing ``out`` moved aside first and removed after (never a mix)."""
-    old = None
+    """``new`` renamed to ``out``; an existing ``out`` moved aside first (into a work folder of its own, which
+    the next run removes should this one be killed) and removed after: never a mix. The marker and lock move
+    with ``new`` and are removed from ``out`` once it is in place."""
     if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-        os.replace(out, old / out.name)
-    os.replace(new, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        with _work_folder(out.parent, out.name) as old:
+            os.replace(out, old / out.name)
+            os.replace(new, out)
+            shutil.rmtree(old)
+    else:
+        os.replace(new, out)
+    for name in (MARK, LOCK):
+        (out / name).unlink(missing_ok=True)
 
 
 def _ours(folder: Path) -> bool:
@@ -207,7 +301,9 @@ def _ours(folder: Path) -> bool:
         ours = json.loads((folder / INDEX).read_text())["metadata"]["written_by"] == "precast"
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return ours and all(e.is_file() and (e.suffix == ".safetensors" or e.name == INDEX) for e in entries)
+    return ours and all(
+        e.is_file() and (e.suffix == ".safetensors" or e.name in (INDEX, MARK, LOCK)) for e in entries
+    )
 
 
 def stand_in(ep: ExportedProgram) -> ExportedProgram:
