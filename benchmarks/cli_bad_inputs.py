@@ -15,6 +15,7 @@ import hashlib
 import io
 import os
 import pickle
+import stat
 import sys
 import zipfile
 from dataclasses import dataclass
@@ -175,6 +176,57 @@ CASES: list[tuple[str, list[str]]] = [
         ]
         + ["--calibration-stats", "{d}/other.json"],
     ),
+    # streamed weights (issue 33): the input weights never written, only regular files read, bounded lines
+    (
+        "convert: --weights-out through a missing folder and .. is the input",
+        [
+            "convert",
+            "{d}/weightless.pt2",
+            "-o",
+            "{d}/out.pt2",
+            "--weights",
+            "{d}/in",
+            "--weights-out",
+            "{d}/new/../in",
+        ],
+    ),
+    (
+        "convert: --weights-out through a link into the input",
+        [
+            "convert",
+            "{d}/weightless.pt2",
+            "-o",
+            "{d}/out.pt2",
+            "--weights",
+            "{d}/in",
+            "--weights-out",
+            "{d}/inlink/sub",
+        ],
+    ),
+    (
+        "convert: -o names an input weights file",
+        ["convert", "{d}/weightless.pt2", "-o", "{d}/in/model.safetensors", "--weights", "{d}/in"],
+    ),
+    (
+        "convert: -o inside the input weights folder",
+        ["convert", "{d}/weightless.pt2", "-o", "{d}/inlink/out.pt2", "--weights", "{d}/in"],
+    ),
+    (
+        "convert: --weights folder holding a FIFO named *.safetensors",
+        ["convert", "{d}/weightless.pt2", "-o", "{d}/out.pt2", "--weights", "{d}/fifo_w"],
+    ),
+    (
+        "convert: --weights of another model",
+        ["convert", "{d}/weightless.pt2", "-o", "{d}/out.pt2", "--weights", "{d}/other_w"],
+    ),
+    (
+        "compile: -o inside the --weights folder",
+        ["compile", "{d}/weightless.pt2", "--weights", "{d}/in", "-o", "{d}/in/pkg.pt2"],
+    ),
+    (
+        "compile: --weights -o for a program holding its weights",
+        ["compile", "{d}/good.pt2", "--weights", "{d}/in", "-o", "{d}/pkg.pt2"],
+    ),
     ("convert: factory spec malformed", ["convert", "a:b:c", "-o", "{d}/out.pt2"]),
     ("convert: factory module missing", ["convert", "no_such_pkg.models:make", "-o", "{d}/out.pt2"]),
     ("convert: factory missing", ["convert", "bad_input_factories:nosuch", "-o", "{d}/out.pt2"]),
@@ -264,6 +316,7 @@ def make_fixtures(d: Path) -> None:
     precast.calibrate(torch.nn.Linear(4, 4), [(torch.randn(2, 4),)], (torch.randn(2, 4),)).save(
         d / "other.json"
     )
+    _weights_fixtures(d)
     (d / "bad_input_factories.py").write_text(FACTORIES)
     (d / "bad_input_broken.py").write_text(BROKEN_IMPORT)
     (d / "shared").mkdir(mode=0o700)
@@ -271,6 +324,76 @@ def make_fixtures(d: Path) -> None:
     (d / "theirs").mkdir(mode=0o700)
     if hasattr(os, "getuid") and os.getuid() == 0:
         os.chown(d / "theirs", 12345, 12345)
+
+
+def _weights_fixtures(d: Path) -> None:
+    """A program exported without its weights (weightless.pt2), its weights (in/, linked as inlink), the same
+    beside a FIFO named like a shard (fifo_w/), and another model's weights (other_w/)."""
+    from safetensors.torch import save_file
+
+    import precast
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(12))).eval()
+    torch.export.save(precast.export_weightless(model, (torch.randn(2, 8),)), str(d / "weightless.pt2"))
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    for name in ("in", "fifo_w", "other_w"):
+        (d / name).mkdir()
+    save_file(state, str(d / "in" / "model.safetensors"))
+    save_file(state, str(d / "fifo_w" / "model.safetensors"))
+    os.mkfifo(d / "fifo_w" / "zz.safetensors")
+    save_file({f"blocks.{k}": v for k, v in state.items()}, str(d / "other_w" / "model.safetensors"))
+    (d / "inlink").symlink_to(d / "in")
+
+
+# Python API cases: (name, code run with `precast`, `torch` and `D` (the fixture folder, a Path) in scope)
+API_CASES: list[tuple[str, str]] = [
+    (
+        "convert: weights_out through a missing folder and .. is the input",
+        "precast.convert(weightless(), weights=D / 'in', weights_out=str(D / 'new') + '/../in')",
+    ),
+    (
+        "convert: weights_out through a link into the input",
+        "precast.convert(weightless(), weights=D / 'in', weights_out=D / 'inlink' / 'sub')",
+    ),
+    (
+        "convert: weights folder holding a FIFO named *.safetensors",
+        "precast.convert(weightless(), weights=D / 'fifo_w', weights_out=D / 'o')",
+    ),
+    (
+        "convert: weights of another model",
+        "precast.convert(weightless(), weights=D / 'other_w', weights_out=D / 'o')",
+    ),
+    (
+        "with_weights: weights of another model",
+        "precast.with_weights(weightless(), D / 'other_w')",
+    ),
+]
+
+
+def run_api_case(d: Path, name: str, code: str) -> Outcome:
+    """``code`` run in process: exit 2 stands for a one-line ``PrecastError``, 1 for anything else raised, 0 for
+    none; ``changed`` as for the CLI cases."""
+    import precast
+    from precast.pipeline.capture import load_program
+
+    scope = {
+        "precast": precast,
+        "torch": torch,
+        "D": d,
+        "weightless": lambda: load_program(d / "weightless.pt2"),
+    }
+    before = snapshot(d)
+    status, message = 0, ""
+    try:
+        exec(code, scope)  # noqa: S102 - the table's own code
+    except precast.PrecastError as exc:
+        status, message = 2, str(exc)
+    except Exception as exc:  # noqa: BLE001 - recorded in the table as the failure it is
+        status, message = 1, f"{type(exc).__name__}: {exc}"
+    after = snapshot(d)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    return Outcome(name, code.replace("D / ", "D/"), status, message, "", changed, api=True)
 
 
 class _Marker:
@@ -284,6 +407,8 @@ def snapshot(d: Path) -> dict[str, str]:
     for p in sorted(d.rglob("*")):
         if p.is_symlink() or p.is_dir():
             out[str(p.relative_to(d))] = "link" if p.is_symlink() else "dir"
+        elif not stat.S_ISREG(p.lstat().st_mode):
+            out[str(p.relative_to(d))] = "special"  # a FIFO: never opened (it would wait for a writer)
         else:
             out[str(p.relative_to(d))] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
@@ -297,6 +422,7 @@ class Outcome:
     stderr: str
     stdout: str
     changed: list[str]
+    api: bool = False  # a Python API case: "exit 2" stands for a one-line PrecastError
 
 
 def run_case(d: Path, name: str, argv: list[str]) -> Outcome:
@@ -320,31 +446,49 @@ def run_all(d: Path) -> list[Outcome]:
     make_fixtures(d)
     sys.path.insert(0, str(d))
     try:
-        return [run_case(d, name, argv) for name, argv in CASES]
+        return [run_case(d, name, argv) for name, argv in CASES] + [
+            run_api_case(d, name, code) for name, code in API_CASES
+        ]
     finally:
         sys.path.remove(str(d))
 
 
 def to_markdown(outcomes: list[Outcome], d: Path) -> str:
     ok = sum(o.status == 2 and len(o.stderr.strip().splitlines()) == 1 and not o.changed for o in outcomes)
+    cli = [o for o in outcomes if not o.api]
+    api = [o for o in outcomes if o.api]
     lines = [
         "# CLI bad-input table",
         "",
-        f"{len(outcomes)} cases, {ok} exit 2 with one line on stderr, no output or temporary file, inputs "
+        f"{len(outcomes)} cases ({len(cli)} CLI, {len(api)} Python API), {ok} exit 2 (the API: raise one "
+        "PrecastError) with one line on stderr, no output or temporary file, inputs "
         "unchanged. Generated by `python -m benchmarks.cli_bad_inputs --out docs/cli_bad_inputs.md` "
         f"(torch {torch.__version__}); `D` is the fixture folder. tests/cli/test_cli_bad_inputs.py runs the same cases.",
         "",
         "| case | command | exit | stderr (one line) | files changed |",
         "|---|---|---|---|---|",
     ]
-    for o in outcomes:
-        first = o.stderr.strip().splitlines()[0] if o.stderr.strip() else ""
-        first = first.replace("|", "\\|")
-        first = first.replace(str(d), "D").replace("\x1b[1m", "").replace("\x1b[0m", "")
-        lines.append(
-            f"| {o.name} | `{o.command}` | {o.status} | {first} | {', '.join(o.changed) or 'none'} |"
-        )
+    lines += [_row(o, d) for o in cli]
+    if api:
+        lines += [
+            "",
+            "## Python API",
+            "",
+            "The same bad inputs through the API: exit 2 here means one `PrecastError` of one line (the message "
+            "shown), nothing written, inputs unchanged.",
+            "",
+            "| case | call | exit | error (one line) | files changed |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [_row(o, d) for o in api]
     return "\n".join(lines) + "\n"
+
+
+def _row(o: Outcome, d: Path) -> str:
+    first = o.stderr.strip().splitlines()[0] if o.stderr.strip() else ""
+    first = first.replace("|", "\\|")
+    first = first.replace(str(d), "D").replace("\x1b[1m", "").replace("\x1b[0m", "")
+    return f"| {o.name} | `{o.command}` | {o.status} | {first} | {', '.join(o.changed) or 'none'} |"
 
 
 def main(argv: list[str] | None = None) -> int:
