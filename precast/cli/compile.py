@@ -84,11 +84,11 @@ def run(args: argparse.Namespace) -> int:
 
         files = WeightFiles(weights, "--weights")  # checked (headers, regular files) before the program loads
     if args.output:
-        check_writable(args.output, (args.source,))
-        if files is not None:
+        if files is not None:  # before check_writable, whose probe file would land in the input folder
             from precast.pipeline.streamed import check_file_outside
 
             check_file_outside(args.output, files)
+        check_writable(args.output, (args.source,))
     started = time.perf_counter()
     program = load_program(args.source, trust_pickle=args.trust_pickle)
     if args.output and files is not None:

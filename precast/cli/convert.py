@@ -216,15 +216,18 @@ def _check_outputs_outside(args: argparse.Namespace, weights_out: str) -> None:
     from precast.pipeline.streamed import check_file_outside, check_weights_out, overlaps, resolved
 
     files = WeightFiles(args.weights)
+    outputs = [
+        (flag, path) for flag, path in (("-o", args.output), ("--write-plan", args.write_plan)) if path
+    ]
+    for flag, path in outputs:  # what the user typed first: the weights output may be derived from -o
+        check_file_outside(path, files, flag)
     out = check_weights_out(files, weights_out)
-    for flag, path in (("-o", args.output), ("--write-plan", args.write_plan)):
-        if path:
-            check_file_outside(path, files, flag)
-            if overlaps(resolved(path), [out]) is not None:
-                raise PrecastError(
-                    f"{flag} {path}: resolves into the weights output {out}; give the weights and the program "
-                    "different places"
-                )
+    for flag, path in outputs:
+        if overlaps(resolved(path), [out]) is not None:
+            raise PrecastError(
+                f"{flag} {path}: resolves into the weights output {out}; give the weights and the program "
+                "different places"
+            )
 
 
 def _as_flag(message: str) -> str:
@@ -251,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
     opts = check_options(args)
     stats = tuple(getattr(args, "calibration_stats", None) or ())
     inputs_ = (None if _is_factory(args.source) else args.source, args.calibration, *stats)
+    if args.weights:  # before check_writable, whose probe file would land in the input folder
+        _check_outputs_outside(args, args.weights_out or str(Path(args.output).with_suffix(".weights")))
     check_writable(args.output, inputs_)
     if args.write_plan:
         check_writable(args.write_plan, inputs_)
@@ -272,7 +277,6 @@ def run(args: argparse.Namespace) -> int:
     if args.weights:
         opts["weights"] = args.weights
         opts["weights_out"] = args.weights_out or str(Path(args.output).with_suffix(".weights"))
-        _check_outputs_outside(args, opts["weights_out"])
     started = time.perf_counter()
     obj, inputs = load_source(args.source, args.trust_pickle)
     res = precast.convert(

@@ -77,8 +77,10 @@ def protected(files: WeightFiles | str | os.PathLike) -> list[Path]:
 def overlaps(out: Path, inputs: list[Path]) -> Path | None:
     """The first of ``inputs`` that writing or replacing the folder ``out`` would touch: ``out`` is it, lies
     inside it, or holds it (all three resolved)."""
+    if out in inputs:
+        return out
     for p in inputs:
-        if out == p or p in out.parents or out in p.parents:
+        if p in out.parents or out in p.parents:
             return p
     return None
 
@@ -90,10 +92,13 @@ def check_weights_out(source: WeightFiles | str | os.PathLike, out_dir: str | os
     hit = overlaps(out, protected(source))
     if hit is not None:
         src = source.path if isinstance(source, WeightFiles) else Path(source)
+        how = "is" if out == hit else "lies inside" if hit in out.parents else "holds"
+        plain = (
+            out == resolved(src) == Path(os.path.abspath(out_dir))
+        )  # spelled as what it is: nothing to add
+        detail = "" if plain else f" (it resolves to {out}, which {how} {hit})"
         raise PrecastError(
-            f"weights output {out_dir}: it would overwrite the input weights {src} (it resolves to {out}, which "
-            f"{'is' if out == hit else 'lies inside' if hit in out.parents else 'holds'} {hit}); choose another "
-            "folder"
+            f"weights output {out_dir}: it would overwrite the input weights {src}{detail}; choose another folder"
         )
     if out.exists() and not _ours(out):
         raise PrecastError(
@@ -109,8 +114,8 @@ def check_file_outside(output: str | os.PathLike, files: WeightFiles, flag: str 
     hit = overlaps(out, protected(files))
     if hit is not None:
         raise PrecastError(
-            f"{flag} {output}: resolves to {out}, {'an input weights file' if out == hit else 'inside the input weights'}"
-            f" {files.path}; write the output elsewhere (the input weights are never written)"
+            f"{flag} {output}: resolves to {out}, {'a file of' if out == hit else 'inside'} the input weights "
+            f"{files.path}; write the output elsewhere (the input weights are never written)"
         )
 
 
