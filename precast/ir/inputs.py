@@ -14,7 +14,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from precast.errors import PrecastError, first_line
+from precast.errors import PrecastError, first_line, name_list
 from precast.ir.program import Program
 
 
@@ -64,7 +64,7 @@ def bind_inputs(ep: ExportedProgram, batch: Any, where: str) -> tuple[tuple, dic
     missing = [n for n in positional[len(args) :] if n not in given]
     if missing:
         raise PrecastError(
-            f"{where}: no value for input(s) {', '.join(missing)}; the program's inputs are "
+            f"{where}: no value for input(s) {name_list(missing)}; the program's inputs are "
             f"({', '.join(expected)})"
         )
     args = args + tuple(given.pop(n) for n in positional[len(args) :])
