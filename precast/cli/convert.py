@@ -210,7 +210,7 @@ def check_options(args: argparse.Namespace) -> dict:
     return opts
 
 
-def _check_outputs_outside(args: argparse.Namespace, weights_out: str) -> None:
+def _check_outputs_outside(args: argparse.Namespace, weights_out: str | None) -> None:
     """-o and --write-plan never land on or inside the input weights, nor on the weights output folder."""
     from precast.ir.weights import WeightFiles
     from precast.pipeline.streamed import check_file_outside, check_weights_out, overlaps, resolved
@@ -221,6 +221,8 @@ def _check_outputs_outside(args: argparse.Namespace, weights_out: str) -> None:
     ]
     for flag, path in outputs:  # what the user typed first: the weights output may be derived from -o
         check_file_outside(path, files, flag)
+    if weights_out is None:  # again just before writing: only the outputs against the input weights
+        return
     out = check_weights_out(files, weights_out)
     for flag, path in outputs:
         if overlaps(resolved(path), [out]) is not None:
@@ -298,6 +300,8 @@ def run(args: argparse.Namespace) -> int:
             torch.export.save(res.program, buffer)
     except Exception as exc:
         raise PrecastError(f"{args.output}: could not save the converted program: {first_line(exc)}") from exc
+    if args.weights:  # checked again just before writing: a link changed meanwhile cannot redirect it
+        _check_outputs_outside(args, None)
     write_bytes(args.output, buffer.getvalue(), inputs_)
     if args.write_plan:
         plan = precast.Plan.from_result(res, source=f"precast convert {args.source}")
