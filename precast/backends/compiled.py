@@ -147,13 +147,13 @@ class CompiledModel:
             problems.insert(0, f"missing {len(missing)}: {name_list(missing)}")
         if folded:
             problems.append(
-                f"compiled code folded {name_list(folded)} into itself (freezing, or always_keep_tensor_constants=False); "
-                "recompile without them to swap those"
+                f"compiled code folded {name_list(folded)} into itself (freezing, or "
+                "always_keep_tensor_constants=False); recompile without them to swap those"
             )
         if self._packed_unmatched:
             problems.append(
-                f"compiled code packed weights into {name_list(sorted(self._packed_unmatched))} in a layout precast cannot "
-                "reproduce; recompile with mode='default' to swap them"
+                f"compiled code packed weights into {name_list(sorted(self._packed_unmatched))} in a layout "
+                "precast cannot reproduce; recompile with mode='default' to swap them"
             )
         if problems:
             given = set(source)
