@@ -50,7 +50,13 @@ from precast.backends.openvino_plan import (
     warn_overrides,
 )
 from precast.backends.openvino_precision import HINTS, exact_attention_scales, hints_to_try, prepare
-from precast.backends.openvino_state import carried, make_stateful, state_values, stateful_module
+from precast.backends.openvino_state import (
+    carried,
+    initial_values,
+    make_stateful,
+    state_values,
+    stateful_module,
+)
 from precast.backends.signature import ProgramSignature, batch_symbols, dynamic_batch, exported_program
 from precast.errors import PrecastError, first_line
 from precast.io import check_writable
@@ -102,12 +108,17 @@ class OpenVINOModel:
         self._lock = threading.Lock()  # one infer request: calls from several threads take turns
         # the caches OpenVINO holds as variables between calls (openvino_state), by name
         self.state_names = tuple(v.get_variable_id() for v in ov_model.get_sinks())
+        self._initial = initial_values(ov_model) if self.state_names else {}
+        self._started = (
+            False  # whether a call ran since creation or reset (OpenVINO evaluates initial values then)
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self._signature.check(args, kwargs)
         feeds = [_to_openvino(t) for t in flat if isinstance(t, torch.Tensor)]
         with self._lock:
             self._request.infer(feeds, share_inputs=True)
+            self._started = True
             outs = [_to_torch(self._request.get_output_tensor(i)) for i in range(len(self.compiled.outputs))]
         return pytree.tree_unflatten(outs, self._out_spec) if self._out_spec is not None else outs
 
@@ -120,10 +131,13 @@ class OpenVINOModel:
         buffer the program was exported with (zeros for transformers' recipe). No-op for a stateless program."""
         with self._lock:
             self._request.reset_state()
+            self._started = False
 
     def state(self) -> dict[str, torch.Tensor]:
         """The caches as OpenVINO holds them now, by buffer name (copies, in the dtype precast stored them)."""
         with self._lock:
+            if not self._started:  # OpenVINO reports zeros until a call evaluates the initial values
+                return {k: v.clone() for k, v in self._initial.items()}
             return state_values(self._request)
 
     def runtime_precision(self) -> str:

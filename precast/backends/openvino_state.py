@@ -153,7 +153,36 @@ def _ov_tensor(t: torch.Tensor) -> Any:
 
 
 def state_values(request: Any) -> dict[str, torch.Tensor]:
-    """The variables an infer request holds, by name, as torch tensors (copies)."""
+    """The variables an infer request holds, by name, as torch tensors (copies). Before its first inference (and
+    after ``reset_state``) OpenVINO reports zeros for a variable whose initial value it has not evaluated yet:
+    ``initial_values`` says what that inference will start from."""
     from precast.backends.openvino import _to_torch
 
     return {s.name: _to_torch(s.state) for s in request.query_state()}
+
+
+def initial_values(model: Any) -> dict[str, torch.Tensor]:
+    """What each variable of ``model`` starts from: its ``ReadValue``'s initial constant, or zeros."""
+    from precast.backends.openvino import _to_torch
+
+    out = {}
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "ReadValue":
+            continue
+        attrs = op.get_attributes()  # variable_id, variable_type (f32, bf16, ...), variable_shape
+        if op.get_input_size():
+            out[attrs["variable_id"]] = _to_torch(op.input_value(0).get_node().get_tensor_view())
+        else:
+            dtype = _TORCH_DTYPES[str(attrs["variable_type"])]
+            out[attrs["variable_id"]] = torch.zeros([int(d) for d in attrs["variable_shape"]], dtype=dtype)
+    return out
+
+
+_TORCH_DTYPES = {
+    "f32": torch.float32,
+    "bf16": torch.bfloat16,
+    "f16": torch.float16,
+    "i64": torch.int64,
+    "i32": torch.int32,
+    "boolean": torch.bool,
+}
