@@ -590,3 +590,12 @@ def test_onnx_still_refuses_a_program_that_writes_state(tmp_path):
     with pytest.raises(PrecastError, match="ONNX Runtime session does not carry"):
         export_onnx(ep, tmp_path / "m.onnx")
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_cli_refuses_state_that_is_not_a_cache(tmp_path, capsys):
+    torch.export.save(torch.export.export(RunningMean(), (torch.ones(2, 4),)), tmp_path / "stat.pt2")
+    out = tmp_path / "stat.xml"
+    code, err = run_cli(capsys, str(tmp_path / "stat.pt2"), "--backend", "openvino", "-o", str(out))
+    assert code == 2
+    assert "mean is state, not a cache" in one_line_error(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stat.pt2"]
