@@ -541,8 +541,9 @@ def test_openvino_ir_decodes_in_a_process_without_precast(llms, openvino_models,
     ]
     reloaded = llm.Trajectory(fresh_process_steps(tmp_path / "m.xml", tmp_path, feeds), [None] * len(feeds))
     want = converted(llms, "llama", case_id)
+    # the same tokens as the program and as the compiled model (ties at the runs' precision aside: llama's bf16
+    # run has one at step 1, where either token is the argmax), logits as close as the compiled model's (the IR
+    # is the model as converted: compiled afresh, OpenVINO fuses it its own way, 4e-6 apart in fp32)
     assert greedy_disagreements(reloaded, want) == []
-    assert torch.equal(reloaded.greedy, got.greedy)
+    assert greedy_disagreements(reloaded, got) == []
     assert llm.min_cosine(reloaded, want) >= OPENVINO_MIN_COSINE[case_id]
-    if case_id == "none":  # fp32: nothing for the hint to correct, the reloaded IR is the compiled model
-        assert llm.first_difference(reloaded, got) is None
