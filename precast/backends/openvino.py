@@ -109,9 +109,8 @@ class OpenVINOModel:
         # the caches OpenVINO holds as variables between calls (openvino_state), by name
         self.state_names = tuple(v.get_variable_id() for v in ov_model.get_sinks())
         self._initial = initial_values(ov_model) if self.state_names else {}
-        self._started = (
-            False  # whether a call ran since creation or reset (OpenVINO evaluates initial values then)
-        )
+        # whether a call ran since creation or reset (OpenVINO evaluates the variables' initial values then)
+        self._started = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self._signature.check(args, kwargs)
