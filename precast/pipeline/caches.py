@@ -147,7 +147,7 @@ def carried_state(program: Program) -> dict[str, str]:
             raise PrecastError(
                 f"{spec.target} is state, not a cache: {where(not_store)} updates it from its own value "
                 f"({not_store.target}), so each call depends on every call before it",
-                code="state-not-cache",
+                code="cache-not-owned",
                 node=not_store.name,
             )
         out[spec.target] = "cache"

@@ -579,6 +579,7 @@ def test_state_that_is_not_a_cache_is_refused(module):
     ) as info:
         precast.compile(ep, backend="openvino")
     assert "\n" not in str(info.value) and "AOTInductor" in str(info.value)
+    assert info.value.code == "cache-not-owned"
 
 
 def test_onnx_still_refuses_a_program_that_writes_state(tmp_path):
