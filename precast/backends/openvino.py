@@ -50,13 +50,14 @@ from precast.backends.openvino_plan import (
     warn_overrides,
 )
 from precast.backends.openvino_precision import HINTS, exact_attention_scales, hints_to_try, prepare
-from precast.backends.signature import (
-    ProgramSignature,
-    batch_symbols,
-    dynamic_batch,
-    exported_program,
-    refuse_written_state,
+from precast.backends.openvino_state import (
+    carried,
+    initial_values,
+    make_stateful,
+    state_values,
+    stateful_module,
 )
+from precast.backends.signature import ProgramSignature, batch_symbols, dynamic_batch, exported_program
 from precast.errors import PrecastError, first_line
 from precast.io import check_writable
 from precast.ir.program import node_records
@@ -103,20 +104,40 @@ class OpenVINOModel:
         self.compile_seconds = compile_seconds
         self._signature = ProgramSignature.from_program(program)
         self._out_spec = program.call_spec.out_spec
-        self._request = compiled.create_infer_request()
+        self._request = compiled.create_infer_request()  # its own: two models never share state
         self._lock = threading.Lock()  # one infer request: calls from several threads take turns
+        # the caches OpenVINO holds as variables between calls (openvino_state), by name
+        self.state_names = tuple(v.get_variable_id() for v in ov_model.get_sinks())
+        self._initial = initial_values(ov_model) if self.state_names else {}
+        # whether a call ran since creation or reset (OpenVINO evaluates the variables' initial values then)
+        self._started = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self._signature.check(args, kwargs)
         feeds = [_to_openvino(t) for t in flat if isinstance(t, torch.Tensor)]
         with self._lock:
             self._request.infer(feeds, share_inputs=True)
+            self._started = True
             outs = [_to_torch(self._request.get_output_tensor(i)) for i in range(len(self.compiled.outputs))]
         return pytree.tree_unflatten(outs, self._out_spec) if self._out_spec is not None else outs
 
     def __repr__(self) -> str:
         hint = self.precision_hint or "OpenVINO's default"
         return f"OpenVINOModel(precision hint {hint}, {self.plan.summary()})"
+
+    def reset(self) -> None:
+        """Restart from the program's initial state (a new conversation): every cache variable back to the
+        buffer the program was exported with (zeros for transformers' recipe). No-op for a stateless program."""
+        with self._lock:
+            self._request.reset_state()
+            self._started = False
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The caches as OpenVINO holds them now, by buffer name (copies, in the dtype precast stored them)."""
+        with self._lock:
+            if not self._started:  # OpenVINO reports zeros until a call evaluates the initial values
+                return {k: v.clone() for k, v in self._initial.items()}
+            return state_values(self._request)
 
     def runtime_precision(self) -> str:
         """The inference precision the compiled model runs with (OpenVINO's INFERENCE_PRECISION_HINT: f32, bf16, f16)."""
@@ -158,11 +179,11 @@ def compile_openvino(
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise PrecastError(f"precast.compile(backend='openvino'): threads={threads!r}; give a positive int")
     _check_cpu_tensors(ep)
-    refuse_written_state(ep, "OpenVINO", "precast.compile(backend='openvino')")
+    state = carried(ep, "precast.compile(backend='openvino')")
     started = time.perf_counter()
-    if dynamic and not batch_symbols(ep):
-        ep = dynamic_batch(ep)  # warns when the graph fixes the batch size
-    ov_model, graph_module = convert(ep)
+    if dynamic and not state and not batch_symbols(ep):
+        ep = dynamic_batch(ep)  # warns when the graph fixes the batch size (a cache's shape fixes it: kept)
+    ov_model, graph_module = convert(ep, state)
     core = ov.Core()
     planned = {dtype for dtype, _ in planned_dtypes(graph_module).values()}
     hints = hints_to_try(precision_hint, planned, core)
@@ -211,18 +232,22 @@ def _compile(core: Any, model: Any, hint: str | None, threads: int | None) -> An
         ) from exc
 
 
-def convert(ep: ExportedProgram) -> tuple[Any, torch.fx.GraphModule]:
+def convert(ep: ExportedProgram, state: dict[str, str] | None = None) -> tuple[Any, torch.fx.GraphModule]:
     """``openvino.convert_model`` of ``ep``, and the decomposed GraphModule it translated (whose node names the
     OpenVINO ops carry, and whose nodes carry precast's decisions: ``openvino_plan`` reads both).
 
-    Each user input keeps its static sizes; a symbolic size is a dynamic OpenVINO dimension."""
+    Each user input keeps its static sizes; a symbolic size is a dynamic OpenVINO dimension. ``state`` (from
+    ``openvino_state.carried``): the caches become OpenVINO variables (``openvino_state``)."""
     ov = require_openvino()
     from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
 
-    shapes = []
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT:
-            continue
+    caches = [name for name, kind in (state or {}).items() if kind == "cache"]
+    kinds = (torch.export.graph_signature.InputKind.USER_INPUT,)
+    shapes, dtypes = [], []
+    for spec in sorted(
+        (s for s in ep.graph_signature.input_specs if s.kind in kinds or s.target in caches),
+        key=lambda s: s.kind not in kinds,  # user inputs first, then the caches (stateful_module's order)
+    ):
         val = _placeholder_val(ep, spec.arg.name)
         if not isinstance(val, torch.Tensor):
             raise PrecastError(
@@ -231,9 +256,19 @@ def convert(ep: ExportedProgram) -> tuple[Any, torch.fx.GraphModule]:
             )
         dims = [d if isinstance(d, int) else -1 for d in (_static(s) for s in val.shape)]
         shapes.append(ov.PartialShape(dims))
+        dtypes.append(val.dtype)
+    names: list[str] = []
     try:
         with _quiet(), torch.no_grad():
-            decoder = TorchFXPythonDecoder.from_exported_program(ep)
+            if state:
+                module, names = stateful_module(_decomposed(ep), state)
+                # each input's type stated: the frontend would read a held cache's (cache_dtype) from the
+                # tensor metadata export wrote before precast retyped it
+                decoder = TorchFXPythonDecoder(
+                    module, input_shapes=shapes, input_types=dtypes, dynamic_shapes=True
+                )
+            else:
+                decoder = TorchFXPythonDecoder.from_exported_program(ep)
             model = ov.convert_model(decoder, input=shapes)
     except Exception as exc:  # noqa: BLE001 - the frontend raises OpConversionFailure, RuntimeError, ...
         cause = _ov_message(exc)
@@ -246,8 +281,26 @@ def convert(ep: ExportedProgram) -> tuple[Any, torch.fx.GraphModule]:
         raise PrecastError(
             f"precast.compile(backend='openvino'): openvino.convert_model failed: {cause}; {route}"
         ) from exc
+    if names:
+        initial = {n: ep.state_dict[n] if n in ep.state_dict else ep.constants[n] for n in names}
+        model = make_stateful(model, names, initial, len(ep.graph_signature.user_outputs))
     exact_attention_scales(model, decoder.pt_module)
     return model, decoder.pt_module
+
+
+def _decomposed(ep: ExportedProgram) -> ExportedProgram:
+    """``ep`` decomposed with OpenVINO's own table (what ``TorchFXPythonDecoder.from_exported_program`` runs)."""
+    from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
+    from openvino.frontend.pytorch.torchdynamo.export_decompositions import ops_to_not_decompose
+    from torch.export.decomp_utils import CustomDecompTable
+
+    if TorchFXPythonDecoder._decomp_table is None:
+        table = CustomDecompTable()
+        for op in ops_to_not_decompose():
+            with contextlib.suppress(KeyError):  # an op the installed torch no longer decomposes
+                table.pop(op)
+        TorchFXPythonDecoder._decomp_table = table
+    return ep.run_decompositions(TorchFXPythonDecoder._decomp_table)
 
 
 def _placeholder_val(ep: ExportedProgram, name: str) -> Any:

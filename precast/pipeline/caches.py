@@ -123,6 +123,53 @@ def hold_caches(program: Program, dtype: torch.dtype) -> HeldCaches:
     return held
 
 
+# ops that replace every element of their destination (the old values are not read)
+FULL_STORES = frozenset(
+    {"aten::copy_", "aten::fill_", "aten::zero_", "aten::copy", "aten::fill", "aten::zeros_like"}
+)
+
+
+def carried_state(program: Program) -> dict[str, str]:
+    """The buffers ``program`` writes from call to call that an engine may carry as state, by FQN: ``"cache"``
+    (written only by stores: a KV cache) or ``"overwritten"`` (every call replaces its whole value before reading
+    it: transformers' ``cumulative_length``, set from ``cache_position``). Anything else (a running statistic, a
+    step counter: read and written back as a function of its old value) is one PrecastError line naming the op."""
+    alias = analyze(program.graph, program.input_spec, program.output_specs)
+    out = {}
+    for node, spec in program.input_spec.items():
+        if spec.kind not in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR) or not alias.written(node):
+            continue
+        if _overwritten_first(program, node, alias):
+            out[spec.target] = "overwritten"
+            continue
+        not_store = _first_non_store(program, node, alias)
+        if not_store is not None:
+            raise PrecastError(
+                f"{spec.target} is state, not a cache: {where(not_store)} updates it from its own value "
+                f"({not_store.target}), so each call depends on every call before it",
+                code="cache-not-owned",
+                node=not_store.name,
+            )
+        out[spec.target] = "cache"
+    return out
+
+
+def _overwritten_first(program: Program, placeholder: torch.fx.Node, alias: AliasInfo) -> bool:
+    """Whether the first op touching ``placeholder``'s storage replaces all of it (its old value never read)."""
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if any(
+            isinstance(a, torch.fx.Node) and alias.root_of(a) is placeholder for a in node.all_input_nodes
+        ):
+            return (
+                _name(node) in FULL_STORES
+                and _first_tensor(node) is placeholder
+                and not any(a is placeholder for a in node.all_input_nodes[1:])
+            )
+    return False
+
+
 def _first_non_store(program: Program, placeholder: torch.fx.Node, alias: AliasInfo) -> torch.fx.Node | None:
     """The first op that writes ``placeholder``'s storage by anything but a store, or None."""
     for node in program.graph.nodes:
