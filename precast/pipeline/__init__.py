@@ -37,9 +37,9 @@ from precast.errors import where
 from precast.ir import diagnostics
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.program import Program
-from precast.pipeline import checks
 from precast.pipeline.caches import HeldCaches, hold_caches
 from precast.pipeline.classify import classify as classify_program  # keeps the submodule name free
+from precast.pipeline.classify import classify_error_handler
 from precast.pipeline.fold import CastCache, fold_constant_casts
 from precast.pipeline.restore_io import restore_output_dtypes
 from precast.pipeline.rewrite import insert_casts
@@ -127,7 +127,7 @@ def lower(
     stats = LowerStats()
     if program.cache_dtype is not None:
         stats.caches = run_stage(program, "hold_caches", hold_caches, program.cache_dtype, check=True)
-    result = run_stage(program, "classify", classify_program, policy, checks.classify_error_handler(log))
+    result = run_stage(program, "classify", classify_program, policy, classify_error_handler(log))
     stats.decomposed = result.decomposed or []
     record_unknown_categories(program, log)
     record_write_casts(program, log)

@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from precast.dtypes import dtype_name
 from precast.errors import PrecastError, where
 from precast.ir import op_families
+from precast.ir.diagnostics import DiagnosticLog, add, from_error, raise_errors
 from precast.ir.fake import (
     MISSING,
     FakeState,
@@ -296,3 +297,17 @@ def check_same_dtype(node: torch.fx.Node, args: tuple, kwargs: dict) -> None:
         code="dtype-mismatch",
         node=node.name,
     )
+
+
+# ---- errors raised while classifying ------------------------------------------------------------------
+
+
+def classify_error_handler(rep: DiagnosticLog) -> Callable[[PrecastError], None]:
+    """For ``classify(on_error=...)``: records the error as a diagnostic; re-raises unless allowed."""
+
+    def handle(err: PrecastError, node: torch.fx.Node | None = None) -> None:
+        d = add(rep, from_error(err, node))
+        if d.severity == "error":
+            raise_errors(rep)
+
+    return handle

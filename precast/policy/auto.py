@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.fx
@@ -26,11 +26,13 @@ from precast.dtypes import dtype_name
 from precast.ir.op_families import ATTENTION_OPS, CONV_OPS, MATMUL_OPS
 from precast.ir.program import Program
 from precast.policy.base import Decision
-from precast.policy.rules.measures import Calibration
 from precast.policy.rules.options import RuleOptions
 from precast.policy.rules.policy import RulesDecider, RulesPolicy
 from precast.policy.rules.table import Rule, RuleCall, keep_rules, rule
 from precast.policy.rules.taxonomy import op_kind, op_name
+
+if TYPE_CHECKING:
+    from precast.policy.rules.measures import Calibration
 
 # the families auto measures (precast.ir.op_families); other ops follow their inputs
 MEASURED_OPS = MATMUL_OPS | CONV_OPS | ATTENTION_OPS

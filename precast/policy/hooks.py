@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from precast.ir.program import Program
 from precast.policy.base import Decision, Policy
-from precast.policy.rules.measures import Calibration
-from precast.policy.rules.tolerance_search import ToleranceResult
+
+if TYPE_CHECKING:
+    from precast.policy.rules.measures import Calibration
+    from precast.policy.rules.tolerance_search import ToleranceResult
 
 
 class PolicyHooks:

@@ -44,10 +44,29 @@ def layer_of(module: str) -> int:
     return RANK[parts[1]]
 
 
+def type_only(tree: ast.AST) -> set[ast.AST]:
+    """The statements under ``if TYPE_CHECKING:``: names for annotations, never imported when the code runs
+    (import-linter's ``exclude_type_checking_imports``). A lower layer may name a higher one's value type in an
+    annotation (the policy's ``calibration: Calibration``), never call it."""
+    out: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.If)
+            and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+        ):
+            out |= {n for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 def imports_of(source: str, module: str, is_package: bool) -> list[tuple[str, int]]:
-    """(imported precast module, line) for every import statement, at any depth."""
+    """(imported precast module, line) for every import statement, at any depth (not those under
+    ``if TYPE_CHECKING:``, which never run)."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    skip = type_only(tree)
+    for node in ast.walk(tree):
+        if node in skip:
+            continue
         if isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "precast"]
         elif isinstance(node, ast.ImportFrom):
@@ -152,6 +171,18 @@ def test_an_upward_import_is_caught(module, source, expected):
     """The check fails on an upward import, at module level, inside a function, relative or from the package."""
     (problem,) = upward_imports({module: (source, False)})
     assert expected in problem and module in problem
+
+
+def test_type_only_imports_are_not_dependencies():
+    """An import under ``if TYPE_CHECKING:`` names a type for annotations; one outside it is checked."""
+    source = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from precast.api import ConvertResult\n"
+    )
+    assert not upward_imports({"precast.policy.base": (source, False)})
+    (problem,) = upward_imports(
+        {"precast.policy.base": (source.replace("if TYPE_CHECKING:\n    ", ""), False)}
+    )
+    assert "layer policy may not import layer api" in problem
 
 
 def test_downward_and_same_layer_imports_pass():

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.fx
@@ -35,10 +35,12 @@ from precast.errors import module_path
 from precast.ir.program import Program
 from precast.policy.base import Decision
 from precast.policy.rules import patterns as sensitive
-from precast.policy.rules.measures import Calibration
 from precast.policy.rules.options import RuleOptions
 from precast.policy.rules.table import Rule, RuleCall, is_default, rules_table
 from precast.policy.rules.taxonomy import op_kind
+
+if TYPE_CHECKING:
+    from precast.policy.rules.measures import Calibration
 
 # a custom rule: (node, context) -> reason to keep the node in fp32, or None
 CustomRule = Callable[[torch.fx.Node, "RuleContext"], "str | None"]
