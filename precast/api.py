@@ -27,23 +27,22 @@ from precast.errors import PrecastError
 from precast.guard import guard_module
 from precast.ir import diagnostics
 from precast.ir.program import private_state
-from precast.ir.weights import WeightFiles, weightless
+from precast.numerics.calibrate import calibrate as calibrate_program
+from precast.numerics.calibrate import is_given
+from precast.numerics.calibration import TOLERANCE_BATCHES, Calibration
+from precast.numerics.distributed import process_group
 from precast.pipeline.after_lowering import after_lowering
-from precast.pipeline.calibrate import calibrate as calibrate_program
-from precast.pipeline.calibrate import is_given
 from precast.pipeline.conversion import begin, run_checks
-from precast.pipeline.distributed import process_group
 from precast.pipeline.prepare import prepare
-from precast.pipeline.streamed import check_weights_out, write_weights
 from precast.pipeline.verify import verify_conversion
 from precast.policy.pinned import Pinned
 from precast.policy.plan import with_plan
 from precast.policy.resolve import POLICY_NAMES, resolve_policy, rule_options
-from precast.policy.rules.calibration import Calibration
-from precast.policy.rules.measures import TOLERANCE_BATCHES
 from precast.report.build import fill_report, new_report, unchanged_report, write_program_info
 from precast.report.model import Report
 from precast.threads import TORCH_LOCK
+from precast.weights.files import WeightFiles, weightless
+from precast.weights.streamed import check_weights_out, write_weights
 
 __all__ = ["POLICY_NAMES", "ConvertResult", "calibrate", "convert"]
 
@@ -109,7 +108,7 @@ def convert(
     ``plan``: a ``precast.Plan`` (or its JSON file): its ops stay fp32, a custom rule (docs/sensitivity.md).
     ``cache_dtype``: hold the caches the program stores into (a KV cache) in this dtype (``"bf16"``,
     ``torch.float16``...), under any policy; refused with one line where a written buffer is not a cache
-    (``precast/pipeline/caches.py``). The report states the cache bytes before and after.
+    (``precast/passes/caches.py``). The report states the cache bytes before and after.
     ``weights``: a folder of safetensors shards (or one file) holding the program's weights, which the program
     itself need not hold (exported with fake or meta weights, docs/streaming.md): the conversion decides on the
     graph and writes the converted weights into ``weights_out`` one tensor at a time; ``res.program`` then holds

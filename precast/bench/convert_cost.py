@@ -1,7 +1,7 @@
 """Conversion cost per node (``precast bench --convert``, benchmarks/convert_cost.py): wall/CPU time and peak
 traced Python memory of every stage of the real ``precast.convert``.
 
-How it is measured: ``precast.pipeline.runner.observe(clock)`` makes every stage of ``precast.convert`` run
+How it is measured: ``precast.passes.runner.observe(clock)`` makes every stage of ``precast.convert`` run
 inside ``clock(stage_name)``; ``StageClock`` times each (wall, this process's CPU time, and in a separate run
 the tracemalloc peak). No copy of the pipeline, no monkeypatching: the stages and their names are whatever the
 conversion reports (a stage nested in another is counted once, as its own, not again in its parent); ``verify``
@@ -140,7 +140,7 @@ class StageClock:
 def graph_nodes(ep: Any) -> int:
     """Nodes of the graph the passes work on: the program's, its autocast regions inlined."""
     from precast.ir.program import Program
-    from precast.pipeline.regions import inline_regions
+    from precast.passes.regions import inline_regions
 
     program = Program(ep)
     inline_regions(program.gm)
@@ -153,7 +153,7 @@ def observed_convert(
     """One ``precast.convert(ep, policy=policy, verify=verify)`` observed stage by stage: the clock, the wall ms
     of the whole call, and a note (a verification failure leaves the stage times standing)."""
     import precast
-    from precast.pipeline.runner import observe
+    from precast.passes.runner import observe
 
     _cold_start(ep)
     clock, note = StageClock(memory), ""
@@ -168,7 +168,7 @@ def observed_convert(
     wall = (time.perf_counter() - start) * 1e3
     if not clock.ms:
         raise PrecastError(
-            "bench --convert: precast.convert reported no stages to precast.pipeline.runner.observe; "
+            "bench --convert: precast.convert reported no stages to precast.passes.runner.observe; "
             "nothing to measure"
         )
     return clock, wall, note

@@ -6,7 +6,7 @@ How it is measured: the child builds a transformers ``LlamaForCausalLM`` from a 
 random weights (nothing downloaded), exports its plain forward (``input_ids`` batch 1 x 16 tokens, no cache,
 static shapes; policy None gets the forward inside one bf16 autocast region), frees the module, then runs
 ``precast.convert(ep, policy=..., dtype=bf16)`` with default options (``verify=True``) under
-``precast.pipeline.runner.observe``: every stage timed (wall, CPU) and its peak RSS sampled (``RssClock``: a
+``precast.passes.runner.observe``: every stage timed (wall, CPU) and its peak RSS sampled (``RssClock``: a
 thread reading /proc/self/statm every 2 ms). Peak extra = the highest RSS during convert minus the RSS just
 before it; divided by the input weight bytes (the program's parameters, buffers and constants, each storage
 once). A fresh process per row: the allocator's free lists of one conversion never lower the next one's peak.
@@ -170,7 +170,7 @@ def weight_bytes(ep: Any) -> int:
 def measure_gb(size: str, policy: str | None) -> GbCost:
     """In this process: export the model, then one observed ``precast.convert(ep, policy, dtype=bf16)``."""
     import precast
-    from precast.pipeline.runner import observe
+    from precast.passes.runner import observe
 
     row = GbCost(size=size, policy=str(policy).lower())
     start = time.perf_counter()

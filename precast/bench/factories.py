@@ -186,7 +186,7 @@ def fp32_reference(model: torch.nn.Module, inputs: tuple) -> tuple[Callable[[], 
 
         return run, ""
     from precast.ir.program import Program, strip_dtype_asserts
-    from precast.pipeline.regions import inline_regions
+    from precast.passes.regions import inline_regions
 
     program = Program(torch.export.export(model, inputs, strict=False))
     inline_regions(program.gm)

@@ -64,7 +64,7 @@ def add_parser(sub) -> None:
         "--convert",
         action="store_true",
         help="measure the conversion itself instead: ms and peak Python memory per node of every stage of "
-        "precast.convert (observed through precast.pipeline.runner.observe), verification timed apart",
+        "precast.convert (observed through precast.passes.runner.observe), verification timed apart",
     )
     conv.add_argument(
         "--sizes", nargs="+", type=int, default=None, metavar="N", help="chain sizes (default 250 ... 8000)"

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             check_writable(path, tuple(args.energies or ()))
     given = None
     if args.energies:
-        from precast.pipeline.energies import load_energies
+        from precast.numerics.energies import load_energies
 
         given = [load_energies(f) for f in args.energies]  # checked before the (long) load of the program
     if args.write_plan and args.keep is None:

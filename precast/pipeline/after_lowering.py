@@ -26,14 +26,14 @@ from precast.errors import PrecastError, where
 from precast.ir import diagnostics
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.program import private_state
+from precast.numerics.latency import native_note, time_programs
+from precast.passes.runner import timed
 from precast.pipeline.checks import DeviceFailure, example_batch, run_on_device
 from precast.pipeline.conversion import Conversion
-from precast.pipeline.latency import native_note, time_programs
-from precast.pipeline.runner import timed
-from precast.pipeline.streamed import stand_in
 from precast.policy.auto import MARGIN
 from precast.policy.base import Decision
 from precast.policy.hooks import hook
+from precast.weights.streamed import stand_in
 
 MAX_DEVICE_FALLBACK_ROUNDS = 8
 

@@ -30,7 +30,7 @@ from precast.ir.inputs import normalize_inputs
 
 # every registered code (kept under this name for callers that list them)
 CODES = tuple(codes.CODES)
-# higher-order ops that carry autocast meaning and are inlined by precast.pipeline.regions; every other HOP with
+# higher-order ops that carry autocast meaning and are inlined by precast.passes.regions; every other HOP with
 # subgraph arguments is control flow that precast does not look inside
 REGION_HOPS = {"wrap_with_autocast", "wrap_with_set_grad_enabled"}
 

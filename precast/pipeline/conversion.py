@@ -22,10 +22,11 @@ from precast.ir.graph import output_dtypes
 from precast.ir.inputs import check_example_inputs
 from precast.ir.program import Program, program_device_type
 from precast.ir.regions import Region
-from precast.pipeline import LowerStats, checks, lower
+from precast.passes import LowerStats, lower
+from precast.passes.regions import inline_regions
+from precast.passes.runner import run_stage, timed
+from precast.pipeline import checks
 from precast.pipeline.capture import capture, policy_region
-from precast.pipeline.regions import inline_regions
-from precast.pipeline.runner import run_stage, timed
 from precast.policy.base import Policy
 from precast.policy.hooks import Binding, hook
 
@@ -57,8 +58,8 @@ class Conversion:
     regions: list[Region]
     restore: list[torch.dtype | None]  # the input program's output dtypes, restored with keep_io_types
     keep_io: bool
-    cache_dtype: torch.dtype | None = None  # cache_dtype=: the caches held in this dtype (pipeline/caches.py)
-    weights: Any = None  # weights=: the WeightFiles the value-less constants come from (ir/weights.py)
+    cache_dtype: torch.dtype | None = None  # cache_dtype=: the caches held in this dtype (passes/caches.py)
+    weights: Any = None  # weights=: the WeightFiles the value-less constants come from (weights/files.py)
     log: DiagnosticLog = field(default_factory=DiagnosticLog)  # the report, as the stages see it
     verification: dict[str, dict] = field(default_factory=dict)  # what after-lowering checks measured
     binding: Binding | None = None  # what the policy's decider is bound with (None: the policy decides)

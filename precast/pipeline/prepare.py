@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from precast.errors import PrecastError
 from precast.ir import diagnostics
-from precast.pipeline.calibrate import calibrate_stage, is_given
+from precast.numerics.calibrate import calibrate_stage, is_given
+from precast.numerics.latency import measure_program
+from precast.numerics.tolerance import tolerance_stage
+from precast.numerics.tolerance_search import parse_tolerance
+from precast.passes.runner import run_stage
 from precast.pipeline.conversion import Conversion
-from precast.pipeline.latency import measure_program
-from precast.pipeline.runner import run_stage
-from precast.pipeline.tolerance import tolerance_stage
 from precast.policy.hooks import Binding, binds, hook
 from precast.policy.rules.options import RuleOptions
-from precast.policy.rules.tolerance_search import parse_tolerance
 
 # the steps a policy may ask for, in the order they run
 PREPARE_STEPS = ("calibrate", "latency", "tolerance")

@@ -31,9 +31,9 @@ from precast.ir.inputs import normalize_inputs
 from precast.ir.module_state import private_call
 from precast.ir.program import private_state, strip_dtype_asserts, written_targets
 from precast.metrics import compare_outputs
+from precast.passes.runner import timed
 from precast.pipeline import checks
 from precast.pipeline.conversion import Conversion
-from precast.pipeline.runner import timed
 from precast.policy.hooks import hook
 from precast.policy.writes import CastWrites
 

@@ -2,7 +2,7 @@
 costs on the target device (as TensorRT picks per layer the fastest allowed precision).
 
 Input: per candidate op node, its measured latencies (``OpLatency``: fp32, low precision, and the casts the
-low choice forces on its activation inputs and its output; ``precast.pipeline.latency`` measures them with
+low choice forces on its activation inputs and its output; ``precast.numerics.latency`` measures them with
 the op's real shapes, cached per device). Output: decisions. An op runs low only when that pays even with
 the casts its choice forces (a cast between two low ops is not paid); every other candidate stays fp32.
 The accuracy rules (patterns, ``data_max``, ``exclude_ops``, ``tolerance``...) apply as under ``"rules"``: auto
@@ -32,7 +32,7 @@ from precast.policy.rules.table import Rule, RuleCall, keep_rules, rule
 from precast.policy.rules.taxonomy import op_kind, op_name
 
 if TYPE_CHECKING:
-    from precast.policy.rules.measures import Calibration
+    from precast.numerics.calibration import Calibration
 
 # the families auto measures (precast.ir.op_families); other ops follow their inputs
 MEASURED_OPS = MATMUL_OPS | CONV_OPS | ATTENTION_OPS

@@ -21,8 +21,8 @@ from precast.ir.program import Program
 from precast.policy.base import Decision, Policy
 
 if TYPE_CHECKING:
-    from precast.policy.rules.measures import Calibration
-    from precast.policy.rules.tolerance_search import ToleranceResult
+    from precast.numerics.calibration import Calibration
+    from precast.numerics.tolerance_search import ToleranceResult
 
 
 class PolicyHooks:
@@ -98,7 +98,7 @@ class Binding:
     calibration: Calibration | None = None
     search: ToleranceResult | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. auto's latency table
-    latency_run: Any = None  # precast.pipeline.latency.LatencyRun when the latency step measured
+    latency_run: Any = None  # precast.numerics.latency.LatencyRun when the latency step measured
 
     @property
     def tolerance_fp32(self) -> dict[str, float] | None:

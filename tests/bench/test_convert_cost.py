@@ -10,7 +10,7 @@ import pytest
 
 import precast
 from precast import bench
-from precast.pipeline.runner import observe
+from precast.passes.runner import observe
 
 N = 8
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import precast
-from precast.pipeline import latency
+from precast.numerics import latency
 from precast.policy.auto import AutoPolicy, OpLatency, choose
 from tests import models as zoo
 from tests.helpers import assert_bitwise

@@ -27,7 +27,7 @@ from precast.policy.rules.options import RuleOptions, match_node, matches_op
 from precast.policy.rules.taxonomy import FP32_KERNEL_OPS, casts_for, op_name
 
 if TYPE_CHECKING:
-    from precast.policy.rules.measures import Calibration
+    from precast.numerics.calibration import Calibration
 
 
 class Asker(Protocol):

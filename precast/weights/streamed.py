@@ -1,4 +1,4 @@
-"""Streamed weights, the write side: after a conversion decided on the graph alone (``precast.ir.weights``), read
+"""Streamed weights, the write side: after a conversion decided on the graph alone (``precast.weights.files``), read
 each original weight from its file, cast it as ``fold_constant_casts`` would have (``cast_constant``: the same
 rounding, fp16's range clamped), and write it straight into the output shard, one tensor in memory at a time.
 
@@ -34,9 +34,9 @@ from torch.export import ExportedProgram
 from precast.errors import PrecastError
 from precast.io import safetensors_header
 from precast.ir.program import constant_sources
-from precast.ir.weights import INDEX, WeightFiles, has_values, streamed_targets, tensor_bytes
-from precast.pipeline.fold import cast_constant
+from precast.passes.fold import cast_constant
 from precast.progress import ProgressBar
+from precast.weights.files import INDEX, WeightFiles, has_values, streamed_targets, tensor_bytes
 
 
 def _plan(ep: ExportedProgram, files: WeightFiles) -> dict[Path, list[tuple[str, str, torch.dtype, tuple]]]:

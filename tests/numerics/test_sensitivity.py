@@ -265,10 +265,10 @@ def test_measured_errors_are_the_exported_programs_bitwise(dtype):
     estimator runs one forward fewer for the all-low program; nobody's buffer moves."""
     from precast.ir.diagnostics import DiagnosticLog
     from precast.ir.program import private_state
+    from precast.numerics.sensitivity import estimate, run_lowered
+    from precast.numerics.tolerance import check_program
     from precast.pipeline.conversion import begin
     from precast.pipeline.prepare import prepare
-    from precast.pipeline.sensitivity import estimate, run_lowered
-    from precast.pipeline.tolerance import check_program
     from tests.helpers import assert_bitwise
 
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))

@@ -44,8 +44,8 @@ from precast.ir.fake import (
 from precast.ir.graph import ASSERT_METADATA, tensor_args
 from precast.ir.mutation import analyze
 from precast.ir.program import Program
-from precast.pipeline.caches import cache_reads
-from precast.pipeline.decompose import (
+from precast.passes.caches import cache_reads
+from precast.passes.decompose import (
     TRACED_META,
     should_decompose,
     splice_decomposition,
@@ -81,7 +81,7 @@ def classify(
     state = fake_state(program)
     env: dict[torch.fx.Node, object] = {}
     result = ClassifyResult(decomposed=[])
-    # caches held in a low dtype (cache_dtype=): their readers see the program's dtype (pipeline/caches.py)
+    # caches held in a low dtype (cache_dtype=): their readers see the program's dtype (passes/caches.py)
     alias = analyze(graph, program.input_spec, program.output_specs) if program.retyped else None
 
     def load(a):

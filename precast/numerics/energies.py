@@ -1,5 +1,5 @@
 """Sensitivity energies as a mergeable value: per tapped read (value, reader), the expected output error its
-rounding to the low dtype causes (``precast.pipeline.probes.probe_energies``), summed over batches, and per
+rounding to the low dtype causes (``precast.numerics.probes.probe_energies``), summed over batches, and per
 ranked op its value range; merged by summing (ranges: max / min / sums), saved as JSON.
 
 Energies over several batches are the **mean** of the per-batch energies (``Energies.mean``: the sum over every
@@ -22,7 +22,7 @@ from typing import Any
 
 from precast.errors import PrecastError
 from precast.io import write_bytes
-from precast.policy.rules.calibration import read_json_file
+from precast.numerics.calibration import read_json_file
 
 FORMAT, VERSION = "precast-energies", 1
 # "underflow" when more than this share of an op's nonzero values are below the low dtype's normals

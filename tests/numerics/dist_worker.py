@@ -1,5 +1,5 @@
-"""One rank of ``torchrun --nproc-per-node N tests/pipeline/dist_worker.py OUT`` (gloo, CPU), for
-tests/pipeline/test_distributed.py: calibrates its shard ``batches[rank::world]`` of the case's batches (reduced
+"""One rank of ``torchrun --nproc-per-node N tests/numerics/dist_worker.py OUT`` (gloo, CPU), for
+tests/numerics/test_distributed.py: calibrates its shard ``batches[rank::world]`` of the case's batches (reduced
 over the default group by itself), converts with the merged statistics, estimates sensitivity energies on its
 shard (summed over the group), and writes what it holds to ``OUT/rank<r>.*``. ``case()`` is the model and data
 the test compares against one process."""

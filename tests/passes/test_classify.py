@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 import precast
-import precast.pipeline.decompose as decompose_mod
+import precast.passes.decompose as decompose_mod
 from precast.errors import PrecastError
 from precast.ir.program import Program
-from precast.pipeline.classify import classify
-from precast.pipeline.regions import inline_regions
+from precast.passes.classify import classify
+from precast.passes.regions import inline_regions
 from precast.policy.torch_policy import TorchPolicy
 from tests.helpers import assert_bitwise
 
@@ -184,7 +184,7 @@ def test_einsum_of_mixed_dtypes_with_contraction_is_still_refused():
     "bi,i->bi", a mul, is not)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from precast.pipeline.classify import composite_mismatch
+    from precast.passes.classify import composite_mismatch
 
     with pytest.raises(RuntimeError):
         ElementwiseEinsum("bi,i->b")(torch.randn(4, 8))

@@ -17,8 +17,8 @@ import torch
 
 import precast
 from precast.errors import PrecastError
-from tests.pipeline import dist_worker as case_mod
-from tests.pipeline.dist_worker import CONVERT, case, decisions, program_hash
+from tests.numerics import dist_worker as case_mod
+from tests.numerics.dist_worker import CONVERT, case, decisions, program_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 # one process and the ranks sum the same per-batch energies (float64) in another order
@@ -187,7 +187,7 @@ def test_torchrun_two_ranks_match_one_process(setup, tmp_path):
         "--master-addr",
         "127.0.0.1",
     ]
-    cmd += ["--master-port", str(_free_port()), str(ROOT / "tests/pipeline/dist_worker.py"), str(tmp_path)]
+    cmd += ["--master-port", str(_free_port()), str(ROOT / "tests/numerics/dist_worker.py"), str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -5,18 +5,18 @@ Input: the input ExportedProgram, a rules policy and what it was prepared with f
 (``precast.policy.hooks.Binding``: options, calibration), one batch of inputs ((args, kwargs)), the metric ("rel", "cosine" or "max_abs"). Output:
 ``Estimate`` (ops ranked, the greedy order and its curve, the all-low errors, the cost).
 
-The estimate is the tolerance search's (``precast.pipeline.tolerance``): one instrumented forward of the reference
+The estimate is the tolerance search's (``precast.numerics.tolerance``): one instrumented forward of the reference
 program taps every value each computing op reads (``Tapping``), and ``PROBES`` backward passes of that forward
 give, per read, the expected output error its rounding to the low dtype causes (``probe_energies``). A read is
 rounded unless every op that makes the value and the op that reads it run in fp32 (``Source.members``), so with
 op X alone in low precision (every other op in fp32) exactly the sources X is a member of are rounded: X's
 estimate is the sum of their energies. With ``data`` the energies are estimated on each of its batches and the
-ranking uses their mean (``precast.pipeline.energies``), summed over a process group's ranks first when one is
-given (``precast.pipeline.distributed``); given ``Energies`` replace the measurement. Unlike the search, the matmul/convolution family is ranked too (the user
+ranking uses their mean (``precast.numerics.energies``), summed over a process group's ranks first when one is
+given (``precast.numerics.distributed``); given ``Energies`` replace the measurement. Unlike the search, the matmul/convolution family is ranked too (the user
 asks which op breaks, and may keep any in fp32).
 
 Every program measured here is the one the conversion builds (``policy.bind(..., fallback=kept)`` then
-``precast.pipeline.lower``, its weight casts shared through one ``CastCache``), its graph run on private
+``precast.passes.lower``, its weight casts shared through one ``CastCache``), its graph run on private
 copies of the state it writes (``run_lowered``: bitwise what ``check_program`` measures of the exported
 program): the measured points of the curve and the single-op ablation (``ablate``) are real conversions, not
 simulations. The policy's own program is measured by the watched run that looks for the first non-finite op.
@@ -42,12 +42,10 @@ from precast.ir.inputs import placeholder_values, user_values
 from precast.ir.program import Program
 from precast.ir.regions import POLICY_OP_META, REGION_META
 from precast.metrics import WorstError
-from precast.pipeline import lower
-from precast.pipeline.distributed import rank_and_size, reduce_energies
-from precast.pipeline.energies import Energies, merge_range, range_status
-from precast.pipeline.fold import CastCache
-from precast.pipeline.nonfinite import NonFinite, first_nonfinite
-from precast.pipeline.probes import (
+from precast.numerics.distributed import rank_and_size, reduce_energies
+from precast.numerics.energies import Energies, merge_range, range_status
+from precast.numerics.nonfinite import NonFinite, first_nonfinite
+from precast.numerics.probes import (
     Ranging,
     local_energies,
     op_roles,
@@ -55,11 +53,13 @@ from precast.pipeline.probes import (
     read_sources,
     value_range,
 )
-from precast.pipeline.regions import inline_regions
-from precast.pipeline.tolerance import check_program, user_outputs
+from precast.numerics.tolerance import check_program, user_outputs
+from precast.numerics.tolerance_search import Source, Tolerance, rank
+from precast.passes import lower
+from precast.passes.fold import CastCache
+from precast.passes.regions import inline_regions
 from precast.policy.pinned import pin_names
 from precast.policy.rules.taxonomy import op_name, recorded_kind
-from precast.policy.rules.tolerance_search import Source, Tolerance, rank
 
 METRICS = ("rel", "cosine", "max_abs")
 # measured curve points: the fewest ops whose estimate leaves this share of the error
@@ -116,7 +116,7 @@ class Estimate:
     fixed: float = 0.0  # estimated error no op of the ranking can remove
     nonfinite: NonFinite | None = None
     extra: dict = field(default_factory=dict)
-    energies: Energies | None = None  # what the ranking was made from (mergeable: precast.pipeline.energies)
+    energies: Energies | None = None  # what the ranking was made from (mergeable: precast.numerics.energies)
 
 
 def metric_value(m: dict, metric: str) -> float:

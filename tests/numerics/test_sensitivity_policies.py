@@ -15,7 +15,7 @@ import torch.nn as nn
 import precast
 from precast.errors import PrecastError
 from tests.helpers import assert_bitwise
-from tests.test_sensitivity import CASES, Block
+from tests.numerics.test_sensitivity import CASES, Block
 
 FP16 = torch.float16
 

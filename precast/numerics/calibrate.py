@@ -11,7 +11,7 @@ Batches are tuples of positional inputs, dicts of keyword inputs, or ``(args, kw
 keyed by the forward's own argument names (``forward(self, X)`` -> ``{"X": t}``, as ModelOpt keys its
 calibration files) or by export's sanitized placeholder names (``{"x": t}``).
 
-Across processes (``precast.pipeline.distributed``): with a process group (``group=``, or the default one when
+Across processes (``precast.numerics.distributed``): with a process group (``group=``, or the default one when
 torch.distributed is initialised) each rank passes its shard and every rank gets the statistics of all the
 shards; a shard's i-th batch is global batch ``i * world + rank`` (the order of ``data[rank::world]``), which
 decides the kept sample. Statistics measured before (a ``Calibration``, its file, or a list of them: merged)
@@ -39,9 +39,14 @@ from precast.ir.graph import graph_key
 from precast.ir.inputs import bind_inputs, placeholder_values, user_values
 from precast.ir.program import Program
 from precast.ir.regions import region_autocast
-from precast.pipeline.distributed import rank_and_size, reduce_calibration
-from precast.policy.rules.calibration import check_calibration, load_calibration
-from precast.policy.rules.measures import TOLERANCE_BATCHES, Calibration, NodeStats
+from precast.numerics.calibration import (
+    TOLERANCE_BATCHES,
+    Calibration,
+    NodeStats,
+    check_calibration,
+    load_calibration,
+)
+from precast.numerics.distributed import rank_and_size, reduce_calibration
 from precast.progress import ProgressBar
 
 # ---- input names ---------------------------------------------------------------------------------------

@@ -24,9 +24,9 @@ import torch
 from torch.export import ExportedProgram
 
 from precast.errors import PrecastError
-from precast.ir.weights import WeightFiles, has_values
+from precast.weights.files import WeightFiles, has_values
 
-# the reader is precast.ir.weights' (conversion streams the same files): one file or a folder of shards, headers
+# the reader is precast.weights.files' (conversion streams the same files): one file or a folder of shards, headers
 # checked by the safetensors library, an index naming only files inside its folder, tensors read one at a time
 SafetensorsSource = WeightFiles
 

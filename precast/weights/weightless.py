@@ -24,8 +24,8 @@ from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
 from precast.errors import PrecastError, first_line
-from precast.ir.weights import as_meta, has_values
 from precast.threads import TORCH_LOCK
+from precast.weights.files import as_meta, has_values
 
 
 @contextlib.contextmanager

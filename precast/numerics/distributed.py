@@ -27,8 +27,8 @@ import torch.utils._pytree as pytree
 from precast.errors import PrecastError
 from precast.ir.inputs import user_input_nodes
 from precast.ir.program import Program
-from precast.pipeline.energies import Energies
-from precast.policy.rules.calibration import COUNTS, Calibration, NodeStats
+from precast.numerics.calibration import COUNTS, Calibration, NodeStats
+from precast.numerics.energies import Energies
 
 
 def process_group(group: Any = None) -> Any:

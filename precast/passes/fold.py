@@ -54,7 +54,7 @@ def cast_constant(
     (``Program.absmax`` reuses what the rules already read)."""
     if (
         value.is_floating_point()
-        and value.device.type != "meta"  # streamed weights: clamped when written (pipeline/streamed.py)
+        and value.device.type != "meta"  # streamed weights: clamped when written (weights/streamed.py)
         and dtype.is_floating_point
         and torch.finfo(dtype).max < torch.finfo(value.dtype).max
         and value.numel()

@@ -9,7 +9,7 @@ with the unconverted program, in float64):
 - ``{"cosine": 0.9999}``: smallest cosine similarity between output vectors along the last dimension
   (e.g. one per sentence embedding; a 0-d or 1-d output is one vector).
 
-Pure logic, no program is run here: ``precast.pipeline.tolerance`` measures (it converts each try exactly as
+Pure logic, no program is run here: ``precast.numerics.tolerance`` measures (it converts each try exactly as
 the conversion will and runs it) and estimates, from one instrumented reference forward, how much output error
 each rounding to the low dtype carries (``Source``). Here:
 

@@ -7,13 +7,13 @@ checked options, the calibration (its kept sample), the parsed tolerance. Output
 (``policy.bind(..., fallback=kept)``); neither the policy object nor the program is changed.
 
 Every program the search measures is the one the conversion would build: a fresh ``Program(ep)``, its regions
-inlined, ``policy.bind(program, opts, cal, fallback=kept)``, ``precast.pipeline.lower`` (classify with its
+inlined, ``policy.bind(program, opts, cal, fallback=kept)``, ``precast.passes.lower`` (classify with its
 composite decomposition, casts, folding with the weight casts shared by every try through one ``CastCache``
 (bitwise the casts a lowering makes alone), simplification, restored output dtypes), run as an
 ExportedProgram on private copies of the state it writes. So the error the search measures for its choice
 is, bit for bit, the error of the converted program (``tolerance_check`` measures that one again).
 
-The ranking (``precast.policy.rules.tolerance_search.rank``) needs, for each value an op reads that the low dtype
+The ranking (``precast.numerics.tolerance_search.rank``) needs, for each value an op reads that the low dtype
 would round, how much output error that rounding causes. One instrumented forward of the reference program
 answers it for all of them: each computing op (and the output) reads each fp32 input through
 ``t + (-0.0)`` with the zero a leaf that requires grad (bitwise the same value), the rounding error
@@ -46,9 +46,8 @@ from precast.ir.op_families import GEMM_OPS
 from precast.ir.program import Program, private_state, written_targets
 from precast.ir.regions import REGION_META, region_autocast
 from precast.metrics import WorstError
-from precast.pipeline import lower
-from precast.pipeline.fold import CastCache
-from precast.pipeline.probes import (
+from precast.numerics.calibration import Calibration
+from precast.numerics.probes import (
     PROBES,
     Tapping,
     local_energies,
@@ -56,12 +55,13 @@ from precast.pipeline.probes import (
     probe_energies,
     read_sources,
 )
-from precast.pipeline.regions import inline_regions
+from precast.numerics.tolerance_search import Source, Tolerance, ToleranceResult, meet_tolerance
+from precast.passes import lower
+from precast.passes.fold import CastCache
+from precast.passes.regions import inline_regions
 from precast.policy.base import Policy
 from precast.policy.hooks import hook
-from precast.policy.rules.measures import Calibration
 from precast.policy.rules.taxonomy import op_name
-from precast.policy.rules.tolerance_search import Source, Tolerance, ToleranceResult, meet_tolerance
 
 
 def tolerance_stage(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from precast.pipeline.simplify import simplify_casts
+from precast.passes.simplify import simplify_casts
 
 TO = torch.ops.aten._to_copy.default
 BF, F32, F16 = torch.bfloat16, torch.float32, torch.float16

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.program import Program
-from precast.pipeline import lower
-from precast.pipeline.fold import CastCache, cast_constant
-from precast.pipeline.regions import inline_regions
+from precast.passes import lower
+from precast.passes.fold import CastCache, cast_constant
+from precast.passes.regions import inline_regions
 from tests.helpers import assert_bitwise
 
 FP16, BF16 = torch.float16, torch.bfloat16

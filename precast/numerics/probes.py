@@ -19,8 +19,8 @@ import torch.fx
 from precast.ir.graph import ASSERT_METADATA, CAST_META
 from precast.ir.program import Program
 from precast.ir.regions import region_autocast
+from precast.numerics.tolerance_search import Source, Tolerance
 from precast.policy.rules.taxonomy import recorded_kind
-from precast.policy.rules.tolerance_search import Source, Tolerance
 
 PROBES = (
     2  # random-sign backward passes of the instrumented reference forward (the search's; sensitivity: more)

@@ -12,9 +12,9 @@ import torch.nn as nn
 import precast
 from precast.errors import PrecastError
 from precast.ir.program import Program
-from precast.pipeline.calibrate import calibrate
-from precast.pipeline.regions import inline_regions
-from precast.policy.rules.measures import TOLERANCE_BATCHES, NodeStats
+from precast.numerics.calibrate import calibrate
+from precast.numerics.calibration import TOLERANCE_BATCHES, NodeStats
+from precast.passes.regions import inline_regions
 
 
 class TupleOut(nn.Module):
@@ -129,7 +129,7 @@ class Counted:
 
 
 def sensitive():
-    from tests.pipeline.test_tolerance_search import model_inputs
+    from tests.numerics.test_tolerance_search import model_inputs
 
     return model_inputs()
 
