@@ -36,6 +36,7 @@ from precast.numerics.energies import Energies, load_energies
 from precast.numerics.nonfinite import is_nonfinite, op_inputs, op_subgraph, run_watching
 from precast.numerics.sensitivity import METRICS, Estimate, Estimator, ablate, estimate
 from precast.pipeline.conversion import begin
+from precast.pipeline.options import CheckedOptions
 from precast.pipeline.prepare import prepare
 from precast.policy.hooks import binds
 from precast.policy.plan import Plan
@@ -180,7 +181,8 @@ def sensitivity(
             raise PrecastError("energies=[]: give Energies or their files")
     if data is not None:
         data = batches_of(data)
-    state = begin(program_or_module, inputs, pol, low, device_type, dynamic_shapes, None)
+    options = CheckedOptions.of(low, device_type=device_type, dynamic_shapes=dynamic_shapes)
+    state = begin(program_or_module, inputs, pol, options)
     state.log = DiagnosticLog()
     prepare(state)  # calibration (fp16's data_max), auto's latencies: as the conversion prepares them
     if state.policy is None:  # the program's regions: their dtype is the low one

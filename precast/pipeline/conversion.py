@@ -27,8 +27,10 @@ from precast.passes.regions import inline_regions
 from precast.passes.runner import run_stage, timed
 from precast.pipeline import checks
 from precast.pipeline.capture import capture, policy_region
+from precast.pipeline.options import CheckedOptions
 from precast.policy.base import Policy
 from precast.policy.hooks import Binding, hook
+from precast.weights.files import weightless
 
 Inputs = tuple[tuple, dict]  # (args, kwargs)
 
@@ -105,23 +107,19 @@ def begin(
     source: ExportedProgram | torch.nn.Module,
     example_inputs: PyTree,
     policy: Policy | None,
-    low: torch.dtype | None,
-    device_type: str | None,
-    dynamic_shapes: Any,
-    keep_io_types: bool | None,
-    cache_dtype: torch.dtype | None = None,
+    options: CheckedOptions,
 ) -> Conversion:
-    """capture -> program copy -> regions: the conversion's state before the checks."""
-    if keep_io_types is not None and not isinstance(keep_io_types, bool):
-        raise PrecastError(
-            f"keep_io_types={keep_io_types!r}: give True, False or None (the policy's default)"
-        )
-    device_type = device_type or (hook(policy, "device_type") if policy is not None else None)
+    """capture -> program copy -> regions: the conversion's state before the checks. ``policy``: the resolved
+    policy object (or None); ``options``: what ``ConvertOptions.check`` returned."""
+    given, low = options.given, options.low
+    if options.files is not None:  # weights= : the program's constants found in the files become meta tensors
+        source = weightless(source, options.files)  # type: ignore[arg-type]
+    device_type = given.device_type or (hook(policy, "device_type") if policy is not None else None)
     under_autocast = policy is not None and hook(policy, "capture_under_autocast")
     region = policy_region(source, under_autocast, device_type, low)
     with timed("capture"):
         captured = capture(
-            source, example_inputs, dynamic_shapes, distinct_values=under_autocast, autocast=region
+            source, example_inputs, given.dynamic_shapes, distinct_values=under_autocast, autocast=region
         )
     ep = captured.program
     device = device_type or program_device_type(ep)
@@ -131,18 +129,20 @@ def begin(
         low = low if low is not None else torch.get_autocast_dtype(device)
         policy = hook(policy, "for_device")(device, low)
     inputs = check_example_inputs(ep, example_inputs) if source is ep else None
-    program = run_stage(None, "program_copy", lambda _: Program(ep, cache_dtype))
+    program = run_stage(None, "program_copy", lambda _: Program(ep, options.cache_dtype))
     regions = run_stage(program, "inline_regions", lambda p: inline_regions(p.gm))
-    keep_io = keep_io_types if keep_io_types is not None else bool(policy and hook(policy, "keep_io_types"))
+    keep_io = given.keep_io_types
+    keep_io = keep_io if keep_io is not None else bool(policy and hook(policy, "keep_io_types"))
     restore = output_dtypes(program.graph)
     if region is not None and keep_io:
         # traced under autocast, the program's outputs are already low: the types to keep are the module's own
-        plain = capture(source, example_inputs, dynamic_shapes, distinct_values=True).program
+        plain = capture(source, example_inputs, given.dynamic_shapes, distinct_values=True).program
         restore = output_dtypes(plain.graph)
     state = Conversion(
-        source, ep, policy, low, device, inputs, program, regions, restore, keep_io, cache_dtype
+        source, ep, policy, low, device, inputs, program, regions, restore, keep_io, options.cache_dtype
     )
     state.origins = captured.origins
+    state.weights = state.program.weights = options.files
     return state
 
 

@@ -277,7 +277,16 @@ def _with_private_state(module: torch.nn.Module, ep: ExportedProgram, origins: d
 
 def verify_conversion(state: Conversion, verification: dict[str, dict]) -> dict[str, object]:
     """The verify stage of a conversion: the final program against the policy's reference
-    (``reference`` hook; "program" without a policy). Returns ``verification`` with the record first."""
+    (``reference`` hook; "program" without a policy). Returns ``verification`` with the record first.
+    Streamed weights (``weights=``) hold no values to run: a ``verification-skipped`` warning says so."""
+    if state.weights is not None:
+        diagnostics.record(
+            state.log,
+            "verification-skipped",
+            "not verified: the weights are streamed from files, so no values are in memory to run; run "
+            "precast.compile(program, weights=...) on your inputs, or convert in memory to verify",
+        )
+        return verification
     original = state.source if isinstance(state.source, torch.nn.Module) else None
     reference = hook(state.policy, "reference") if state.policy is not None else "program"
     with timed("verify"):

@@ -268,15 +268,15 @@ def test_measured_errors_are_the_exported_programs_bitwise(dtype):
     from precast.numerics.sensitivity import estimate, run_lowered
     from precast.numerics.tolerance import check_program
     from precast.pipeline.conversion import begin
+    from precast.pipeline.options import CheckedOptions
     from precast.pipeline.prepare import prepare
     from tests.helpers import assert_bitwise
 
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
     ep = torch.export.export(Counting().eval(), (x,))
     before = {k: v.clone() for k, v in ep.state_dict.items()}
-    state = begin(
-        ep, (x,), ALL_LOW, getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype]), None, None, None
-    )
+    low = getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
+    state = begin(ep, (x,), ALL_LOW, CheckedOptions.of(low))
     state.log = DiagnosticLog()
     prepare(state)
     batch = ((x,), {})
