@@ -3,7 +3,7 @@
 Used by ``precast demo`` and as ``precast.examples:seed_model`` wherever a model spec is taken (``precast
 convert precast.examples:seed_model``, ``precast bench --model precast.examples:seed_model``).
 Input: nothing (seeded random weights). Output: ``seed_model()`` -> ``(model in eval mode on CPU, (x,))`` with
-``x`` a (4, 128) fp32 tensor. The benchmark and test models live outside the package (``benchmarks/models.py``,
+``x`` a (4, 128) fp32 tensor. The benchmark and test models live outside the package (``precast/bench/models.py``,
 ``tests/models.py`` in a source checkout).
 """
 

@@ -9,7 +9,7 @@ is kept apart from the stages. The whole ``convert()`` call is timed too: the sh
 for is a column, so work outside any stage shows up.
 
 Input: exported programs -- a synthetic chain of N ops in one bf16 region (``chain_program``; the linearity
-check) and, in a source checkout, small-config transformers/timm models (``benchmarks.convert_models``,
+check) and, in a source checkout, small-config transformers/timm models (``precast.bench.convert_models``,
 skipped when their library is missing). Output: ``run_convert_bench`` -> one ``ConvertCost`` per (program,
 policy); ``linearity`` -> CPU ms/node at the largest N over the smallest; ``profile_convert`` -> cProfile text.
 """
@@ -238,7 +238,7 @@ def run_convert_bench(
     log: Callable[[str], None] | None = None,
 ) -> list[ConvertCost]:
     """Conversion cost over the synthetic chain at each N in ``sizes`` and over the real ``models`` (default:
-    all of ``benchmarks.convert_models``) whose library is installed (a missing one is skipped with its reason
+    all of ``precast.bench.convert_models``) whose library is installed (a missing one is skipped with its reason
     passed to ``log``)."""
     available = real_models()
     models = tuple(available) if models is None else models

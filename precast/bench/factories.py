@@ -2,7 +2,7 @@
 
 Input: ``--model`` specs. ``module:factory`` (as ``precast convert`` takes) names a callable returning
 ``(model, example_inputs)``; it is called with ``batch=N`` when it has a ``batch`` parameter, else with no
-arguments and the inputs' dim 0 resized to N. A short name (``mlp``) is ``benchmarks.models:mlp``: the
+arguments and the inputs' dim 0 resized to N. A short name (``mlp``) is ``precast.bench.models:mlp``: the
 benchmark models of a source checkout (run from the repository root); elsewhere the default is the demo model,
 ``precast.examples:seed_model``.
 
@@ -13,7 +13,7 @@ off, and ``--device``/``--dtype`` retarget its regions. Replacing ``torch.autoca
 also change every other region in the process (the library's own, another thread's) and the code under test.
 Instead a model opts in with the *autocast switch*: each module that opens a region has the attributes
 ``autocast`` (bool; False runs its body without the region), ``device_type`` and ``dtype``, which its
-``torch.autocast(...)`` call reads (``benchmarks.models.Switchable``, ``precast.examples.SeedSubModule``).
+``torch.autocast(...)`` call reads (``precast.bench.models.Switchable``, ``precast.examples.SeedSubModule``).
 ``regions()`` sets them on that model instance only. A model without the switch keeps its regions as written
 (``--device``/``--dtype`` cannot retarget them), and its fp32 reference is its exported program with the regions
 inlined: ``torch.export`` records each region as a higher-order op around plain ops, so inlined they run in the
@@ -34,7 +34,7 @@ import torch
 from precast.bench.measure import resize_batch
 from precast.errors import PrecastError, first_line
 
-SHORT_MODULE = "benchmarks.models"
+SHORT_MODULE = "precast.bench.models"
 DEMO_SPEC = "precast.examples:seed_model"
 
 
@@ -45,7 +45,7 @@ def _import(name: str) -> Any:
 
 
 def short_names() -> tuple[str, ...] | None:
-    """The short model names (``benchmarks.models.NAMES``), or None outside a source checkout."""
+    """The short model names (``precast.bench.models.NAMES``), or None outside a source checkout."""
     try:
         module = _import(SHORT_MODULE)
     except ModuleNotFoundError as exc:

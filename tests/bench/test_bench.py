@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from benchmarks.models import MLP
 from precast import bench
 from precast.bench import factories
+from precast.bench.models import MLP
 from precast.errors import PrecastError
 from tests import models
 
@@ -54,7 +54,7 @@ def test_resize_batch_keeps_kinds():
 
 
 def test_specs_short_names_and_factories():
-    model, (x,) = bench.build("mlp", 3)  # benchmarks.models:mlp(batch=3)
+    model, (x,) = bench.build("mlp", 3)  # precast.bench.models:mlp(batch=3)
     assert isinstance(model, MLP) and x.shape == (3, 1024)
     model, (x,) = bench.build("precast.examples:seed_model", 5)  # no batch parameter: inputs resized
     assert type(model).__name__ == "SeedModel" and x.shape == (5, 128)
