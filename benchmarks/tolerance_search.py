@@ -1,4 +1,4 @@
-"""The tolerance search on all-MiniLM-L6-v2 (real weights, ``benchmarks.minilm``): forwards, wall time and ops
+"""The tolerance search on all-MiniLM-L6-v2 (real weights, ``precast.bench.minilm``): forwards, wall time and ops
 kept in fp32 for ``policy="rules", tolerance={"cosine": 0.99996}`` on the first 8 sample sentences (one
 calibration batch), as ``tests/test_minilm.py`` runs it.
 
@@ -38,7 +38,7 @@ import torch
 import torch.fx
 
 import precast
-from benchmarks.minilm import SENTENCES, load_minilm, tokenize
+from precast.bench.minilm import SENTENCES, load_minilm, tokenize
 
 TARGET = 0.99996
 

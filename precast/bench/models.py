@@ -144,9 +144,9 @@ def seed(batch: int = 4) -> tuple[nn.Module, tuple[torch.Tensor]]:
 
 
 def minilm(batch: int = 2, seq: int = 16) -> tuple[AutocastRegion, tuple[torch.Tensor, torch.Tensor]]:
-    """all-MiniLM-L6-v2 with its real weights (``benchmarks.minilm``; needs the optional packages it names)
+    """all-MiniLM-L6-v2 with its real weights (``precast.bench.minilm``; needs the optional packages it names)
     inside one bf16 region, as the other models are: it is written without autocast."""
-    from benchmarks.minilm import minilm as build
+    from precast.bench.minilm import minilm as build
 
     model, inputs = build(batch=batch, seq=seq)
     return AutocastRegion(model).eval(), inputs

@@ -6,7 +6,7 @@ normalization, as the model card's "HuggingFace Transformers" recipe computes it
 ``tokenizers`` (``pip install precast[minilm]``).
 Inputs: sentences (``tokenize``/``embed``) or a batch size (``minilm``). Outputs: ``load_minilm()`` the model
 (``forward(input_ids, attention_mask) -> (batch, 384)`` unit-norm embeddings); ``minilm(batch, seq)`` the
-factory ``(model, (input_ids, attention_mask))`` for ``precast convert benchmarks.minilm:minilm``;
+factory ``(model, (input_ids, attention_mask))`` for ``precast convert precast.bench.minilm:minilm``;
 ``SENTENCES``: 36 sample sentences.
 """
 
@@ -165,7 +165,7 @@ def embed(sentences: list[str], model: torch.nn.Module | None = None, seq: int |
 
 
 def minilm(batch: int = 2, seq: int = 16) -> tuple[MiniLM, tuple[torch.Tensor, torch.Tensor]]:
-    """Factory for ``precast convert benchmarks.minilm:minilm``: the model and (input_ids, attention_mask)."""
+    """Factory for ``precast convert precast.bench.minilm:minilm``: the model and (input_ids, attention_mask)."""
     sentences = [SENTENCES[i % len(SENTENCES)] for i in range(batch)]
     return load_minilm(), tokenize(sentences, seq)
 
