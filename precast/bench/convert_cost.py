@@ -1,4 +1,4 @@
-"""Conversion cost per node (``precast bench --convert``, benchmarks/convert_cost.py): wall/CPU time and peak
+"""Conversion cost per node (``precast bench --convert``): wall/CPU time and peak
 traced Python memory of every stage of the real ``precast.convert``.
 
 How it is measured: ``precast.passes.runner.observe(clock)`` makes every stage of ``precast.convert`` run
@@ -9,7 +9,7 @@ is kept apart from the stages. The whole ``convert()`` call is timed too: the sh
 for is a column, so work outside any stage shows up.
 
 Input: exported programs -- a synthetic chain of N ops in one bf16 region (``chain_program``; the linearity
-check) and, in a source checkout, small-config transformers/timm models (``precast.bench.convert_models``,
+check) and small-config transformers/timm models (``precast.bench.convert_models``,
 skipped when their library is missing). Output: ``run_convert_bench`` -> one ``ConvertCost`` per (program,
 policy); ``linearity`` -> CPU ms/node at the largest N over the smallest; ``profile_convert`` -> cProfile text.
 """
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from precast.bench.programs import REAL_MODULE, chain_program, model_programs, real_models
+from precast.bench.programs import chain_program, model_programs, real_models
 from precast.errors import PrecastError, first_line
 from precast.progress import ProgressBar
 
@@ -244,9 +244,9 @@ def run_convert_bench(
     models = tuple(available) if models is None else models
     unknown = [m for m in models if m not in available]
     if unknown:
-        where = ", ".join(available) if available else f"none: {REAL_MODULE} needs a source checkout"
         raise PrecastError(
-            f"bench --convert: unknown model(s) {unknown}; choose from chain, {where} (the synthetic chain is "
+            f"bench --convert: unknown model(s) {unknown}; choose from chain, {', '.join(available)} (the "
+            "synthetic chain is "
             "measured at the sizes given with --sizes)"
         )
     log = log or (lambda text: print(text, file=sys.stderr))

@@ -1,6 +1,6 @@
-"""Conversion cost per GB of weights (``precast bench --convert --llama 0.2b 1.1b``, benchmarks/convert_cost.py
-``--llama``): wall and CPU seconds per GB of input weights and peak resident memory above the input, stage by
-stage, for Llama-shaped models of real size, one fresh process per (size, policy).
+"""Conversion cost per GB of weights (``precast bench --convert --llama 0.2b 1.1b``): wall and CPU seconds per
+GB of input weights and peak resident memory above the input, stage by stage, for Llama-shaped models of real
+size, one fresh process per (size, policy).
 
 How it is measured: the child builds a transformers ``LlamaForCausalLM`` from a ``LlamaConfig`` with seeded
 random weights (nothing downloaded), exports its plain forward (``input_ids`` batch 1 x 16 tokens, no cache,
@@ -37,7 +37,7 @@ from precast.errors import PrecastError, first_line
 # hidden, layers, heads, kv heads, intermediate, vocab
 LLAMA_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (64, 2, 4, 2, 128, 256),  # for tests
-    "0.2b": (1024, 16, 16, 4, 2816, 32000),  # benchmarks/llm_decode.py's shape
+    "0.2b": (1024, 16, 16, 4, 2816, 32000),  # the LLM decode benchmark's 0.2 B shape
     "1.1b": (2048, 22, 32, 4, 5632, 32000),  # TinyLlama-1.1B's shape
 }
 BIGMEM_LOCK = "/tmp/precast-bigmem.lock"

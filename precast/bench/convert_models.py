@@ -1,5 +1,5 @@
-"""Real architectures for the conversion-cost benchmark (``precast bench --convert --model NAME``,
-benchmarks/convert_cost.py): small configs, random weights, nothing downloaded.
+"""Real architectures for the conversion-cost benchmark (``precast bench --convert --model NAME``): small
+configs, random weights, nothing downloaded.
 
 ``CONVERT_MODELS``: name -> (library, builder); each builder returns ``(model, call, inputs)`` where
 ``call(model, *inputs)`` runs the model to one tensor. A model whose library (transformers, timm) is missing is

@@ -2,9 +2,8 @@
 
 Input: ``--model`` specs. ``module:factory`` (as ``precast convert`` takes) names a callable returning
 ``(model, example_inputs)``; it is called with ``batch=N`` when it has a ``batch`` parameter, else with no
-arguments and the inputs' dim 0 resized to N. A short name (``mlp``) is ``precast.bench.models:mlp``: the
-benchmark models of a source checkout (run from the repository root); elsewhere the default is the demo model,
-``precast.examples:seed_model``.
+arguments and the inputs' dim 0 resized to N. A short name (``mlp``) is ``precast.bench.models:mlp``, the
+benchmark models (the default: ``mlp``).
 
 Output: ``build(spec, batch)`` -> (model, inputs); ``regions(model, ...)`` and ``fp32_reference(...)``.
 
@@ -44,34 +43,22 @@ def _import(name: str) -> Any:
     return importlib.import_module(name)
 
 
-def short_names() -> tuple[str, ...] | None:
-    """The short model names (``precast.bench.models.NAMES``), or None outside a source checkout."""
-    try:
-        module = _import(SHORT_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name and (exc.name == SHORT_MODULE or SHORT_MODULE.startswith(exc.name + ".")):
-            return None
-        raise
-    return tuple(module.NAMES)
+def short_names() -> tuple[str, ...]:
+    """The short model names (``precast.bench.models.NAMES``)."""
+    from precast.bench.models import NAMES
+
+    return NAMES
 
 
 def default_models() -> list[str]:
-    """``mlp`` in a source checkout (``benchmarks`` importable), else the demo model."""
-    return ["mlp"] if short_names() is not None else [DEMO_SPEC]
+    """The models ``precast bench`` runs without ``--model``: ``mlp``."""
+    return ["mlp"]
 
 
 def check_specs(specs: list[str]) -> None:
-    """One-line PrecastError for unknown short names, or short names outside a source checkout."""
-    short = [s for s in specs if ":" not in s]
-    if not short:
-        return
+    """One-line PrecastError for unknown short names."""
     names = short_names()
-    if names is None:
-        raise PrecastError(
-            f"bench: --model {' '.join(short)}: short names stand for {SHORT_MODULE}:NAME, in a source "
-            f"checkout of precast (run from the repository root); elsewhere give module:factory, e.g. {DEMO_SPEC}"
-        )
-    unknown = [s for s in short if s not in names]
+    unknown = [s for s in specs if ":" not in s and s not in names]
     if unknown:
         raise PrecastError(
             f"bench: unknown model(s) {unknown}; choose from {', '.join(names)} or give module:factory"

@@ -1,5 +1,5 @@
 """The benchmark models: what ``precast bench --model NAME`` runs (``NAME`` is short for
-``precast.bench.models:NAME``; a source checkout only, run from the repository root).
+``precast.bench.models:NAME``).
 
 Each factory takes ``batch`` (and model-specific sizes) and returns ``(model in eval mode on CPU,
 example_inputs)`` with seeded random weights (``minilm``: real weights, from an optional package). Every model

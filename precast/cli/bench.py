@@ -31,8 +31,8 @@ def add_parser(sub) -> None:
         default=None,
         metavar="SPEC",
         help="package.module:factory (as precast convert takes; called with batch=N when it has a batch "
-        "parameter), or a short name of a source checkout's precast.bench.models (run from the repository root): "
-        "seed, mlp, cnn, encoder, minilm. Default: mlp in a source checkout, else precast.examples:seed_model. "
+        "parameter), or a short name of precast.bench.models: "
+        "seed, mlp, cnn, encoder, minilm. Default: mlp. "
         "eager_fp32 turns the model's autocast regions off through the modules' autocast/device_type/dtype "
         "attributes (see precast/bench/models.py); a model without them keeps its regions as written and gets "
         "its fp32 reference from its exported program with the regions inlined. With --convert: chain (the "
@@ -158,7 +158,7 @@ def run_convert(args: argparse.Namespace) -> int:
     if unknown:
         raise PrecastError(
             f"bench --convert: unknown model(s) {unknown}; choose from chain, "
-            f"{', '.join(bench.real_models()) or '(precast.bench.convert_models needs a source checkout)'}"
+            f"{', '.join(bench.real_models())}"
         )
     if args.out:
         out_dir(args.out, "convert_cost.json")

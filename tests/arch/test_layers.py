@@ -9,6 +9,7 @@ ir -> policy -> passes -> numerics, weights -> pipeline -> report -> api -> back
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -274,4 +275,34 @@ def test_driver_and_pipeline_never_ask_a_policy_its_class():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
                 names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
                 found += [f"{module}:{node.lineno}" for _ in names & classes]
+    assert not found, found
+
+
+def test_the_package_never_names_the_source_checkout():
+    """``precast/`` is self-contained: no import of, and no string naming, ``benchmarks`` (a wheel has none; the
+    benchmark scripts use the package's harness, never the reverse)."""
+    found = []
+    for module, (source, _) in package_files().items():
+        for node in ast.walk(ast.parse(source)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = re.findall(r"\bbenchmarks[./]\w+", node.value)
+            found += [f"{module}:{node.lineno}: {n}" for n in names if re.match(r"benchmarks\b", n)]
+    assert not found, found
+
+
+def test_no_locals_in_the_package():
+    """Options are passed by name, never picked out of ``locals()`` (renaming a keyword would drop it)."""
+    found = [
+        f"{module}:{node.lineno}"
+        for module, (source, _) in package_files().items()
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) in ("locals", "vars")
+        and not node.args
+    ]
     assert not found, found
