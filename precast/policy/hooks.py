@@ -73,9 +73,6 @@ class PolicyHooks:
         return decision.source == self.name  # type: ignore[attr-defined]
 
 
-REFERENCES = ("autocast", "measured")
-
-
 def hook(policy: Policy, name: str) -> Any:
     """The policy's hook ``name``, or ``PolicyHooks``' default bound to the policy."""
     if hasattr(policy, name):
