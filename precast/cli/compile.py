@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 
+from precast.cli.flags import add_trust_pickle
 from precast.errors import PrecastError
 
 BACKENDS = ("aoti", "openvino", "onnx", "executorch")
@@ -56,11 +57,7 @@ def add_parser(sub) -> None:
         help="aoti only: the weights of a program converted with streamed weights (its constants meta): a "
         "directory of safetensors shards with model.safetensors.index.json, or one .safetensors file",
     )
-    p.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
-    )
+    add_trust_pickle(p)
     p.set_defaults(run=run)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from precast.cli.flags import add_trust_pickle
 from precast.errors import PrecastError, first_line
 from precast.io import check_writable, write_bytes
 from precast.pipeline.capture import check_program_file
@@ -108,11 +109,7 @@ def add_parser(sub) -> None:
         help="with --weights: the folder the converted weights go to (default: OUTPUT with the suffix .weights)",
     )
     p.add_argument("--no-verify", action="store_true", help="skip the run comparing against the reference")
-    p.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
-    )
+    add_trust_pickle(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a summary")
     p.add_argument(
         "--allow",
