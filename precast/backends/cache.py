@@ -28,6 +28,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from precast import cpu
 from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError
 from precast.io import cache_root, private_dir
@@ -160,7 +161,7 @@ def toolchain() -> dict[str, str]:
         "env": json.dumps(env, sort_keys=True),
         "compiler": _compiler_identity(),
         # inductor compiles with -march=native: a package runs only on a CPU with the ISA it was built for
-        "isa": f"{torch.backends.cpu.get_cpu_capability()} {_cpu_identity()}",
+        "isa": f"{cpu.capability()} {cpu.identity()}",
     }
 
 
@@ -207,18 +208,6 @@ def _compiler_version(path: str, mtime_ns: int, size: int) -> str:
         if (out.stdout or out.stderr).strip()
         else "unknown"
     )
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_identity() -> str:
-    """The CPU model and its flags (what -march=native reads), hashed: /proc/cpuinfo on Linux."""
-    from precast.numerics.latency import cpu_info
-
-    model, flags = cpu_info("model name"), cpu_info("flags")
-    import platform
-
-    text = f"{model or platform.processor() or platform.machine()}|{flags or ''}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def program_device(ep: ExportedProgram) -> str:

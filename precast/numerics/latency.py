@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 import warnings
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
+from precast import cpu
 from precast.dtypes import dtype_name
 from precast.errors import PrecastError, first_line
 from precast.io import CACHE_ENV, atomic_path, cache_root, file_lock, private_dir
@@ -52,42 +52,19 @@ def device_key(device: str) -> str:
     if device == "cuda":
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda"
     else:
-        name = f"{_cpu_model()} {torch.backends.cpu.get_cpu_capability()} threads={torch.get_num_threads()}"
+        name = f"{cpu.model_name()} {cpu.capability()} threads={torch.get_num_threads()}"
     return f"{device} {name} torch={torch.__version__}"
-
-
-def cpu_info(field: str) -> str | None:
-    """The first ``field`` line of /proc/cpuinfo (Linux), None where there is none."""
-    path = Path("/proc/cpuinfo")
-    if not path.exists():
-        return None
-    for line in path.read_text().splitlines():
-        if line.startswith(field):
-            return line.split(":", 1)[1].strip()
-    return None
-
-
-def _cpu_model() -> str:
-    return cpu_info("model name") or platform.processor() or platform.machine()
-
-
-def _cpu_flags() -> set[str] | None:
-    flags = cpu_info("flags")
-    return set(flags.split()) if flags is not None else None
 
 
 def native_note(device: str, low: torch.dtype) -> str:
     """A phrase on whether the device has native instructions for ``low`` (for the report's "why")."""
     if device != "cpu":
         return ""
-    flags = _cpu_flags()
-    if flags is None:
+    native = cpu.has_native(low)
+    if native is None:
         return ""
-    want = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}.get(
-        low, ()
-    )
-    cap = torch.backends.cpu.get_cpu_capability()
-    if any(f in flags for f in want):
+    cap = cpu.capability()
+    if native:
         return f"this CPU ({cap}) has native {dtype_name(low)} instructions"
     return f"no native {dtype_name(low)} on this CPU ({cap}): it is emulated"
 
