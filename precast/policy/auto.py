@@ -181,26 +181,16 @@ class AutoPolicy(RulesPolicy):
         program: Program,
         opts: RuleOptions,
         calibration: Calibration | None = None,
-        fallback: dict[str, float] | None = None,
-        device_fp32: dict[str, str] | None = None,
         latencies: Mapping[str, Any] | None = None,
-        all_fp32: str | None = None,
+        **found: Any,
     ) -> AutoDecider:
-        """``latencies``: the measured table (node -> OpLatency); ``all_fp32``: a reason to keep every measured
-        op fp32 (the end-to-end confirmation found the converted program slower)."""
+        """``RulesPolicy.bind``, with ``latencies``: the measured table (node -> OpLatency; None: the table given
+        to the policy). The other keywords are ``AutoDecider``'s."""
         if latencies is None:  # the table given to the policy
             table = {k: replace(OpLatency.of(v), origin="given") for k, v in (self.latencies or {}).items()}
         else:
             table = {k: OpLatency.of(v) for k, v in latencies.items()}
-        return AutoDecider(
-            program,
-            opts,
-            calibration,
-            fallback=fallback,
-            device_fp32=device_fp32,
-            latencies=table,
-            all_fp32=all_fp32,
-        )
+        return super().bind(program, opts, calibration, latencies=table, **found)
 
 
 class AutoDecider(RulesDecider):
@@ -214,12 +204,14 @@ class AutoDecider(RulesDecider):
         program: Program,
         opts: RuleOptions,
         calibration: Calibration | None = None,
-        fallback: dict[str, float] | None = None,
-        device_fp32: dict[str, str] | None = None,
+        *,
         latencies: Mapping[str, OpLatency] | None = None,
         all_fp32: str | None = None,
+        **found: Any,
     ):
-        super().__init__(program, opts, calibration, fallback=fallback, device_fp32=device_fp32)
+        """``RulesDecider``'s keywords (``found``), and ``latencies`` (node -> OpLatency), ``all_fp32`` (a reason to
+        keep every measured op fp32: the end-to-end confirmation found the converted program slower)."""
+        super().__init__(program, opts, calibration, **found)
         # the rules of policy "rules" but its default, then auto's own: the measured choice, else follow
         self.keep: tuple[Rule, ...] = keep_rules(opts)
         self.rules = (*self.keep, *AUTO_RULES)
@@ -334,3 +326,6 @@ def _auto(call: RuleCall, dtype, rule_name, reason, measured=None, limit=None) -
 
 
 AUTO_RULES = (auto_measured, auto_follow)
+
+
+AutoPolicy.decider = AutoDecider
