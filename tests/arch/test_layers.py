@@ -264,12 +264,14 @@ def test_no_private_names_imported_across_modules():
 
 
 def test_driver_and_pipeline_never_ask_a_policy_its_class():
-    """api.py and pipeline/ reach policies through hooks (precast.policy.hooks), never ``isinstance`` on a
+    """api.py and the driver, passes, numerics and weights reach policies through hooks (precast.policy.hooks), never ``isinstance`` on a
     policy or decider class, so a policy of the user's gets what the built-in ones get."""
     classes = {"TorchPolicy", "RulesPolicy", "AutoPolicy", "RulesDecider", "AutoDecider"}
     found = []
     for module, (source, _) in package_files().items():
-        if module != "precast.api" and not module.startswith("precast.pipeline"):
+        if module != "precast.api" and not module.startswith(
+            ("precast.pipeline", "precast.passes", "precast.numerics", "precast.weights")
+        ):
             continue
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
