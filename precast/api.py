@@ -133,7 +133,7 @@ def convert_with(
         state.log = report = new_report(state, checked.allowed)
         run_checks(state)
         if state.unchanged:  # a program of its own (same graph, its own copies of the state it writes)
-            return result(private_state(state.ep), unchanged_report(report), checked)
+            return result(private_state(state.captured), unchanged_report(report), checked)
         prepare(state)  # the policy's prepare steps: calibrate, latency, tolerance search
         state.lower_program()  # classify .. restore_io, export
         after_lowering(state)  # the policy's checks after lowering: device fallback, auto's confirmation
@@ -183,7 +183,7 @@ def calibrate(
         state = begin(program_or_module, example_inputs, policy, options)
         return calibrate_program(
             state.program,
-            state.ep,
+            state.captured,
             data,
             low=state.low,
             keep=keep,

@@ -198,7 +198,7 @@ def sensitivity(
             )
         low = low or dtypes.pop()
     low = state.low or low
-    ep = state.ep
+    ep = state.captured
     batch = check_example_inputs(ep, inputs)
     more = {"data": data, "group": group, "given": given}
     result, est = estimate(

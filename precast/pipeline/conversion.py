@@ -51,12 +51,12 @@ class Conversion:
     """Everything one conversion knows, stage after stage."""
 
     source: ExportedProgram | torch.nn.Module  # what the caller gave (never changed)
-    ep: ExportedProgram  # the input program
+    captured: ExportedProgram  # the input program: the caller's, or the module's export (capture)
     policy: Policy | None
     low: torch.dtype | None
     device: str
     inputs: Inputs | None  # the example inputs, bound to the program's signature (None: the program's own)
-    program: Program  # the private copy the checks ran on; the first lowering rewrites it
+    program: Program  # the private copy of ``captured`` the checks ran on; the first lowering rewrites it
     regions: list[Region]
     restore: list[torch.dtype | None]  # the input program's output dtypes, restored with keep_io_types
     keep_io: bool
@@ -86,7 +86,7 @@ class Conversion:
         """Convert a fresh copy of the input program again, the decider bound with ``more`` as well
         (``device_fp32=``, ``all_fp32=``); the previous lowering's diagnostics are recorded afresh."""
         del self.log.diagnostics[self.lowering_mark :]
-        fresh = run_stage(None, "program_copy", lambda _: Program(self.ep, self.cache_dtype))
+        fresh = run_stage(None, "program_copy", lambda _: Program(self.captured, self.cache_dtype))
         fresh.weights = self.weights
         run_stage(fresh, "inline_regions", lambda p: inline_regions(p.gm))
         return self._lower(fresh, self.decider_for(fresh, **more))
@@ -150,14 +150,16 @@ def run_checks(state: Conversion) -> None:
     """Control flow, unused and no-op regions, and (policy torch given a program) dtype reads fixed at export:
     diagnostics before any decision (raises on an error)."""
     run_stage(
-        state.program, "checks", lambda p: checks.check_program(state.ep, p.gm, state.regions, state.log)
+        state.program,
+        "checks",
+        lambda p: checks.check_program(state.captured, p.gm, state.regions, state.log),
     )
     if (
         isinstance(state.source, ExportedProgram)
         and state.policy is not None
         and hook(state.policy, "capture_under_autocast")
     ):
-        checks.check_dtype_reads(state.ep, state.log)  # the module route would read them as eager does
+        checks.check_dtype_reads(state.captured, state.log)  # the module route would read them as eager does
     if state.unchanged:
         diagnostics.record(
             state.log,

@@ -58,7 +58,7 @@ def prepare(state: Conversion) -> None:
         binding.calibration = run_stage(
             program,
             "calibrate",
-            lambda p: calibrate_stage(p, state.ep, log, data, low, ranges=ranges, tol=tol is not None),
+            lambda p: calibrate_stage(p, state.captured, log, data, low, ranges=ranges, tol=tol is not None),
         )
     if tol is not None and binding.calibration is None:
         raise PrecastError("tolerance= needs data to measure the error on: pass calibration=[inputs, ...]")
@@ -82,6 +82,6 @@ def prepare(state: Conversion) -> None:
         binding.search = run_stage(
             program,
             "tolerance",
-            lambda p: tolerance_stage(p, state.ep, policy, opts, cal, tol, log, low=low, **extra),
+            lambda p: tolerance_stage(p, state.captured, policy, opts, cal, tol, log, low=low, **extra),
         )
     state.binding = binding

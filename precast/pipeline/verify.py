@@ -292,7 +292,7 @@ def verify_conversion(state: Conversion, verification: dict[str, dict]) -> dict[
     with timed("verify"):
         result = verify_stage(
             state.lowered.exported,  # type: ignore[union-attr]
-            state.ep,
+            state.captured,
             state.log,
             reference,
             state.device,

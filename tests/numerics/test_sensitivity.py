@@ -280,7 +280,7 @@ def test_measured_errors_are_the_exported_programs_bitwise(dtype):
     state.log = DiagnosticLog()
     prepare(state)
     batch = ((x,), {})
-    result, est = estimate(state.ep, state.policy, state.binding, batch, "rel", measure_points=1)
+    result, est = estimate(state.captured, state.policy, state.binding, batch, "rel", measure_points=1)
     # the reference forward (tapped), the watched all-low run, one measured point: no forward for the all-low
     assert result.nonfinite is None and result.forwards == 3 and result.conversions == 2
     assert result.all_low == check_program(est.lower({}).to_exported_program(), [batch], est.refs)
