@@ -1,7 +1,7 @@
-"""The conversion pipeline: one stage per module, each a function over a ``Program`` returning its stats.
-
-In order (``STAGES`` has the names the runner reports; ``precast.api.convert`` drives them over a typed state,
-``precast.pipeline.conversion.Conversion``; ``precast.passes.runner`` times and checks each):
+"""The graph rewrites, one per module, each a function over a ``Program`` returning its stats, and ``lower``,
+which runs them in order through the stage runner (``precast.passes.runner``: times, lints and fake-propagates
+each). ``STAGES``: every stage name a conversion reports, in the order ``precast.api.convert_with`` runs them
+(the driver's steps in ``precast.pipeline``, the measurements in ``precast.numerics``, the rewrites here):
 
   capture      module/program -> ExportedProgram (policy torch on a module: traced under torch.autocast)
   program_copy ExportedProgram -> Program (private graph copy, written constants cloned)
