@@ -150,7 +150,7 @@ def stage_stream(work: Path, policy: str) -> dict:
 
 
 def _hash(t: torch.Tensor) -> str:
-    from precast.ir.weights import tensor_bytes
+    from precast.weights.files import tensor_bytes
 
     return hashlib.sha256(tensor_bytes(t.contiguous())).hexdigest()[:24]
 

@@ -2,7 +2,7 @@
 CPU, example_inputs)``.
 
 The demo model comes from the package (``precast.examples``), the benchmark models (mlp, cnn, encoder) from
-``benchmarks.models``; everything else here is test-only. ``REGION_MODELS``: models with autocast regions of
+``precast.bench.models``; everything else here is test-only. ``REGION_MODELS``: models with autocast regions of
 their own (policy None); ``PLAIN_MODELS``: models without (policy "torch"/"rules"); ``ZOO``: both.
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.models import CNN, MLP, AutocastRegion, Encoder, cnn, encoder, mlp  # noqa: F401
+from precast.bench.models import CNN, MLP, AutocastRegion, Encoder, cnn, encoder, mlp  # noqa: F401
 from precast.examples import SeedModel, SeedSubModule, seed_model  # noqa: F401
 
 BF16 = torch.bfloat16

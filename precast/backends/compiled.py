@@ -1,6 +1,6 @@
 """``CompiledModel``: a loaded AOTInductor package, called like the program's module, with ``load_weights``.
 
-The package's constants are outside it (``backends/weights.py``): the model owns the tensors the loader reads
+The package's constants are outside it (``weights/sources.py``): the model owns the tensors the loader reads
 (``user_managed``), so it holds each weight once; under max-autotune it holds only the packed copies the code
 reads, and repacks them from new originals on ``load_weights``.
 
@@ -22,10 +22,10 @@ from torch.utils import _pytree as pytree
 from precast.backends.cache import StoredConstant
 from precast.backends.packed import gemm_pack
 from precast.backends.signature import ProgramSignature
-from precast.backends.weights import SafetensorsSource
 from precast.errors import NAMES_SHOWN, PrecastError, name_list
-from precast.ir.weights import has_values
-from precast.pipeline.fold import cast_constant
+from precast.passes.fold import cast_constant
+from precast.weights.files import has_values
+from precast.weights.sources import SafetensorsSource
 
 
 class CompiledModel:

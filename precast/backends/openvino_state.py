@@ -3,7 +3,7 @@
 OpenVINO's frontend converts a program's buffers to constants (``ExportedProgram.module()`` unlifts them), so a
 cache write would be lost and every call would restart from the exported cache. Instead:
 
-1. ``carried_state`` (``precast/pipeline/caches.py``) sorts the buffers the program writes: a **cache** (written
+1. ``carried_state`` (``precast/passes/caches.py``) sorts the buffers the program writes: a **cache** (written
    only by stores: ``index_copy_``, ``index_put_``, a slice scatter, at positions from an input) is carried as
    state; a buffer **overwritten** whole before any read on every call (transformers' ``cumulative_length``,
    set from ``cache_position`` then advanced) carries nothing from one call to the next and becomes a constant;
@@ -41,7 +41,7 @@ def carried(ep: ExportedProgram, what: str) -> dict[str, str]:
     neither is one PrecastError line naming the op and what to do."""
     if not written_targets(ep):
         return {}
-    from precast.pipeline.caches import carried_state
+    from precast.passes.caches import carried_state
 
     try:
         return carried_state(Program(ep))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from precast.cli.flags import add_trust_pickle
 from precast.errors import PrecastError, first_line
 from precast.ir.program import strip_dtype_asserts
 from precast.metrics import compare_outputs
@@ -39,11 +40,7 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("program", help="a program saved with torch.export.save")
-    p.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
-    )
+    add_trust_pickle(p)
     p.add_argument(
         "--inputs",
         default=None,

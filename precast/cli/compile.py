@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 
+from precast.cli.flags import add_trust_pickle
 from precast.errors import PrecastError
 
 BACKENDS = ("aoti", "openvino", "onnx", "executorch")
@@ -57,11 +58,7 @@ def add_parser(sub) -> None:
         "directory of safetensors shards with model.safetensors.index.json, or one .safetensors file; with -o "
         "they are written into the package",
     )
-    p.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
-    )
+    add_trust_pickle(p)
     p.set_defaults(run=run)
 
 
@@ -80,12 +77,12 @@ def run(args: argparse.Namespace) -> int:
     weights = getattr(args, "weights", None)
     files = None
     if weights:
-        from precast.ir.weights import WeightFiles
+        from precast.weights.files import WeightFiles
 
         files = WeightFiles(weights, "--weights")  # checked (headers, regular files) before the program loads
     if args.output:
         if files is not None:  # before check_writable, whose probe file would land in the input folder
-            from precast.pipeline.streamed import check_file_outside
+            from precast.weights.streamed import check_file_outside
 
             check_file_outside(args.output, files)
         check_writable(args.output, (args.source,))
@@ -94,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if args.output and files is not None:
         # -o: a self-contained package; the weights go inside it, so the program takes them in now (read once,
         # names, shapes and dtypes checked by with_weights) and compiles as a program holding its weights
-        from precast.ir.weights import streamed_targets
-        from precast.pipeline.streamed import with_weights
+        from precast.weights.files import streamed_targets
+        from precast.weights.streamed import with_weights
 
         if not streamed_targets(program):
             raise PrecastError(

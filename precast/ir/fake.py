@@ -87,10 +87,6 @@ def fake_state(program: Program) -> FakeState:
     return program.fake_state
 
 
-def fake_mode_of(program: Program) -> FakeTensorMode:
-    return fake_state(program).mode
-
-
 def _privatize(program: Program) -> FakeState:
     vals = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"]
     source = detect_fake_mode(vals)

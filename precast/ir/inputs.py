@@ -165,11 +165,6 @@ def placeholder_values(program: Program, user: list[Any]) -> list[Any]:
     return out
 
 
-def flat_inputs(program: Program, ep: ExportedProgram, batch: Any, index: int | str) -> list[Any]:
-    """Values for every placeholder of ``program.gm`` (constants, then the batch's checked user inputs)."""
-    return placeholder_values(program, user_values(program, ep, batch, index))
-
-
 def _desc(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 

@@ -308,7 +308,7 @@ def test_load_weights_casts_as_the_conversion_does(converted_a, compiled_a, aoti
     largest finite bf16, not inf); inf stays inf."""
     import copy
 
-    from precast.pipeline.fold import cast_constant
+    from precast.passes.fold import cast_constant
 
     model, inputs, res = converted_a
     cm = precast.compile(copy.deepcopy(res.program), cache_dir=aoti_cache, progress=False)

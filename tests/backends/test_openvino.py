@@ -202,7 +202,7 @@ def test_inputs_checked_as_aoti_checks_them_before_openvino_runs():
 def test_auto_fp32_plan_runs_fp32_and_an_override_is_caught(monkeypatch, tmp_path):
     """Auto keeps every Linear fp32 here (bf16 timed slower): with the f32 hint OpenVINO runs them fp32 and the
     check finds nothing; with OpenVINO's default (bf16 on this CPU) it lowers them, and the check names each."""
-    from precast.pipeline import latency
+    from precast.numerics import latency
     from precast.policy.auto import AutoPolicy, OpLatency
 
     monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path))

@@ -435,7 +435,7 @@ def test_malformed_manifest_is_a_miss_not_a_crash(tmp_path, text):
     ["[]", '{"version": 1, "entries": []}', '{"version": 1, "entries": {"k": 3}}', "[" * 100000, "nope"],
 )
 def test_malformed_latency_cache_is_a_miss_with_a_warning(tmp_path, text):
-    from precast.pipeline import latency
+    from precast.numerics import latency
 
     path = tmp_path / "latency.json"
     path.write_text(text.replace('"version": 1', f'"version": {latency.CACHE_VERSION}'))

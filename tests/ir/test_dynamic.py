@@ -23,9 +23,9 @@ from precast.errors import PrecastError
 from precast.ir.fake import fake_state
 from precast.ir.fake_update import changed_nodes, check_pass, refresh_vals, update_vals
 from precast.ir.program import Program
-from precast.pipeline.classify import classify
-from precast.pipeline.regions import inline_regions
-from precast.pipeline.rewrite import insert_casts
+from precast.passes.classify import classify
+from precast.passes.regions import inline_regions
+from precast.passes.rewrite import insert_casts
 from precast.policy.torch_policy import TorchPolicy
 from tests.helpers import assert_bitwise
 
