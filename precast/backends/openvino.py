@@ -57,6 +57,9 @@ from precast.backends.openvino_state import (
     state_values,
     stateful_module,
 )
+from precast.backends.openvino_state import (
+    to_torch as _to_torch,
+)
 from precast.backends.signature import ProgramSignature, batch_symbols, dynamic_batch, exported_program
 from precast.errors import PrecastError, first_line
 from precast.io import check_writable
@@ -358,15 +361,6 @@ def _to_openvino(t: torch.Tensor) -> Any:
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: hand OpenVINO the bits
         return ov.Tensor(t.view(torch.int16).numpy(), list(t.shape), ov.Type.bf16)
     return ov.Tensor(t.numpy(), shared_memory=True)
-
-
-def _to_torch(tensor: Any) -> torch.Tensor:
-    """A copy (the infer request reuses its output buffers) as a torch tensor of the same dtype."""
-    data = tensor.data
-    out = torch.from_numpy(data.copy())
-    if str(tensor.element_type.get_type_name()) == "bf16":  # returned as 2-byte values: reinterpret the bits
-        out = out.view(torch.bfloat16)
-    return out
 
 
 # ---- IR files -------------------------------------------------------------------------------------------------

@@ -156,22 +156,18 @@ def state_values(request: Any) -> dict[str, torch.Tensor]:
     """The variables an infer request holds, by name, as torch tensors (copies). Before its first inference (and
     after ``reset_state``) OpenVINO reports zeros for a variable whose initial value it has not evaluated yet:
     ``initial_values`` says what that inference will start from."""
-    from precast.backends.openvino import _to_torch
-
-    return {s.name: _to_torch(s.state) for s in request.query_state()}
+    return {s.name: to_torch(s.state) for s in request.query_state()}
 
 
 def initial_values(model: Any) -> dict[str, torch.Tensor]:
     """What each variable of ``model`` starts from: its ``ReadValue``'s initial constant, or zeros."""
-    from precast.backends.openvino import _to_torch
-
     out = {}
     for op in model.get_ordered_ops():
         if op.get_type_name() != "ReadValue":
             continue
         attrs = op.get_attributes()  # variable_id, variable_type (f32, bf16, ...), variable_shape
         if op.get_input_size():
-            out[attrs["variable_id"]] = _to_torch(op.input_value(0).get_node().get_tensor_view())
+            out[attrs["variable_id"]] = to_torch(op.input_value(0).get_node().get_tensor_view())
         else:
             dtype = _TORCH_DTYPES[str(attrs["variable_type"])]
             out[attrs["variable_id"]] = torch.zeros([int(d) for d in attrs["variable_shape"]], dtype=dtype)
@@ -186,3 +182,12 @@ _TORCH_DTYPES = {
     "i32": torch.int32,
     "boolean": torch.bool,
 }
+
+
+def to_torch(tensor: Any) -> torch.Tensor:
+    """A copy (the infer request reuses its output buffers) as a torch tensor of the same dtype."""
+    data = tensor.data
+    out = torch.from_numpy(data.copy())
+    if str(tensor.element_type.get_type_name()) == "bf16":  # returned as 2-byte values: reinterpret the bits
+        out = out.view(torch.bfloat16)
+    return out
