@@ -20,6 +20,7 @@ from precast.errors import PrecastError  # noqa: E402
 from precast.explain import Sensitivity, sensitivity  # noqa: E402
 from precast.guard import guard_module  # noqa: E402
 from precast.ir.program import constant_sources  # noqa: E402
+from precast.llm import GenerationResult, LogitsOnly, generate  # noqa: E402
 from precast.pipeline.energies import Energies, load_energies  # noqa: E402
 from precast.pipeline.streamed import with_weights  # noqa: E402
 from precast.pipeline.weightless import empty_parameters, export_weightless  # noqa: E402
@@ -56,6 +57,9 @@ __all__ = [
     "with_weights",
     "compile",
     "CompiledModel",
+    "generate",
+    "GenerationResult",
+    "LogitsOnly",
 ]
 __version__ = "0.1.0"
 

@@ -70,10 +70,15 @@ class ProgramSignature:
         inputs: list[_Input],
         in_spec: pytree.TreeSpec,
         ranges: dict[str, tuple[int, int | None]],
+        positions: dict[str, int] | None = None,
     ):
         self.inputs = tuple(inputs)
         self.in_spec = in_spec
         self.ranges = dict(ranges)
+        # input name -> the length of the cache it indexes (``cache_positions``): its values must lie in [0, L)
+        self.positions = dict(positions or {})
+        index = {spec.name: pos for pos, spec in enumerate(self.inputs)}
+        self._positions = [(index[n], length) for n, length in self.positions.items() if n in index]
         self._positional = in_spec == pytree.tree_flatten((tuple(range(len(inputs))), {}))[1]
         # the hot path, precomputed: per tensor input (position, dtype, device type, rank, static, symbolic)
         self._tensor_checks = []
@@ -126,13 +131,14 @@ class ProgramSignature:
         ranges = {}
         for sym, vr in ep.range_constraints.items():
             ranges[str(sym)] = (_finite(vr.lower) or 0, _finite(vr.upper))
-        return cls(inputs, in_spec, ranges)
+        return cls(inputs, in_spec, ranges, cache_positions(ep))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for a cache manifest); ``from_dict`` reads it back."""
         return {
             "in_spec": pytree.treespec_dumps(self.in_spec),
             "ranges": {k: list(v) for k, v in self.ranges.items()},
+            "positions": dict(self.positions),
             "inputs": [
                 {
                     "name": s.name,
@@ -165,7 +171,8 @@ class ProgramSignature:
             ranges = {
                 str(k): (int(v[0]), None if v[1] is None else int(v[1])) for k, v in data["ranges"].items()
             }
-            return cls(inputs, pytree.treespec_loads(data["in_spec"]), ranges)
+            positions = {str(k): int(v) for k, v in data.get("positions", {}).items()}
+            return cls(inputs, pytree.treespec_loads(data["in_spec"]), ranges, positions)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise PrecastError(
                 f"ProgramSignature: malformed signature data ({type(exc).__name__}: {exc})"
@@ -210,7 +217,26 @@ class ProgramSignature:
                 )
         for pos, spec in self._others:
             self._check_other(pos, spec, flat[pos], bound)
+        for pos, length in self._positions:
+            self._check_positions(pos, flat[pos], length)
         return list(flat)
+
+    def _check_positions(self, pos: int, t: torch.Tensor, length: int) -> None:
+        """Cache positions inside the cache: every value in [0, L), and the run the cache's writer fills from the
+        first position (transformers writes ``cache_position[0] + arange(seq)``) ending before L. Past it, the
+        compiled kernel would abort ("index out of bounds") or write outside the buffer."""
+        if t.numel() == 0 or t.dtype.is_floating_point or t.dtype.is_complex:
+            return
+        low, high = (int(v) for v in torch.aminmax(t.detach().reshape(-1)))
+        end = int(t.reshape(-1)[0]) + t.numel() - 1
+        if low < 0 or max(high, end) >= length:
+            name = self.inputs[pos].name
+            shown = f"positions {low}..{max(high, end)}" if t.numel() > 1 else f"position {low}"
+            raise PrecastError(
+                f"compiled program: input {name!r} ({self.inputs[pos].where}): cache {shown} outside the "
+                f"cache, which holds {length} positions (0..{length - 1}); start a new sequence (reset()) or "
+                "export the program with a longer cache (max_cache_len)"
+            )
 
     def _flatten(self, args: tuple, kwargs: dict) -> list[Any]:
         from torch.export._tree_utils import reorder_kwargs
@@ -268,6 +294,93 @@ class ProgramSignature:
             f"{s.name}: {s.shape_text()} {s.dtype}" if s.kind == "tensor" else s.name for s in self.inputs
         ]
         return f"ProgramSignature({', '.join(parts)})"
+
+
+_INDEX_WRITES = {
+    # op -> (argument holding the destination, how to find the indexed dimension and its index tensor)
+    "aten::index_copy_": "dim",
+    "aten::index_copy": "dim",
+    "aten::index_put_": "list",
+    "aten::index_put": "list",
+}
+_METADATA_READS = ("aten::sym_size", "aten::sym_numel", "aten::sym_stride", "aten::size")
+
+
+def cache_positions(ep: ExportedProgram) -> dict[str, int]:
+    """User input name -> the length of the cache it indexes: for each write of the program into a buffer it
+    writes (``index_copy_`` / ``index_put_``, as transformers' ``StaticLayer.update`` writes its KV cache) whose
+    index is computed from exactly one integer user input (``cache_position``), the destination's size along the
+    indexed dimension; the smallest over every such write. Read from the graph, never from names. Empty when the
+    program writes no cache this way."""
+    from precast.ir.program import written_targets
+
+    written = written_targets(ep)
+    buffers = {
+        s.arg.name
+        for s in ep.graph_signature.input_specs
+        if s.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR) and s.target in written
+    }
+    users = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+    found: dict[str, int] = {}
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        schema = getattr(node.target, "_schema", None)
+        how = _INDEX_WRITES.get(getattr(schema, "name", ""))
+        if how is None or len(node.args) < 3:
+            continue
+        dest = _storage_root(node.args[0])
+        val = dest.meta.get("val") if isinstance(dest, torch.fx.Node) else None
+        if dest is None or dest.name not in buffers or not isinstance(val, torch.Tensor):
+            continue
+        if how == "dim":
+            pairs = [(node.args[1], node.args[2])]
+        else:
+            pairs = [(d, i) for d, i in enumerate(node.args[1]) if isinstance(i, torch.fx.Node)]
+        for dim, index in pairs:
+            if not isinstance(dim, int) or not isinstance(index, torch.fx.Node):
+                continue
+            sources = _value_sources(index) & users
+            if len(sources) != 1:
+                continue
+            size = val.shape[dim]
+            if not isinstance(size, int):
+                continue  # a cache of symbolic length: nothing fixed to check against
+            name = sources.pop()
+            found[name] = min(found.get(name, size), size)
+    return found
+
+
+def _storage_root(node: Any) -> Any:
+    """Follow views (schema ``Tensor(a)`` returns) back to the value that owns the storage."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+            break
+        node = node.args[0]
+    return node
+
+
+def _value_sources(node: torch.fx.Node) -> set[str]:
+    """Placeholders whose values flow into ``node`` (a size read, ``sym_size``, is metadata, not a value)."""
+    seen: set[torch.fx.Node] = set()
+    out: set[str] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            out.add(n.name)
+            continue
+        if (
+            n.op == "call_function"
+            and getattr(getattr(n.target, "_schema", None), "name", "") in _METADATA_READS
+        ):
+            continue
+        stack.extend(n.all_input_nodes)
+    return out
 
 
 def _paths(in_spec: pytree.TreeSpec) -> list[str]:
