@@ -189,6 +189,22 @@ def convention(signature: ProgramSignature) -> _Convention:
     return _Convention(_where(ids.where), _where(pos.where), ids.dtype, pos.dtype, length, chunk)
 
 
+def check_room(conv: _Convention, start: int, feed: int, max_new_tokens: int) -> None:
+    """One line when ``feed`` tokens at ``start`` and ``max_new_tokens`` new ones would pass the cache's end (the
+    last new token is chosen, never written)."""
+    needed = start + feed + max_new_tokens - 1
+    if needed > conv.cache_length:
+        room = conv.cache_length - start - feed + 1
+        fix = (
+            f"give max_new_tokens <= {room}" if room >= 1 else "the prompt does not fit; start a new sequence"
+        )
+        raise PrecastError(
+            f"{WHAT}: {start} cached + {feed} prompt + {max_new_tokens} new tokens need {needed} cache "
+            f"positions; the program's cache holds {conv.cache_length}: {fix} (or export with a longer "
+            "max_cache_len)"
+        )
+
+
 def _runner(model: Any) -> Any:
     """``model`` as something callable with ``reset()`` and ``signature``."""
     if isinstance(model, ExportedProgram):
@@ -259,7 +275,7 @@ class _Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def _sampler(
+def sampler(
     do_sample: bool | None,
     temperature: float | None,
     top_k: int | None,
@@ -352,7 +368,7 @@ def generate(
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise PrecastError(f"{WHAT}: max_new_tokens={max_new_tokens!r}; give an int >= 1")
     prompt = _token_list(input_ids)
-    sampler = _sampler(do_sample, temperature, top_k, top_p, seed, generator)
+    sampler = sampler(do_sample, temperature, top_k, top_p, seed, generator)
     stops = _stops(stop_tokens, eos_token_id)
     on_prompt, on_token, on_end = _streaming(streamer)
     if continue_from is not None:
@@ -368,19 +384,7 @@ def generate(
     if not feed:
         raise PrecastError(f"{WHAT}: input_ids is empty; give at least one prompt token")
     conv = convention(_signature(runner))  # type: ignore[arg-type]
-    needed = start + len(feed) + max_new_tokens - 1  # the last new token is chosen, never written
-    if needed > conv.cache_length:
-        room = conv.cache_length - start - len(feed) + 1
-        raise PrecastError(
-            f"{WHAT}: {start} cached + {len(feed)} prompt + {max_new_tokens} new tokens need {needed} cache "
-            f"positions; the program's cache holds {conv.cache_length}: "
-            + (
-                f"give max_new_tokens <= {room}"
-                if room >= 1
-                else "the prompt does not fit; start a new sequence"
-            )
-            + " (or export with a longer max_cache_len)"
-        )
+    check_room(conv, start, len(feed), max_new_tokens)
     if continue_from is None:
         runner.reset()  # a new sequence
     on_prompt(prompt)
