@@ -368,7 +368,7 @@ def generate(
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise PrecastError(f"{WHAT}: max_new_tokens={max_new_tokens!r}; give an int >= 1")
     prompt = _token_list(input_ids)
-    sampler = sampler(do_sample, temperature, top_k, top_p, seed, generator)
+    chooser = sampler(do_sample, temperature, top_k, top_p, seed, generator)
     stops = _stops(stop_tokens, eos_token_id)
     on_prompt, on_token, on_end = _streaming(streamer)
     if continue_from is not None:
@@ -393,7 +393,7 @@ def generate(
     for i in range(0, len(feed), conv.chunk):
         logits = conv.call(runner, feed[i : i + conv.chunk], position)
         position += len(feed[i : i + conv.chunk])
-    token = sampler.choose(logits)
+    token = chooser.choose(logits)
     prefill = time.perf_counter() - began
     new = [token]
     on_token(token)
@@ -401,7 +401,7 @@ def generate(
     while token not in stops and len(new) < max_new_tokens:
         logits = conv.call(runner, [token], position)
         position += 1
-        token = sampler.choose(logits)
+        token = chooser.choose(logits)
         new.append(token)
         on_token(token)
     decode = time.perf_counter() - began
