@@ -227,8 +227,13 @@ class ProgramSignature:
         compiled kernel would abort ("index out of bounds") or write outside the buffer."""
         if t.numel() == 0 or t.dtype.is_floating_point or t.dtype.is_complex:
             return
-        low, high = (int(v) for v in torch.aminmax(t.detach().reshape(-1)))
-        end = int(t.reshape(-1)[0]) + t.numel() - 1
+        if t.numel() <= 256:  # a decode step or a prompt: one conversion to Python, no tensor ops
+            values = t.reshape(-1).tolist()
+            low, high, first = min(values), max(values), values[0]
+        else:
+            low, high = (int(v) for v in torch.aminmax(t.detach().reshape(-1)))
+            first = int(t.reshape(-1)[0])
+        end = first + t.numel() - 1
         if low < 0 or max(high, end) >= length:
             name = self.inputs[pos].name
             shown = f"positions {low}..{max(high, end)}" if t.numel() > 1 else f"position {low}"
