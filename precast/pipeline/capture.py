@@ -11,8 +11,6 @@ import functools
 import importlib
 import inspect
 import io
-import logging
-import re
 import sys
 import zipfile
 from dataclasses import dataclass, field
@@ -28,7 +26,7 @@ from precast.errors import PrecastError, first_line
 from precast.ir.inputs import normalize_inputs
 from precast.ir.module_state import private_tensors
 from precast.ir.program import written_targets
-from precast.pipeline.archive import read_checked
+from precast.pipeline.archive import load_failure, logged_errors, read_checked
 from precast.threads import TORCH_LOCK, quiet_loggers
 
 
@@ -333,63 +331,14 @@ def load_program(path: str | Path, *, trust_pickle: bool = False) -> ExportedPro
         # prints a logging traceback: the trust was explicit, the line adds nothing)
         with (
             TORCH_LOCK,
-            _logged_errors("torch.export", logged),
+            logged_errors("torch.export", logged),
             quiet_loggers(("torch.export", "torch._export.serde.serialize")),
         ):
             return torch.export.load(io.BytesIO(data))
     except PrecastError:
         raise
     except Exception as exc:
-        raise PrecastError(_load_failure(p, exc, logged)) from exc
-
-
-_UNREGISTERED = re.compile(r"Deserializing (\S+) in pytree is not registered")
-
-
-def _load_failure(p: Path, exc: BaseException, logged: list[BaseException]) -> str:
-    """Why ``torch.export.load`` failed: it logs the deserializer's exception and raises a generic one ("We ran
-    into an error when deserializing"), so the logged cause is named first."""
-    for cause in logged:
-        found = _UNREGISTERED.search(str(cause))
-        if found:
-            return (
-                f"{p}: the program's inputs or outputs hold a {found.group(1)}, a type not registered with torch's "
-                "pytree in this process, which torch.export.load needs; export a wrapper that returns tensors "
-                "(precast.LogitsOnly(model) for a causal LM's logits), or load it in Python after importing the "
-                "library that registers the type"
-            )
-    why = first_line(logged[-1]) if logged else first_line(exc)
-    return (
-        f"{p}: cannot be loaded as a torch.export program ({why}); save it with torch.export.save from "
-        f"torch {torch.__version__.split('+')[0]}"
-    )
-
-
-class _Recorder(logging.Filter):
-    """Keeps the exceptions a logger's records carry (and lets every record through to the next filter)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.errors: list[BaseException] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
-            self.errors.append(record.exc_info[1])
-        return True
-
-
-@contextlib.contextmanager
-def _logged_errors(name: str, into: list[BaseException]):
-    """Append to ``into`` the exceptions logged on ``name`` while inside (a filter on the logger: its level and
-    handlers untouched; installed before ``quiet_loggers`` so it sees the records they drop)."""
-    logger = logging.getLogger(name)
-    recorder = _Recorder()
-    recorder.errors = into
-    logger.addFilter(recorder)
-    try:
-        yield
-    finally:
-        logger.removeFilter(recorder)
+        raise PrecastError(load_failure(p, exc, logged)) from exc
 
 
 def load_saved(path: str | Path, what: str, hint: str) -> Any:
