@@ -136,3 +136,21 @@ def test_compiled_model_generates_the_programs_tokens(tiny_decoder, compiled_dec
         precast.generate(compiled_decoder, [1] * 7, max_new_tokens=3)
     # the last position of the cache is usable: 3 prompt + 6 new tokens write positions 0..7
     assert len(precast.generate(compiled_decoder, PROMPT, max_new_tokens=6).new_tokens) == 6
+
+
+def test_streamer_protocol_of_transformers(tiny_decoder):
+    """An object with put()/end() (transformers' TextStreamer) gets the prompt, each new token, then end()."""
+
+    class Streamer:
+        def __init__(self):
+            self.seen: list = []
+
+        def put(self, value: torch.Tensor) -> None:
+            self.seen.append(value.tolist())
+
+        def end(self) -> None:
+            self.seen.append("end")
+
+    s = Streamer()
+    res = precast.generate(tiny_decoder, PROMPT, max_new_tokens=3, streamer=s)
+    assert s.seen == [[PROMPT], *([t] for t in res.new_tokens), "end"]
