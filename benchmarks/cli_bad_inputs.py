@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import io
 import os
@@ -267,6 +268,38 @@ CASES: list[tuple[str, list[str]]] = [
     ("compile: --cache-dir writable by others", ["compile", "{d}/good.pt2", "--cache-dir", "{d}/shared"]),
     ("compile: --cache-dir owned by another user", ["compile", "{d}/good.pt2", "--cache-dir", "{d}/theirs"]),
     ("compile: --cache-dir is a file", ["compile", "{d}/good.pt2", "--cache-dir", "{d}/text.pt2"]),
+    ("report: output type not registered with pytree", ["report", "{d}/unregistered.pt2"]),
+    ("generate: missing file", ["generate", "{d}/nope.pt2", "--prompt-ids", "1,2", "--max-new-tokens", "4"]),
+    ("generate: not a decoder", ["generate", "{d}/good.pt2", "--prompt-ids", "1,2", "--max-new-tokens", "4"]),
+    (
+        "generate: bad --prompt-ids",
+        ["generate", "{d}/good.pt2", "--prompt-ids", "1,x", "--max-new-tokens", "4"],
+    ),
+    (
+        "generate: --prompt without --tokenizer",
+        ["generate", "{d}/good.pt2", "--prompt", "hi", "--max-new-tokens", "4"],
+    ),
+    (
+        "generate: --tokenizer missing",
+        [
+            "generate",
+            "{d}/good.pt2",
+            "--prompt",
+            "hi",
+            "--tokenizer",
+            "{d}/nope.json",
+            "--max-new-tokens",
+            "4",
+        ],
+    ),
+    (
+        "generate: --max-new-tokens 0",
+        ["generate", "{d}/good.pt2", "--prompt-ids", "1", "--max-new-tokens", "0"],
+    ),
+    (
+        "generate: --temperature 0",
+        ["generate", "{d}/good.pt2", "--prompt-ids", "1", "--max-new-tokens", "4", "--temperature", "0"],
+    ),
     ("bench: --out is a file", ["bench", "--model", "mlp", "--out", "{d}/text.pt2"]),
     ("bench: --repeats 0", ["bench", "--model", "mlp", "--repeats", "0"]),
     ("bench: --batch 0", ["bench", "--model", "mlp", "--batch", "0"]),
@@ -279,6 +312,28 @@ CASES: list[tuple[str, list[str]]] = [
     ("bench: factory module fails to import", ["bench", "--model", "bad_input_broken:make"]),
     ("bench: --convert --sizes 0", ["bench", "--convert", "--model", "chain", "--sizes", "0"]),
 ]
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+
+
+class _ReturnsOutput(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> _Output:
+        return _Output(x * 2)
+
+
+def _save_unregistered(path: Path) -> None:
+    """A program whose output type is registered with pytree only while it is saved (transformers'
+    CausalLMOutputWithPast in a process that has not imported transformers)."""
+    from torch.utils import _pytree as pytree
+
+    pytree.register_dataclass(_Output, serialized_type_name="bad_inputs.Output")
+    try:
+        torch.export.save(torch.export.export(_ReturnsOutput(), (torch.ones(2),)), str(path))
+    finally:
+        pytree._deregister_pytree_node(_Output)
 
 
 def make_fixtures(d: Path) -> None:
@@ -307,6 +362,7 @@ def make_fixtures(d: Path) -> None:
             blob = src.read(info.filename)
             dst.writestr(info, payload.getvalue() if "/data/sample_inputs/" in info.filename else blob)
     (d / "link.pt2").symlink_to(good)
+    _save_unregistered(d / "unregistered.pt2")
     (d / "folder").mkdir()
     torch.save((torch.randn(4, 128),), d / "inputs.pt")
     torch.save((torch.randn(4, 7),), d / "wrong_inputs.pt")

@@ -20,6 +20,7 @@ from precast.errors import PrecastError  # noqa: E402
 from precast.explain import Sensitivity, sensitivity  # noqa: E402
 from precast.guard import guard_module  # noqa: E402
 from precast.ir.program import constant_sources  # noqa: E402
+from precast.llm import GenerationResult, LogitsOnly, generate  # noqa: E402
 from precast.numerics.calibration import Calibration, load_calibration  # noqa: E402
 from precast.numerics.energies import Energies, load_energies  # noqa: E402
 from precast.policy.auto import AutoPolicy  # noqa: E402
@@ -56,6 +57,9 @@ __all__ = [
     "with_weights",
     "compile",
     "CompiledModel",
+    "generate",
+    "GenerationResult",
+    "LogitsOnly",
 ]
 __version__ = "0.1.0"
 

@@ -60,7 +60,7 @@ from precast.backends.cache import (
     warn_rebuilding,
     write_durable,
 )
-from precast.backends.compiled import CompiledModel
+from precast.backends.compiled import CompiledModel, initial_state
 from precast.backends.packed import gemm_pack, match_packed, record_new_constants
 from precast.backends.signature import ProgramSignature, dynamic_batch, exported_program, with_example_inputs
 from precast.errors import PrecastError, first_line
@@ -143,7 +143,15 @@ def compile(
     with _MEMO_LOCK:
         model = None if weights is not None else _MEMO.get(ep, {}).get(options)
     if model is not None and model.key == key:
-        return model
+        if not model.stateful:
+            return model
+        # a program that writes state (a KV cache): a model of its own each call, never another's state; the
+        # package is loaded again (AOTInductor keeps the state a loaded package writes per loaded package), the
+        # read-only weights shared
+        started = time.perf_counter()
+        with TORCH_LOCK:
+            runner = _load(model.package_path)
+        return model._sibling(runner, time.perf_counter() - started)
 
     stored = stored_constants(ep, device if fake else None)
     entry = root / "aoti" / key
@@ -182,10 +190,17 @@ def compile(
         packed=manifest.get("packed"),
         constants=constants,
         unread=tuple(layout["unread"]),
+        state=initial_state(_written_values(ep)),
     )
     with _MEMO_LOCK:
         _MEMO.setdefault(ep, {})[options] = model
     return model
+
+
+def _written_values(ep: ExportedProgram) -> dict[str, torch.Tensor]:
+    """The program's values of the constants its code writes (a KV cache): the state each model starts from."""
+    program = tensor_constants(ep)
+    return {n: program[n] for n in sorted(written_targets(ep)) if n in program and not is_fake(program[n])}
 
 
 def _check_fake(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,12 @@ class CompiledModel:
         packed: Mapping[str, Any] | None = None,
         constants: dict[str, torch.Tensor] | None = None,
         unread: tuple[str, ...] = (),
+        state: Mapping[str, Initial] | None = None,
     ):
         self._runner = runner
+        # the constants the code writes (a KV cache) -> their initial values, shared read-only by every model of
+        # the same compile: each model holds its own written tensors, reset() restores these
+        self._state = dict(state or {})
         # packed constant -> {"source": stored name, "transposed", "block_n", "vnni"}; "unmatched": [names]
         self._packed = dict((packed or {}).get("plans", {}))
         self._packed_unmatched = list((packed or {}).get("unmatched", []))
@@ -80,6 +85,50 @@ class CompiledModel:
     def __repr__(self) -> str:
         how = "from cache" if self.from_cache else f"compiled in {self.compile_seconds:.1f}s"
         return f"CompiledModel({self.package_path}, {how})"
+
+    @property
+    def stateful(self) -> bool:
+        """True when the compiled code writes constants (a KV cache) that carry from one call to the next."""
+        return bool(self._state)
+
+    def reset(self) -> None:
+        """Restore every constant the code writes (a KV cache) to the program's initial value: a new sequence.
+        Read-only weights are not touched; a model without state has nothing to restore."""
+        if not self._state:
+            return
+        if self._constants is not None:  # the loader reads these tensors: restore them in place
+            for name, initial in self._state.items():
+                if name in self._constants:  # (a written constant the code never reads is not held)
+                    initial.restore(self._constants[name])
+            return
+        # the written constants live in the package's own buffers (weights in the .so): hand new copies over
+        self._runner.load_constants({n: v.new() for n, v in self._state.items()}, check_full_update=False)
+
+    def _sibling(self, runner: Any, load_seconds: float) -> CompiledModel:
+        """Another model of the same compile, on ``runner`` (the package loaded again): the read-only weights
+        shared with this one, its own copy of each written constant at its initial value."""
+        constants = None
+        if self._constants is not None:
+            constants = {
+                n: (self._state[n].new() if n in self._state else t) for n, t in self._constants.items()
+            }
+        other = CompiledModel(
+            runner,
+            self.package_path,
+            self.key,
+            self._stored,
+            self.signature,
+            from_cache=True,
+            compile_seconds=0.0,
+            load_seconds=load_seconds,
+            packed={"plans": self._packed, "unmatched": self._packed_unmatched},
+            constants=constants,
+            unread=tuple(self._unread),
+            state=self._state,
+        )
+        return (
+            other  # weights in the .so: the package loaded again holds the initial values it was built with
+        )
 
     def constant_fqns(self) -> list[str]:
         """Names of the constants the compiled code reads (stored names, possibly low precision)."""
@@ -222,6 +271,36 @@ def _stored_copy(value: torch.Tensor, device: torch.device | str, dtype: torch.d
     if on.dtype == dtype:
         return on
     return cast_constant(on, dtype)[0].contiguous()  # another dtype: a new tensor
+
+
+@dataclass(frozen=True)
+class Initial:
+    """A written constant's initial value: ``value`` None for all zeros (the usual empty KV cache: nothing held)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    value: torch.Tensor | None
+
+    def new(self) -> torch.Tensor:
+        if self.value is None:
+            return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self.value.clone()
+
+    def restore(self, held: torch.Tensor) -> None:
+        with torch.no_grad():
+            held.zero_() if self.value is None else held.copy_(self.value)
+
+
+def initial_state(values: Mapping[str, torch.Tensor]) -> dict[str, Initial]:
+    """The initial values of the constants a program writes, as ``CompiledModel`` keeps them (a private copy,
+    or nothing for an all-zero tensor)."""
+    out = {}
+    for name, value in values.items():
+        v = value.detach()
+        zero = v.numel() > 0 and not bool(v.any())
+        out[name] = Initial(tuple(v.shape), v.dtype, v.device, None if zero else v.clone())
+    return out
 
 
 def _meta(source: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], Any] | None:

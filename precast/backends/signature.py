@@ -16,7 +16,6 @@ user inputs, or a one-line PrecastError naming the argument, the expected and th
 from __future__ import annotations
 
 import copy
-import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,9 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, InputKind, SymIntArgument, TensorArgument
 from torch.utils import _pytree as pytree
 
+from precast.backends.positions import cache_positions, check_positions
+from precast.backends.sizes import evaluate as _evaluate
+from precast.backends.sizes import parse_expr as _parse_expr
 from precast.errors import PrecastError, first_line
 
 
@@ -39,11 +41,6 @@ def exported_program(program: Any, caller: str) -> ExportedProgram:
             "(torch.export.export(...) or precast.convert(...).program)"
         )
     return ep
-
-
-# a compound size expression as ``str(sympy expr)`` writes it (``2*s0``, ``s0 + s1``): only size symbols, integers
-# and arithmetic, so evaluating one read from a manifest cannot run anything else
-_EXPR = re.compile(r"^(?:[su]\d+|\d+|\s|[-+*/()]|Mod|FloorDiv|,)+$")
 
 
 @dataclass(frozen=True)
@@ -70,10 +67,15 @@ class ProgramSignature:
         inputs: list[_Input],
         in_spec: pytree.TreeSpec,
         ranges: dict[str, tuple[int, int | None]],
+        positions: dict[str, int] | None = None,
     ):
         self.inputs = tuple(inputs)
         self.in_spec = in_spec
         self.ranges = dict(ranges)
+        # input name -> the length of the cache it indexes (``cache_positions``): its values must lie in [0, L)
+        self.positions = dict(positions or {})
+        index = {spec.name: pos for pos, spec in enumerate(self.inputs)}
+        self._positions = [(index[n], length) for n, length in self.positions.items() if n in index]
         self._positional = in_spec == pytree.tree_flatten((tuple(range(len(inputs))), {}))[1]
         # the hot path, precomputed: per tensor input (position, dtype, device type, rank, static, symbolic)
         self._tensor_checks = []
@@ -126,13 +128,14 @@ class ProgramSignature:
         ranges = {}
         for sym, vr in ep.range_constraints.items():
             ranges[str(sym)] = (_finite(vr.lower) or 0, _finite(vr.upper))
-        return cls(inputs, in_spec, ranges)
+        return cls(inputs, in_spec, ranges, cache_positions(ep))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for a cache manifest); ``from_dict`` reads it back."""
         return {
             "in_spec": pytree.treespec_dumps(self.in_spec),
             "ranges": {k: list(v) for k, v in self.ranges.items()},
+            "positions": dict(self.positions),
             "inputs": [
                 {
                     "name": s.name,
@@ -165,7 +168,8 @@ class ProgramSignature:
             ranges = {
                 str(k): (int(v[0]), None if v[1] is None else int(v[1])) for k, v in data["ranges"].items()
             }
-            return cls(inputs, pytree.treespec_loads(data["in_spec"]), ranges)
+            positions = {str(k): int(v) for k, v in data.get("positions", {}).items()}
+            return cls(inputs, pytree.treespec_loads(data["in_spec"]), ranges, positions)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise PrecastError(
                 f"ProgramSignature: malformed signature data ({type(exc).__name__}: {exc})"
@@ -210,6 +214,8 @@ class ProgramSignature:
                 )
         for pos, spec in self._others:
             self._check_other(pos, spec, flat[pos], bound)
+        for pos, length in self._positions:
+            check_positions(flat[pos], length, self.inputs[pos].name, self.inputs[pos].where)
         return list(flat)
 
     def _flatten(self, args: tuple, kwargs: dict) -> list[Any]:
@@ -300,28 +306,6 @@ def _dim(size: Any) -> int | str:
 
 def _is_symbol(dim: int | str) -> bool:
     return isinstance(dim, str) and dim.isidentifier()
-
-
-def _parse_expr(text: str) -> Any:
-    """A compound size expression (``2*s0``) as sympy; None when it is not one precast can evaluate safely."""
-    if not _EXPR.fullmatch(text):
-        return None
-    import sympy
-
-    try:
-        return sympy.sympify(text, locals={n: sympy.Symbol(n) for n in re.findall(r"[su]\d+", text)})
-    except (sympy.SympifyError, TypeError, SyntaxError):
-        return None
-
-
-def _evaluate(expr: Any, bound: dict[str, int]) -> int | None:
-    if expr is None:
-        return None
-    names = {str(s) for s in expr.free_symbols}
-    if not names <= bound.keys():
-        return None  # a symbol no input binds: nothing to compare against
-    value = expr.subs({s: bound[str(s)] for s in expr.free_symbols})
-    return int(value) if value.is_number else None
 
 
 def dynamic_batch(ep: ExportedProgram) -> ExportedProgram:

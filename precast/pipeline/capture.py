@@ -26,7 +26,7 @@ from precast.errors import PrecastError, first_line
 from precast.ir.inputs import normalize_inputs
 from precast.ir.module_state import private_tensors
 from precast.ir.program import written_targets
-from precast.pipeline.archive import read_checked
+from precast.pipeline.archive import load_failure, logged_errors, read_checked
 from precast.threads import TORCH_LOCK, quiet_loggers
 
 
@@ -316,6 +316,7 @@ def load_program(path: str | Path, *, trust_pickle: bool = False) -> ExportedPro
     is code. Safe from several threads (torch's deserializer is process-global: loads are serialized).
     """
     p = check_program_file(path)
+    logged: list[BaseException] = []
     try:
         with zipfile.ZipFile(p) as z:
             bad = z.testzip()
@@ -328,15 +329,16 @@ def load_program(path: str | Path, *, trust_pickle: bool = False) -> ExportedPro
         # precast turns the failure into one line instead (a filter on its logger: no global level change)
         # (and with trust_pickle, torch's own "Fallback to weights_only=False" warning has a format bug that
         # prints a logging traceback: the trust was explicit, the line adds nothing)
-        with TORCH_LOCK, quiet_loggers(("torch.export", "torch._export.serde.serialize")):
+        with (
+            TORCH_LOCK,
+            logged_errors("torch.export", logged),
+            quiet_loggers(("torch.export", "torch._export.serde.serialize")),
+        ):
             return torch.export.load(io.BytesIO(data))
     except PrecastError:
         raise
     except Exception as exc:
-        raise PrecastError(
-            f"{p}: cannot be loaded as a torch.export program ({first_line(exc)}); save it with torch.export.save from "
-            f"torch {torch.__version__.split('+')[0]}"
-        ) from exc
+        raise PrecastError(load_failure(p, exc, logged)) from exc
 
 
 def load_saved(path: str | Path, what: str, hint: str) -> Any:

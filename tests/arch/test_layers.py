@@ -25,7 +25,7 @@ LAYERS = (
     ("pipeline", ("pipeline",)),
     ("report", ("report",)),
     ("api", ("api", "guard", "explain")),
-    ("backends", ("backends", "__init__")),  # the precast facade re-exports api and backends
+    ("backends", ("backends", "llm", "__init__")),  # the precast facade re-exports api and backends
     ("bench", ("bench",)),
     ("cli", ("cli", "__main__")),
 )

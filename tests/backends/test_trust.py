@@ -504,3 +504,34 @@ def test_bench_work_dir_is_private_and_removed(monkeypatch):
     variants.run_bench(["mlp"], [1], variants=("eager_fp32",), measure_rss=False)
     assert str(os.getpid()) not in seen["work"].name and seen["mode"] == 0o700
     assert not seen["work"].exists()
+
+
+def test_load_names_an_output_type_not_registered_with_pytree(tmp_path):
+    """torch.export.load logs the real cause (an output type pytree does not know in this process) and raises
+    "We ran into an error when deserializing"; precast names the type and the fix, not "save it with
+    torch.export.save" (docs/streaming.md's first export returned transformers' CausalLMOutputWithPast)."""
+    import dataclasses
+
+    from torch.utils import _pytree as pytree
+
+    from precast.pipeline.capture import load_program
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return Out(x * 2)
+
+    pytree.register_dataclass(Out, serialized_type_name="tests.backends.test_trust.Out")
+    try:
+        ep = torch.export.export(Model(), (torch.ones(2),))
+        torch.export.save(ep, tmp_path / "out.pt2")
+    finally:
+        pytree._deregister_pytree_node(Out)
+    with pytest.raises(PrecastError) as err:
+        load_program(tmp_path / "out.pt2")
+    text = str(err.value)
+    assert "tests.backends.test_trust.Out, a type not registered with torch's pytree" in text
+    assert "precast.LogitsOnly" in text and "save it with torch.export.save" not in text and "\n" not in text
