@@ -28,19 +28,8 @@ from precast.dtypes import dtype_name
 from precast.errors import PrecastError, where
 from precast.ir import op_families
 from precast.ir.diagnostics import DiagnosticLog, add, from_error, raise_errors
-from precast.ir.fake import (
-    MISSING,
-    FakeState,
-    arg_name,
-    fake_cast,
-    fake_run_error,
-    fake_state,
-    foreign,
-    node_signature,
-    remember_run,
-    run_fake,
-    same_fake,
-)
+from precast.ir.fake import FakeState, fake_cast, fake_state, foreign, node_signature
+from precast.ir.fake_run import MISSING, arg_name, fake_run_error, remember_run, run_fake, same_fake
 from precast.ir.graph import ASSERT_METADATA, tensor_args
 from precast.ir.mutation import analyze
 from precast.ir.program import Program

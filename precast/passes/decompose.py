@@ -16,7 +16,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from precast.errors import PrecastError, first_line, where
-from precast.ir.fake import FakeState, check_dynamic
+from precast.ir.fake import FakeState
+from precast.ir.fake_run import check_dynamic
 from precast.ir.graph import op_device_type, tensor_args
 from precast.ir.program import Program
 from precast.policy.base import Decision

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from precast.ir.fake import fake_cast, fake_state, remember_run
+from precast.ir.fake import fake_cast, fake_state
+from precast.ir.fake_run import remember_run
 from precast.ir.graph import CAST_META, TO_COPY
 from precast.ir.mutation import analyze
 from precast.ir.program import Program
