@@ -431,7 +431,7 @@ def run_api_case(d: Path, name: str, code: str) -> Outcome:
     """``code`` run in process: exit 2 stands for a one-line ``PrecastError``, 1 for anything else raised, 0 for
     none; ``changed`` as for the CLI cases."""
     import precast
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     scope = {
         "precast": precast,

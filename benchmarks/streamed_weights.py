@@ -122,6 +122,7 @@ def stage_export(work: Path, size: str) -> dict:
 
 def stage_stream(work: Path, policy: str) -> dict:
     import precast.pipeline.capture  # noqa: F401 - imports outside the measured conversion
+    import precast.pipeline.load  # noqa: F401
     from precast.cli import main
 
     base = _peak_mib()
@@ -157,7 +158,7 @@ def _hash(t: torch.Tensor) -> str:
 
 def stage_memory(work: Path, policy: str) -> dict:
     import precast
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     ep = precast.with_weights(load_program(work / "w.pt2"), work / "weights")
     res = precast.convert(ep, policy=None if policy == "none" else policy, dtype="bf16", verify=False)

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     import importlib
 
     from precast.io import write_bytes
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     compile_mod = importlib.import_module("precast.backends.aoti")
     weights = getattr(args, "weights", None)
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace, backend: str) -> int:
     """--backend openvino|onnx|executorch: every option checked and the backend imported before the program loads."""
     from precast.io import check_writable
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     if not args.output:
         raise PrecastError(f"--backend {backend} needs -o FILE (e.g. -o model{SUFFIXES[backend]})")

@@ -18,7 +18,7 @@ import torch
 from precast.cli.flags import add_trust_pickle
 from precast.errors import PrecastError, first_line
 from precast.io import check_writable, write_bytes
-from precast.pipeline.capture import check_program_file
+from precast.pipeline.load import check_program_file
 from precast.pipeline.options import ConvertOptions
 from precast.policy.resolve import RULE_OPTIONS
 from precast.threads import TORCH_LOCK
@@ -123,7 +123,7 @@ def add_parser(sub) -> None:
 
 def load_source(source: str, trust_pickle: bool = False):
     """(program_or_module, example_inputs) from a .pt2 path or a module:factory spec."""
-    from precast.pipeline.capture import load_factory, load_program
+    from precast.pipeline.load import load_factory, load_program
 
     if _is_factory(source):
         return load_factory(source)
@@ -257,7 +257,7 @@ def as_flags(message: str, args: argparse.Namespace) -> str:
 
 
 def _load_calibration(path: str) -> list:
-    from precast.pipeline.capture import load_saved
+    from precast.pipeline.load import load_saved
 
     p = Path(path)
     batches = load_saved(p, "--calibration", "save a list of input tuples with torch.save")

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     import precast
     from precast.backends.signature import ProgramSignature
     from precast.llm.generate import check_room, convention, sampler
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     if args.backend != "aoti" and (args.cache_dir or args.weights):
         option = "--cache-dir" if args.cache_dir else "--weights"

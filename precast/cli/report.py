@@ -11,7 +11,7 @@ import sys
 from precast.cli.flags import add_trust_pickle
 from precast.errors import PrecastError
 from precast.io import check_writable, write_bytes
-from precast.pipeline.capture import load_program
+from precast.pipeline.load import load_program
 
 FORMATS = ("table", "json", "model-explorer")
 MIN_WIDTH = 40  # narrower, rich folds every cell to a character or prints nothing

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             raise PrecastError("--plot needs matplotlib: pip install 'precast[bench]'") from None
     inputs = None
     if args.inputs:
-        from precast.pipeline.capture import load_saved
+        from precast.pipeline.load import load_saved
 
         inputs = load_saved(
             Path(args.inputs), "--inputs", "save one batch, a tuple of tensors, with torch.save"

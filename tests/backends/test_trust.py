@@ -224,19 +224,19 @@ def test_pt2_with_a_pickle_is_refused_and_runs_nothing(saved, tmp_path, capsys):
     assert "--trust-pickle" in err and "sample_inputs" in err
     assert not marker.exists()
     with pytest.raises(PrecastError, match="trust_pickle=True"):
-        from precast.pipeline.capture import load_program
+        from precast.pipeline.load import load_program
 
         load_program(evil)
     assert not marker.exists()
     # the user's explicit trust: loaded as torch would (this payload merely touches a file)
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     load_program(evil, trust_pickle=True)
     assert marker.exists()
 
 
 def test_plain_program_loads_without_trust(saved):
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     _, good = saved
     ep = load_program(good)
@@ -336,7 +336,7 @@ def test_signal_during_a_write_leaves_no_file(saved, tmp_path, sig, status, how)
 
 # ---- 7. threads -------------------------------------------------------------------------------------------------------
 def test_convert_and_load_from_threads(saved, tmp_path):
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     _, good = saved
     models = [small_model(seed) for seed in range(4)]
@@ -514,7 +514,7 @@ def test_load_names_an_output_type_not_registered_with_pytree(tmp_path):
 
     from torch.utils import _pytree as pytree
 
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     @dataclasses.dataclass
     class Out:

@@ -131,7 +131,7 @@ def test_streamed_program_saves_small_and_reloads(llama, tmp_path):
 def test_a_program_saved_with_fake_weights_loads_them_as_meta(llama, tmp_path):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     big = torch.nn.Linear(4096, 4096)  # 64 MiB if torch.export.load made its zeros
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
