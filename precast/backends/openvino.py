@@ -18,7 +18,7 @@ CPU has fp16 kernels (OpenVINO lists ``FP16`` in its capabilities: AVX512-FP16 o
 every layer where OpenVINO runs another precision than precast decided. ``save`` writes the model as converted
 (no hint-specific form: ``openvino_precision.prepare`` makes one from a model read back).
 
-Dynamic batch: a program whose dim 0 is static is re-exported with a dynamic one (``signature.dynamic_batch``, as
+Dynamic batch: a program whose dim 0 is static is re-exported with a dynamic one (``exported.dynamic_batch``, as
 ``precast.compile`` does); every other dimension keeps its size. Needs ``pip install 'precast[openvino]'``.
 
 Input: an ExportedProgram (or a ConvertResult). Output: an ``OpenVINOModel``.
@@ -42,6 +42,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
+from precast.backends.exported import batch_symbols, dynamic_batch, exported_program
 from precast.backends.openvino_plan import (
     PlanCheck,
     check_plan,
@@ -60,7 +61,7 @@ from precast.backends.openvino_state import (
 from precast.backends.openvino_state import (
     to_torch as _to_torch,
 )
-from precast.backends.signature import ProgramSignature, batch_symbols, dynamic_batch, exported_program
+from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError, first_line
 from precast.io import check_writable
 from precast.ir.program import node_records

@@ -309,7 +309,7 @@ def test_dynamic_batch_never_returns_a_program_pinned_to_the_traced_size():
     warn that the batch stays static (no compile needed to see it)."""
     import warnings
 
-    from precast.backends.signature import batch_symbols, dynamic_batch
+    from precast.backends.exported import batch_symbols, dynamic_batch
 
     class FixedBatch(torch.nn.Module):
         def __init__(self):

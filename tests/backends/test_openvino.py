@@ -26,13 +26,11 @@ pytest.importorskip("openvino", reason="openvino not installed (pip install 'pre
 
 import precast  # noqa: E402
 from precast.backends.executorch import program_constants  # noqa: E402
+from precast.backends.exported import dynamic_batch  # noqa: E402
 from precast.backends.openvino import AUTO_NOTE, compile_openvino, weight_bytes  # noqa: E402
 from precast.backends.openvino_plan import PlanOverrideWarning  # noqa: E402
 from precast.backends.openvino_precision import native_bf16, native_fp16, prepare  # noqa: E402
-from precast.backends.signature import (
-    ProgramSignature,  # noqa: E402
-    dynamic_batch,  # noqa: E402
-)
+from precast.backends.signature import ProgramSignature  # noqa: E402
 from precast.errors import PrecastError  # noqa: E402
 from tests import models as zoo  # noqa: E402
 

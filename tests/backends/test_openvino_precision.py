@@ -70,8 +70,8 @@ def raw_f32_hint(ep, x: torch.Tensor) -> torch.Tensor:
     it into an element-wise Subgraph, which rounds correctly."""
     import openvino as ov
 
+    from precast.backends.exported import dynamic_batch
     from precast.backends.openvino import _to_torch
-    from precast.backends.signature import dynamic_batch
 
     model, _ = convert(dynamic_batch(ep))
     compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
