@@ -26,15 +26,12 @@ Input: an ExportedProgram (or a ConvertResult). Output: an ``OpenVINOModel``.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import shutil
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +40,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from precast.backends.exported import batch_symbols, dynamic_batch, exported_program
+from precast.backends.openvino_convert import convert, ov_message, require_openvino
 from precast.backends.openvino_plan import (
     PlanCheck,
     check_plan,
@@ -50,37 +48,25 @@ from precast.backends.openvino_plan import (
     rounded_batch_norms,
     warn_overrides,
 )
-from precast.backends.openvino_precision import HINTS, exact_attention_scales, hints_to_try, prepare
+from precast.backends.openvino_precision import HINTS, hints_to_try, prepare
 from precast.backends.openvino_state import (
     carried,
     initial_values,
-    make_stateful,
     state_values,
-    stateful_module,
 )
 from precast.backends.openvino_state import (
     to_torch as _to_torch,
 )
 from precast.backends.signature import ProgramSignature
-from precast.errors import PrecastError, first_line
+from precast.errors import PrecastError
 from precast.io import check_writable
 from precast.ir.program import node_records
 
-EXTRA = "pip install 'precast[openvino]' (openvino==2026.4.1)"
 AUTO_NOTE = (
     "precast.compile(backend='openvino'): policy='auto' chose this program's precisions by timing torch's own "
     "kernels on this CPU (what eager and AOTInductor run), not OpenVINO's; on OpenVINO, policy='torch' or "
     "'rules' gives a plan that does not depend on those timings"
 )
-
-
-def require_openvino() -> Any:
-    """The ``openvino`` module, or a one-line PrecastError naming the extra to install."""
-    try:
-        import openvino
-    except ImportError as exc:
-        raise PrecastError(f"OpenVINO is not installed ({first_line(exc)}); {EXTRA}") from exc
-    return openvino
 
 
 class OpenVINOModel:
@@ -232,91 +218,8 @@ def _compile(core: Any, model: Any, hint: str | None, threads: int | None) -> An
     except RuntimeError as exc:
         raise PrecastError(
             f"precast.compile(backend='openvino'): OpenVINO cannot compile the model for the CPU: "
-            f"{_ov_message(exc)}"
+            f"{ov_message(exc)}"
         ) from exc
-
-
-def convert(ep: ExportedProgram, state: dict[str, str] | None = None) -> tuple[Any, torch.fx.GraphModule]:
-    """``openvino.convert_model`` of ``ep``, and the decomposed GraphModule it translated (whose node names the
-    OpenVINO ops carry, and whose nodes carry precast's decisions: ``openvino_plan`` reads both).
-
-    Each user input keeps its static sizes; a symbolic size is a dynamic OpenVINO dimension. ``state`` (from
-    ``openvino_state.carried``): the caches become OpenVINO variables (``openvino_state``)."""
-    ov = require_openvino()
-    from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
-
-    caches = [name for name, kind in (state or {}).items() if kind == "cache"]
-    kinds = (torch.export.graph_signature.InputKind.USER_INPUT,)
-    shapes, dtypes = [], []
-    for spec in sorted(
-        (s for s in ep.graph_signature.input_specs if s.kind in kinds or s.target in caches),
-        key=lambda s: s.kind not in kinds,  # user inputs first, then the caches (stateful_module's order)
-    ):
-        val = _placeholder_val(ep, spec.arg.name)
-        if not isinstance(val, torch.Tensor):
-            raise PrecastError(
-                f"precast.compile(backend='openvino'): input {spec.arg.name!r} is not a tensor; OpenVINO "
-                "takes tensor inputs only (export the program with that value fixed)"
-            )
-        dims = [d if isinstance(d, int) else -1 for d in (_static(s) for s in val.shape)]
-        shapes.append(ov.PartialShape(dims))
-        dtypes.append(val.dtype)
-    names: list[str] = []
-    try:
-        with _quiet(), torch.no_grad():
-            if state:
-                module, names = stateful_module(_decomposed(ep), state)
-                # each input's type stated: the frontend would read a held cache's (cache_dtype) from the
-                # tensor metadata export wrote before precast retyped it
-                decoder = TorchFXPythonDecoder(
-                    module, input_shapes=shapes, input_types=dtypes, dynamic_shapes=True
-                )
-            else:
-                decoder = TorchFXPythonDecoder.from_exported_program(ep)
-            model = ov.convert_model(decoder, input=shapes)
-    except Exception as exc:  # noqa: BLE001 - the frontend raises OpConversionFailure, RuntimeError, ...
-        cause = _ov_message(exc)
-        route = (
-            "convert with policy='rules', which keeps the recurrent layer as aten.lstm in float32 (policy "
-            "'torch' takes autocast's oneDNN-only RNN kernel)"
-            if "mkldnn_rnn_layer" in cause
-            else "keep that op out of the program, or serve it with precast.compile (AOTInductor)"
-        )
-        raise PrecastError(
-            f"precast.compile(backend='openvino'): openvino.convert_model failed: {cause}; {route}"
-        ) from exc
-    if names:
-        initial = {n: ep.state_dict[n] if n in ep.state_dict else ep.constants[n] for n in names}
-        model = make_stateful(model, names, initial, len(ep.graph_signature.user_outputs))
-    exact_attention_scales(model, decoder.pt_module)
-    return model, decoder.pt_module
-
-
-def _decomposed(ep: ExportedProgram) -> ExportedProgram:
-    """``ep`` decomposed with OpenVINO's own table (what ``TorchFXPythonDecoder.from_exported_program`` runs)."""
-    from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
-    from openvino.frontend.pytorch.torchdynamo.export_decompositions import ops_to_not_decompose
-    from torch.export.decomp_utils import CustomDecompTable
-
-    if TorchFXPythonDecoder._decomp_table is None:
-        table = CustomDecompTable()
-        for op in ops_to_not_decompose():
-            with contextlib.suppress(KeyError):  # an op the installed torch no longer decomposes
-                table.pop(op)
-        TorchFXPythonDecoder._decomp_table = table
-    return ep.run_decompositions(TorchFXPythonDecoder._decomp_table)
-
-
-def _placeholder_val(ep: ExportedProgram, name: str) -> Any:
-    node = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == name)
-    return node.meta.get("val")
-
-
-def _static(size: Any) -> int | None:
-    if isinstance(size, int):
-        return size
-    expr = size.node.expr if isinstance(size, torch.SymInt) else None
-    return int(expr) if expr is not None and expr.is_number else None
 
 
 def _check_cpu_tensors(ep: ExportedProgram) -> None:
@@ -326,32 +229,6 @@ def _check_cpu_tensors(ep: ExportedProgram) -> None:
                 f"precast.compile(backend='openvino'): the program's weights are on {t.device.type}; OpenVINO "
                 "runs here on the CPU: export and convert the model on the CPU"
             )
-
-
-def _ov_message(exc: BaseException) -> str:
-    """OpenVINO's messages open with 'Exception from src/...' lines: the first line that says something."""
-    lines = [ln.strip().removeprefix("-- ") for ln in str(exc).splitlines() if ln.strip()]
-    useful = [ln for ln in lines if not ln.startswith(_PREAMBLE)]
-    return (useful or lines or [type(exc).__name__])[0][:300]
-
-
-# the lines OpenVINO opens its messages with, before the one naming the cause
-_PREAMBLE = ("Exception from", "Check '", "FrontEnd API failed", "Model wasn't fully converted", "Summary:")
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """OpenVINO's frontend logs a warning with a traceback (on the root logger) for every op of its keep-list
-    that the installed torch no longer decomposes: noise for the user, dropped for the conversion only."""
-    if os.environ.get("PRECAST_VERBOSE"):
-        yield
-        return
-    before = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        yield
-    finally:
-        logging.disable(before)
 
 
 # ---- tensors in and out -------------------------------------------------------------------------------------
@@ -391,7 +268,7 @@ def save_ir(ov_model: Any, path: str | os.PathLike) -> dict[str, Any]:
         os.replace(tmp / weights.name, weights)
         os.replace(tmp / xml.name, xml)
     except RuntimeError as exc:
-        raise PrecastError(f"{xml}: OpenVINO could not write the IR: {_ov_message(exc)}") from exc
+        raise PrecastError(f"{xml}: OpenVINO could not write the IR: {ov_message(exc)}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {

@@ -25,7 +25,8 @@ import torch
 pytest.importorskip("openvino", reason="openvino not installed (pip install 'precast[openvino]')")
 
 import precast  # noqa: E402
-from precast.backends.openvino import compile_openvino, convert  # noqa: E402
+from precast.backends.openvino import compile_openvino  # noqa: E402
+from precast.backends.openvino_convert import convert  # noqa: E402
 from precast.backends.openvino_plan import PlanOverrideWarning  # noqa: E402
 from precast.backends.openvino_precision import (  # noqa: E402
     SPLIT_LIMIT,
