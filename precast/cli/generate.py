@@ -93,7 +93,8 @@ def _tokenizer(path: str | None):
 def run(args: argparse.Namespace) -> int:
     import precast
     from precast.backends.signature import ProgramSignature
-    from precast.llm.generate import check_room, convention, sampler
+    from precast.llm.convention import check_room, convention
+    from precast.llm.sampling import sampler
     from precast.pipeline.load import load_program
 
     if args.backend != "aoti" and (args.cache_dir or args.weights):

@@ -21,8 +21,6 @@ Input: a model, prompt token ids, options. Output: a ``GenerationResult`` (token
 
 from __future__ import annotations
 
-import math
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -34,8 +32,8 @@ from torch.export import ExportedProgram
 from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError
 from precast.ir.program import private_state, written_targets
-
-WHAT = "precast.generate"
+from precast.llm.convention import WHAT, check_room, convention
+from precast.llm.sampling import sampler
 
 
 @dataclass
@@ -98,113 +96,6 @@ def _constant(ep: ExportedProgram, name: str) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-@dataclass(frozen=True)
-class _Convention:
-    """How to call the model: where its token ids and cache positions go, the cache's length, the prompt chunk."""
-
-    ids: tuple[str, int | str]  # ("kwargs", "input_ids") or ("args", 0)
-    positions: tuple[str, int | str]
-    ids_dtype: torch.dtype
-    positions_dtype: torch.dtype
-    cache_length: int
-    chunk: int  # tokens per prefill call: the sequence dimension's upper bound, or 1 where it is static
-
-    def call(self, model: Callable, ids: list[int], start: int) -> torch.Tensor:
-        tokens = torch.tensor([ids], dtype=self.ids_dtype)
-        positions = torch.arange(start, start + len(ids), dtype=self.positions_dtype)
-        args: dict[int, torch.Tensor] = {}
-        kwargs: dict[str, torch.Tensor] = {}
-        for (root, key), value in ((self.ids, tokens), (self.positions, positions)):
-            if root == "args":
-                args[int(key)] = value
-            else:
-                kwargs[str(key)] = value
-        out = model(*(args[i] for i in sorted(args)), **kwargs)
-        return _last_logits(out)
-
-
-def _last_logits(out: Any) -> torch.Tensor:
-    """The last position's logits, (vocab,) float32, from a tensor / ``.logits`` / the first of a tuple."""
-    if hasattr(out, "logits"):
-        out = out.logits
-    if isinstance(out, (list, tuple)) and out:
-        out = out[0]
-    if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[0] != 1:
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise PrecastError(
-            f"{WHAT}: the model returned {shape}; expected logits of shape (1, seq, vocab) (a decoder exported "
-            "with transformers' recipe returns them)"
-        )
-    return (out[0, -1] if out.dim() == 3 else out[0]).float()
-
-
-def _where(text: str) -> tuple[str, int | str]:
-    match = re.fullmatch(r"args\[(\d+)\]", text) or re.fullmatch(r"kwargs\['([^']+)'\]", text)
-    if match is None:
-        raise PrecastError(
-            f"{WHAT}: the model takes an input at {text}; it drives input_ids and cache_position"
-        )
-    return ("args", int(match.group(1))) if text.startswith("args") else ("kwargs", match.group(1))
-
-
-def convention(signature: ProgramSignature) -> _Convention:
-    """The recipe's call convention read from ``signature``; one line when the model does not follow it."""
-    tensors = [s for s in signature.inputs if s.kind == "tensor"]
-    others = [s.name for s in signature.inputs if s.kind not in ("tensor", "constant")]
-    lengths = {n: L for n, L in signature.positions.items() if any(s.name == n for s in tensors)}
-    if len(lengths) != 1:
-        raise PrecastError(
-            f"{WHAT}: cannot find the cache's positions in the program (inputs {[s.name for s in tensors]}): "
-            "generate drives decoders exported with transformers' recipe, whose cache_position input indexes a "
-            "static KV cache the program writes (index_copy_)"
-        )
-    ((pos_name, length),) = lengths.items()
-    rest = [s for s in tensors if s.name != pos_name]
-    if len(rest) != 1 or others or rest[0].dtype.is_floating_point or len(rest[0].dims) != 2:
-        raise PrecastError(
-            f"{WHAT}: the program takes {[s.name for s in signature.inputs]}; generate drives one (batch, seq) "
-            f"tensor of token ids and {pos_name!r}"
-        )
-    ids = rest[0]
-    pos = next(s for s in tensors if s.name == pos_name)
-    batch, seq = ids.dims
-    if isinstance(batch, int) and batch != 1:
-        raise PrecastError(f"{WHAT}: the program was exported for batch {batch}; generate runs batch 1")
-    if isinstance(seq, int):
-        if seq != 1:
-            raise PrecastError(
-                f"{WHAT}: the program takes exactly {seq} tokens per call; export it with a dynamic sequence "
-                "length (or 1 token per call) to generate"
-            )
-        chunk = 1
-    elif seq in signature.ranges:
-        low, high = signature.ranges[seq]
-        if low > 1:
-            raise PrecastError(
-                f"{WHAT}: the program takes at least {low} tokens per call; a decode step is 1"
-            )
-        chunk = length if high is None else min(high, length)
-    else:
-        raise PrecastError(f"{WHAT}: the program's sequence dimension is {seq}; generate needs a plain one")
-    return _Convention(_where(ids.where), _where(pos.where), ids.dtype, pos.dtype, length, chunk)
-
-
-def check_room(conv: _Convention, start: int, feed: int, max_new_tokens: int) -> None:
-    """One line when ``feed`` tokens at ``start`` and ``max_new_tokens`` new ones would pass the cache's end (the
-    last new token is chosen, never written)."""
-    needed = start + feed + max_new_tokens - 1
-    if needed > conv.cache_length:
-        room = conv.cache_length - start - feed + 1
-        fix = (
-            f"give max_new_tokens <= {room}" if room >= 1 else "the prompt does not fit; start a new sequence"
-        )
-        raise PrecastError(
-            f"{WHAT}: {start} cached + {feed} prompt + {max_new_tokens} new tokens need {needed} cache "
-            f"positions; the program's cache holds {conv.cache_length}: {fix} (or export with a longer "
-            "max_cache_len)"
-        )
-
-
 def _runner(model: Any) -> Any:
     """``model`` as something callable with ``reset()`` and ``signature``."""
     if isinstance(model, ExportedProgram):
@@ -246,65 +137,6 @@ def _token_list(input_ids: Any) -> list[int]:
     raise PrecastError(
         f"{WHAT}: input_ids must be a list of ints or an integer tensor, got {type(input_ids).__name__}"
     )
-
-
-@dataclass(frozen=True)
-class _Sampler:
-    do_sample: bool
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    generator: torch.Generator | None
-
-    def choose(self, logits: torch.Tensor) -> int:
-        """The next token: the argmax, or a draw after temperature, top-k and top-p (transformers' order)."""
-        if not self.do_sample:
-            return int(logits.argmax())
-        scores = logits / self.temperature
-        if self.top_k is not None and self.top_k < scores.numel():
-            kth = torch.topk(scores, self.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, -math.inf)
-        if self.top_p is not None and self.top_p < 1.0:
-            # keep the smallest set of most likely tokens whose probability reaches top_p (at least one)
-            ordered, order = torch.sort(scores, descending=False)
-            cumulative = ordered.softmax(-1).cumsum(-1)
-            drop = cumulative <= (1 - self.top_p)
-            drop[-1] = False
-            scores = scores.masked_fill(drop.scatter(0, order, drop), -math.inf)
-        probs = scores.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-
-def sampler(
-    do_sample: bool | None,
-    temperature: float | None,
-    top_k: int | None,
-    top_p: float | None,
-    seed: int | None,
-    generator: torch.Generator | None,
-) -> _Sampler:
-    asked = [
-        n for n, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)) if v is not None
-    ]
-    if do_sample is None:
-        do_sample = bool(asked) or seed is not None or generator is not None
-    if not do_sample and asked:
-        raise PrecastError(
-            f"{WHAT}: {', '.join(asked)} given with do_sample=False; they apply to sampling only"
-        )
-    if temperature is not None and not (isinstance(temperature, (int, float)) and 0 < temperature < math.inf):
-        raise PrecastError(f"{WHAT}: temperature={temperature!r}; give a number > 0")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-        raise PrecastError(f"{WHAT}: top_k={top_k!r}; give an int >= 1")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise PrecastError(f"{WHAT}: top_p={top_p!r}; give a number in (0, 1]")
-    if seed is not None and generator is not None:
-        raise PrecastError(f"{WHAT}: give seed= or generator=, not both")
-    if seed is not None:
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise PrecastError(f"{WHAT}: seed={seed!r}; give an int")
-        generator = torch.Generator().manual_seed(seed)
-    return _Sampler(do_sample, float(temperature or 1.0), top_k, top_p, generator)
 
 
 def _stops(
