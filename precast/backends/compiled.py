@@ -19,7 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from precast.backends.cache import StoredConstant
-from precast.backends.packed import gemm_pack
+from precast.backends.packed import gemm_pack, recipe_sources, replay
 from precast.backends.signature import ProgramSignature
 from precast.backends.weights import SafetensorsSource
 from precast.errors import PrecastError
@@ -42,11 +42,16 @@ class CompiledModel:
         packed: Mapping[str, Any] | None = None,
         constants: dict[str, torch.Tensor] | None = None,
         unread: tuple[str, ...] = (),
+        form: Mapping[str, Any] | None = None,
     ):
         self._runner = runner
         # packed constant -> {"source": stored name, "transposed", "block_n", "vnni"}; "unmatched": [names]
         self._packed = dict((packed or {}).get("plans", {}))
         self._packed_unmatched = list((packed or {}).get("unmatched", []))
+        # constant freezing folded (oneDNN's blocked weights) -> its recipe over stored names (packed.replay)
+        self._folded = dict((packed or {}).get("folded", {}))
+        # the form compiled in and why (backends/forms.py): {"name", "why"}
+        self.form = dict(form or {"name": "default", "why": ""})
         # the constants the loader reads through their pointers (package built without them); None: in the .so
         self._constants = constants
         self._unread = frozenset(unread)  # constants the code never reads: not loaded, not kept
@@ -104,6 +109,8 @@ class CompiledModel:
         for st in self._stored.values():
             by_original.setdefault(st.source.original, []).append(st)
         swappable = set(self._runner.get_constant_fqns())
+        live = {n: r for n, r in self._folded.items() if n in swappable}
+        recomputed = set().union(*(recipe_sources(r) for r in live.values())) if live else set()
         kept = sorted(
             n for n, sts in by_original.items() if n not in source and not any(st.persistent for st in sts)
         )
@@ -121,7 +128,9 @@ class CompiledModel:
             if meta[1] != want.source.original_dtype:
                 problems.append(f"{name} has dtype {meta[1]}, expected {want.source.original_dtype}")
         folded = sorted(
-            st.source.stored for st in self._stored.values() if st.read and st.source.stored not in swappable
+            st.source.stored
+            for st in self._stored.values()
+            if st.read and st.source.stored not in swappable and st.source.stored not in recomputed
         )
         if missing:
             problems.insert(0, f"missing {missing}")
@@ -169,6 +178,20 @@ class CompiledModel:
                     block_n=plan["block_n"],
                     vnni=plan["vnni"],
                 )
+        for (
+            name,
+            recipe,
+        ) in live.items():  # freezing's folded constants, recomputed as the compile folded them
+            sources = recipe_sources(recipe)
+            if sources & set(update):
+                held = {n: (self._constants or {}).get(n) for n in sources - set(update)}
+                if any(v is None for v in held.values()):
+                    raise PrecastError(
+                        f"{what}: {name} is computed from {sorted(sources)}; pass all of them together"
+                    )
+                update[name] = replay(recipe, {**held, **{n: update[n] for n in sources & set(update)}})
+        for name in recomputed - swappable:  # read only through their folded copies: not the package's
+            update.pop(name, None)
         if self._constants is None:
             self._runner.load_constants(update, check_full_update=set(update) >= swappable)
         else:
