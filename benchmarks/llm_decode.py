@@ -529,10 +529,16 @@ def gemv_probe(shape: Shape, threads: int, repeats: int = 15) -> list[dict[str, 
             w32 = torch.randn(n, k, generator=g) * 0.02
             x32 = torch.randn(1, k, generator=g)
             w16, x16 = w32.to(torch.bfloat16), x32.to(torch.bfloat16)
+            blocked = torch.ops.mkldnn._reorder_linear_weight(w16, 1)
             fns = {
                 "fp32 mm": (lambda x=x32, w=w32: torch.mm(x, w.t()), 4),
                 "bf16 mm": (lambda x=x16, w=w16: torch.mm(x, w.t()), 2),
                 "bf16 F.linear": (lambda x=x16, w=w16: torch.nn.functional.linear(x, w), 2),
+                # what precast.compile's onednn-packed form calls (the weight blocked at load)
+                "bf16 oneDNN packed": (
+                    lambda x=x16, w=blocked: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                    2,
+                ),
             }
             row: dict[str, Any] = {"gemm": name, "n x k": f"{n} x {k}"}
             for label, (fn, size) in fns.items():
@@ -752,14 +758,16 @@ def markdown(payload: dict[str, Any]) -> str:
         if prof.get("bandwidth_best_gbs"):
             bw = ", ".join(f"{t} thread(s) {v} GB/s" for t, v in prof["bandwidth_best_gbs"].items())
             lines += [f"Read bandwidth when this profile was taken (best of 7 sums of 512 MiB): {bw}.", ""]
-        labels = ["fp32 mm", "bf16 mm", "bf16 F.linear"]
+        labels = ["fp32 mm", "bf16 mm", "bf16 F.linear", "bf16 oneDNN packed"]
         lines += [
             "| threads | GEMM | n x k | " + " | ".join(labels) + " |",
             "|---|---|---|" + "---|" * len(labels),
         ]
         for t, rows in prof["gemv"].items():
             for r in rows:
-                cells = " | ".join(f"{r[lb]['ms']} ms ({r[lb]['GB/s']} GB/s)" for lb in labels)
+                cells = " | ".join(
+                    f"{r[lb]['ms']} ms ({r[lb]['GB/s']} GB/s)" if lb in r else "-" for lb in labels
+                )
                 lines.append(f"| {t} | {r['gemm']} | {r['n x k']} | {cells} |")
     if payload.get("analysis"):
         lines += ["", "## Why", "", payload["analysis"].strip()]

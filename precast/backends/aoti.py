@@ -15,7 +15,17 @@ loadable entry. An entry whose files do not match its manifest is rebuilt, never
 Every call's inputs are checked against the compiled program's signature (``backends/signature.py``) before
 the native code runs: AOTInductor itself reads past its buffers on a wrong shape.
 
-Packed weights: under ``mode="max-autotune"`` on a CPU, Inductor's C++ GEMM template (AMX / AVX512 micro-kernels)
+Forms: ``mode="auto"`` (the default) compiles in the form fastest on this CPU for the program's matmul weight
+dtype (``backends/forms.py``): Inductor's C++ GEMM template on AMX, oneDNN's packed linear (freezing) on
+AVX512-BF16 / -FP16 without AMX, Inductor's defaults otherwise. ``CompiledModel.form`` says which and why.
+
+Folded constants: under freezing, Inductor folds each 16-bit linear's weight into oneDNN's blocked layout
+(``mkldnn._reorder_linear_weight``) at compile time. The compile records each folded constant's subgraph as a
+recipe (``record_folded_constants``), keeps those whose replay on the program's weights gives back every bit
+(``match_folded``), and recomputes them from the weights at load and in ``load_weights`` (``replay``): the package
+holds no weights, a streamed program gets the same form, and the originals the code never reads are not loaded.
+
+Packed weights: under ``mode="max-autotune"`` (or the ``gemm-template`` form) on a CPU, Inductor's C++ GEMM template (AMX / AVX512 micro-kernels)
 copies each weight it uses into a blocked (and for bf16 VNNI-interleaved) constant at compile time and reads only
 that copy. The compile records those copies (``record_new_constants``), finds the stored weight and the packing
 that reproduces each bit for bit (``match_packed``), and writes the plan in the manifest; ``load_weights`` packs
