@@ -84,8 +84,20 @@ class CompiledModel:
         return f"CompiledModel({self.package_path}, {how})"
 
     def constant_fqns(self) -> list[str]:
-        """Names of the constants the compiled code reads (stored names, possibly low precision)."""
-        return sorted(n for n in self._runner.get_constant_fqns() if n not in self._unread)
+        """Stored names (possibly low precision) of the program's constants the compiled code reads, directly or
+        through a copy precast makes from them (the GEMM template's packed copies, freezing's oneDNN blocked
+        weights)."""
+        names: set[str] = set()
+        for n in self._runner.get_constant_fqns():
+            if n in self._unread:
+                continue
+            if n in self._packed:
+                names.add(self._packed[n]["source"])
+            elif n in self._folded:
+                names |= recipe_sources(self._folded[n])
+            else:
+                names.add(n)
+        return sorted(names)
 
     def load_weights(
         self, state_dict: Mapping[str, torch.Tensor] | str | os.PathLike
