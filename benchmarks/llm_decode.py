@@ -264,6 +264,13 @@ def build_variants(
                     return models[torch.get_num_threads()](input_ids=input_ids, cache_position=cache_position)
 
                 v.run, v.reloadable, v.note = run_ov, "-", "bf16 hint, cache bf16"
+                program_path = work / f"{name}-{tag}.program.pt2"
+                if not program_path.exists():
+                    torch.export.save(
+                        res.program, str(program_path.with_name(program_path.name + ".tmp.pt2"))
+                    )
+                    os.replace(program_path.with_name(program_path.name + ".tmp.pt2"), program_path)
+                v.compile_spec = {"program": str(program_path), "backend": "openvino"}
                 v.stored_bytes, v.read_bytes = _bytes(_state(res.program), shape)
             elif name == "openvino_anchor":
                 python = decode.anchor_python(anchor)
@@ -413,16 +420,21 @@ def rss_child(spec: dict[str, Any]) -> None:
         import precast
 
         c = spec["compile"]
-        # the program is not kept: under max-autotune the model holds only the packed copies its code reads
-        model = precast.compile(
-            torch.export.load(c["program"]),
-            cache_dir=c["cache_dir"],
-            dynamic=False,
-            mode=c["mode"],
-            inductor_configs=c["inductor_configs"],
-        )
-        if not model.from_cache:
-            raise RuntimeError("the fresh process compiled: the cache key differs from the parent's")
+        if c.get("backend") == "openvino":  # converted to OpenVINO and compiled in this fresh process
+            model = precast.compile(
+                torch.export.load(c["program"]), backend="openvino", precision_hint="bf16", threads=1
+            )
+        else:
+            # the program is not kept: under max-autotune the model holds only the packed copies its code reads
+            model = precast.compile(
+                torch.export.load(c["program"]),
+                cache_dir=c["cache_dir"],
+                dynamic=False,
+                mode=c["mode"],
+                inductor_configs=c["inductor_configs"],
+            )
+            if not model.from_cache:
+                raise RuntimeError("the fresh process compiled: the cache key differs from the parent's")
     elif spec["package"]:
         model = torch._inductor.aoti_load_package(spec["package"])
     else:
@@ -895,8 +907,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.close()
     rss = {}
     for name, v in variants.items():
-        if v.rss_mb is not None or name == "precast_openvino":
-            rss[name] = v.rss_mb  # the anchor's own fresh process; precast_openvino: not measured yet
+        if v.rss_mb is not None:
+            rss[name] = v.rss_mb  # the anchor's own fresh process
         elif v.run is not None and not args.no_rss:
             log(f"fresh-process memory: {name}")
             rss[name] = fresh_rss_mb(v, shape)
