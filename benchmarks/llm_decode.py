@@ -21,15 +21,29 @@ Variants (``--variant`` picks a subset):
   aoti_bf16           AOTInductor on the hand-cast program
   aoti_bf16_frozen    ... with ``freezing=True``
   aoti_bf16_autotune  ... with ``max_autotune=True``, C++ GEMM backend (the template packs weights at compile time)
-  precast_torch       ``precast.convert(ep, policy="torch", cache_dtype=bf16)`` then ``precast.compile``
+  precast_torch       ``precast.convert(ep, policy="torch", cache_dtype=bf16)`` then ``precast.compile`` with no
+                      options: the form this CPU implies (precast/backends/forms.py; the note says which)
+  precast_torch_default   the same with ``mode="default"`` (Inductor's defaults: ATen mm on unpacked weights)
   precast_auto        ``policy="auto"`` (each matmul kept fp32 unless bf16 is faster here at its shapes)
   precast_torch_autotune / precast_auto_autotune   the same through ``precast.compile(..., mode="max-autotune",
                       inductor_configs={"max_autotune_gemm_backends": "CPP"})``
                       (load_weights repacks the template's copies)
+  precast_openvino    policy torch bf16 + bf16 cache through ``precast.compile(backend="openvino",
+                      precision_hint="bf16")`` (the cache as OpenVINO state; a row error where this precast refuses
+                      a program that writes buffers)
+  openvino_anchor     OpenVINO's own export of the same seeded weights (``save_pretrained``, then optimum-intel
+                      ``OVModelForCausalLM.from_pretrained(export=True)``, stateful), ``INFERENCE_PRECISION_HINT`` and
+                      ``KV_CACHE_PRECISION`` bf16, in its own environment (optimum-intel 2.2 needs transformers
+                      < 5.6: ``--build-anchor-env [DIR]`` builds it, default /work/venv-ovanchor; ``--anchor-python``
+                      points at another). One persistent process per thread count takes its turn in every
+                      interleaved repeat; its resident memory is what that fresh process gained loading the IR.
 
-Targets (issue 27 item 6; printed, never asserted): precast through precast.compile, weights reloadable with
-load_weights, >= 0.97x the fastest hand-cast bf16 form's speed and >= 1.5x the fastest fp32 form's at 2 threads,
-resident memory <= 0.55x fp32's.
+Every form is measured in one interleaved run per thread count, with the load average printed before and after.
+
+Targets (printed, never asserted): precast through precast.compile with no options, weights reloadable with
+load_weights, >= 0.97x the fastest hand-cast bf16 form's speed (issue 34 item 4) and >= 1.5x the fastest fp32
+form's at 2 threads, resident memory <= 0.55x fp32's; precast on OpenVINO >= 0.97x the anchor's tokens/s, <= 0.8x
+its memory, >= 60% of the measured bandwidth at 1 thread (issue 34 item 3).
 """
 
 from __future__ import annotations
@@ -37,7 +51,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import statistics
@@ -57,10 +70,19 @@ if __package__ in (None, ""):  # run as a file: the repository root is importabl
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from precast.bench import decode  # noqa: E402 - after the path set-up above
+
 EAGER = ("eager_fp32", "eager_autocast", "eager_bf16")
 HAND = ("aoti_fp32", "aoti_fp32_frozen", "aoti_bf16", "aoti_bf16_frozen", "aoti_bf16_autotune")
-PRECAST = ("precast_torch", "precast_auto", "precast_torch_autotune", "precast_auto_autotune")
-VARIANTS = EAGER + HAND + PRECAST
+PRECAST = (
+    "precast_torch",
+    "precast_torch_default",
+    "precast_auto",
+    "precast_torch_autotune",
+    "precast_auto_autotune",
+)
+OPENVINO = ("precast_openvino", "openvino_anchor")
+VARIANTS = EAGER + HAND + PRECAST + OPENVINO
 # max-autotune with Inductor's C++ GEMM template alone: choosing between it and ATen by timing both at compile
 # time is a coin toss on a loaded machine (measured: ATen's mm "0.23 ms" against the template's "20 ms" for one
 # shape, 13 ms against 32 ms for another), so the autotune variants take the template wherever it applies
@@ -69,87 +91,16 @@ FP32_FORMS = ("eager_fp32", "aoti_fp32", "aoti_fp32_frozen")
 BF16_HAND_FORMS = ("eager_bf16", "aoti_bf16", "aoti_bf16_frozen", "aoti_bf16_autotune")
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    layers: int = 16
-    hidden: int = 1024
-    heads: int = 16
-    kv_heads: int = 4
-    intermediate: int = 2816
-    vocab: int = 32000
-    cache_len: int = 512
-    context: int = 256
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def tag(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self)).encode()).hexdigest()[:10]
-
-
-QUICK = Shape(
-    layers=2, hidden=128, heads=4, kv_heads=2, intermediate=352, vocab=512, cache_len=64, context=32
+# the model, its inputs and the measuring live in the package's harness (precast/bench/decode.py), which
+# ``precast bench --llm`` runs too
+Shape, QUICK, llama, wrapped, read_bytes = (
+    decode.Shape,
+    decode.QUICK,
+    decode.llama,
+    decode.wrapped,
+    decode.read_bytes,
 )
-
-
-# ---- the model ----------------------------------------------------------------------------------------------
-def llama(shape: Shape, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The seeded random Llama-shaped ``LlamaForCausalLM`` (eval), in ``dtype``, set up for a static cache."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    cfg = AutoConfig.for_model(
-        "llama",
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        vocab_size=shape.vocab,
-        max_position_embeddings=max(1024, shape.cache_len),
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    model.generation_config = GenerationConfig(
-        use_cache=True,
-        cache_implementation="static",
-        max_length=shape.cache_len,
-        cache_config={"batch_size": 1, "max_cache_len": shape.cache_len},
-    )
-    return model.to(dtype)
-
-
-def wrapped(model: torch.nn.Module, shape: Shape) -> torch.nn.Module:
-    """transformers' export wrapper (``TorchExportableModuleForDecoderOnlyLM``): the static cache in buffers."""
-    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
-
-    return TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=shape.cache_len)
-
-
-def export(model: torch.nn.Module, shape: Shape) -> torch.export.ExportedProgram:
-    """The recipe's strict export, with the sequence dimension dynamic (1 .. cache_len - 1)."""
-    from torch.export import Dim
-
-    w = wrapped(model, shape)
-    seq = Dim("seq", min=1, max=shape.cache_len - 1)
-    ids = torch.zeros(1, 4, dtype=torch.long)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return w.export(
-            input_ids=ids,
-            cache_position=torch.arange(4),
-            dynamic_shapes={"input_ids": {1: seq}, "cache_position": {0: seq}},
-        )
-
-
-def inputs(shape: Shape) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The prompt (``context`` tokens) and the decode tokens' ids, seeded."""
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, shape.vocab, (1, shape.context), generator=g)
-    tokens = [
-        torch.randint(0, shape.vocab, (1, 1), generator=g) for _ in range(shape.cache_len - shape.context)
-    ]
-    return prompt, tokens
+export, inputs, bandwidth_gbs = decode.export_decoder, decode.decode_inputs, decode.bandwidth_gbs
 
 
 # ---- the variants -------------------------------------------------------------------------------------------
@@ -166,25 +117,17 @@ class Variant:
     compile_s: float | None = None
     error: str | None = None
     note: str = ""
+    anchors: dict[int, Any] | None = None  # openvino_anchor: its process per thread count
+    rss_mb: float | None = None  # measured by the variant's own fresh process (the anchor)
 
 
-def _bytes(program_or_state: dict[str, torch.Tensor], shape: Shape) -> tuple[dict[str, int], int]:
-    """(bytes held as weights / as cache, bytes one decode step reads) from a state dict of tensors."""
-    weights = cache = read = 0
-    for name, t in program_or_state.items():
-        if not isinstance(t, torch.Tensor):
-            continue
-        n = t.numel() * t.element_size()
-        if "cache" in name and ("key" in name or "value" in name or "keys" in name or "values" in name):
-            cache += n
-            read += n
-        elif "cumulative_length" in name or "inv_freq" in name:
-            continue
-        else:
-            weights += n
-            # the embedding table is indexed (one row read per token); every other weight is read whole
-            read += n // t.shape[0] if "embed_tokens" in name else n
-    return {"weights": weights, "cache": cache}, read
+def bf16_anchor(shape: Shape) -> torch.nn.Module:
+    return llama(shape, torch.bfloat16)
+
+
+def _bytes(state: dict[str, torch.Tensor], shape: Shape) -> tuple[dict[str, int], int]:
+    """(bytes held as weights / as cache, bytes one decode step reads): the package's ``read_bytes``."""
+    return read_bytes(state)
 
 
 def _state(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
@@ -216,7 +159,13 @@ def _call(model: Any) -> Callable[..., Any]:
 
 
 def build_variants(
-    names: tuple[str, ...], shape: Shape, work: Path, cache_dir: str | None, log: Callable[[str], None]
+    names: tuple[str, ...],
+    shape: Shape,
+    work: Path,
+    cache_dir: str | None,
+    log: Callable[[str], None],
+    threads: tuple[int, ...] = (1, 2),
+    anchor: str | None = None,
 ) -> tuple[dict[str, Variant], dict[str, torch.Tensor]]:
     """Every asked variant built (compiled packages reused from ``work`` when the shape matches); a variant that
     fails carries its error. Also returns the fp32 state dict by original name (for load_weights)."""
@@ -225,6 +174,7 @@ def build_variants(
     variants: dict[str, Variant] = {}
     fp32 = llama(shape)
     fp32_state = {k: v.detach().clone() for k, v in fp32.state_dict().items()}
+    threads = tuple(threads)
     need_fp32_ep = any(n.startswith(("aoti_fp32", "precast")) for n in names)
     need_bf16_ep = any(n.startswith("aoti_bf16") for n in names)
     t0 = time.perf_counter()
@@ -271,7 +221,8 @@ def build_variants(
                 policy = name.split("_")[1]
                 res = convert_llm(ep32, policy)
                 v.note = res.note
-                mode = "max-autotune" if name.endswith("autotune") else "default"
+                # no options (the form this CPU implies), Inductor's defaults, or max-autotune + C++ GEMM
+                mode = {"autotune": "max-autotune", "default": "default"}.get(name.rsplit("_", 1)[1], "auto")
                 started = time.perf_counter()
                 cm = precast.compile(
                     res.program,
@@ -282,6 +233,8 @@ def build_variants(
                 )
                 v.compile_s = time.perf_counter() - started
                 v.package, v.run = cm.package_path, _call(cm)
+                if mode == "auto":
+                    v.note = (v.note + "; " if v.note else "") + f"form {cm.form['name']}: {cm.form['why']}"
                 program_path = work / f"{name}-{tag}.program.pt2"
                 if not program_path.exists():
                     torch.export.save(
@@ -296,6 +249,45 @@ def build_variants(
                 }
                 v.stored_bytes, v.read_bytes = _bytes(_state(res.program), shape)
                 v.reloadable = _check_reload(cm, {k: t.detach().clone() for k, t in ep32.state_dict.items()})
+            elif name == "precast_openvino":
+                # precast's plan on OpenVINO, the KV cache as OpenVINO state (issue 34 item 1): one compiled
+                # model per thread count (OpenVINO fixes its threads at compile time)
+                res = convert_llm(ep32, "torch")
+                started = time.perf_counter()
+                models = {
+                    t: precast.compile(res.program, backend="openvino", precision_hint="bf16", threads=t)
+                    for t in threads
+                }
+                v.compile_s = (time.perf_counter() - started) / len(models)
+
+                def run_ov(input_ids, cache_position, models=models):
+                    return models[torch.get_num_threads()](input_ids=input_ids, cache_position=cache_position)
+
+                v.run, v.reloadable, v.note = run_ov, "-", "bf16 hint, cache bf16"
+                program_path = work / f"{name}-{tag}.program.pt2"
+                if not program_path.exists():
+                    torch.export.save(
+                        res.program, str(program_path.with_name(program_path.name + ".tmp.pt2"))
+                    )
+                    os.replace(program_path.with_name(program_path.name + ".tmp.pt2"), program_path)
+                v.compile_spec = {"program": str(program_path), "backend": "openvino"}
+                v.stored_bytes, v.read_bytes = _bytes(_state(res.program), shape)
+            elif name == "openvino_anchor":
+                python = decode.anchor_python(anchor)
+                if python is None:
+                    raise RuntimeError(
+                        f"no anchor environment at {decode.ANCHOR_ENV}: build it with --build-anchor-env"
+                    )
+                folder = decode.save_for_anchor(fp32, work / f"anchor-{tag}")
+                v.anchors = {t: decode.AnchorProcess(python, folder, shape, t) for t in threads}
+                first = v.anchors[threads[0]].info
+                v.compile_s, v.rss_mb = first.get("export_s"), first.get("rss_mb")
+                v.note = f"optimum-intel export, bf16 hint + bf16 KV cache; {first.get('versions')}"
+                v.run, v.reloadable = (lambda **kw: None), "-"
+                # OpenVINO runs bf16 weights under the bf16 hint: the bytes the hand-cast bf16 model holds
+                v.stored_bytes, v.read_bytes = _bytes(
+                    _module_state(wrapped(bf16_anchor(shape), shape).model), shape
+                )
         except Exception as exc:  # noqa: BLE001 - one variant failing is a row of the table, not the end of the run
             v.run, v.error = (
                 None,
@@ -355,20 +347,6 @@ def _check_reload(cm: Any, fp32_state: dict[str, torch.Tensor]) -> str:
 
 
 # ---- measuring ----------------------------------------------------------------------------------------------
-def bandwidth_gbs(threads: int, mib: int = 512, repeats: int = 7, best: bool = False) -> float:
-    """Memory read bandwidth (GB/s) at ``threads``: the median (``best``: the shortest; load only ever adds time)
-    time of summing a ``mib`` MiB fp32 tensor."""
-    torch.set_num_threads(threads)
-    x = torch.ones(mib * 2**20 // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / (min(times) if best else statistics.median(times)) / 1e9
-
-
 def measure(
     variants: dict[str, Variant],
     shape: Shape,
@@ -377,42 +355,17 @@ def measure(
     steps: int,
     log: Callable[[str], None],
 ) -> dict[str, dict[str, Any]]:
-    """Interleaved: every repeat times each variant's prefill once and ``steps`` decode steps; medians."""
-    torch.set_num_threads(threads)
-    prompt, tokens = inputs(shape)
-    ctx = shape.context
-    live = {n: v for n, v in variants.items() if v.run is not None}
-    out: dict[str, dict[str, Any]] = {}
-    prefill: dict[str, list[float]] = {n: [] for n in live}
-    decode: dict[str, list[float]] = {n: [] for n in live}
-    with torch.no_grad():
-        for name, v in list(live.items()):  # warm-up; a variant failing here is reported, not timed
-            try:
-                v.run(input_ids=prompt, cache_position=torch.arange(ctx))
-                for i in range(3):
-                    v.run(input_ids=tokens[i], cache_position=torch.tensor([ctx + i]))
-            except Exception as exc:  # noqa: BLE001
-                v.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-                log(f"  {name} failed at run time: {v.error}")
-                v.run = None
-                del live[name]
-        positions = [torch.tensor([ctx + i]) for i in range(len(tokens))]
-        for r in range(repeats):
-            for name, v in live.items():
-                t = time.perf_counter()
-                v.run(input_ids=prompt, cache_position=torch.arange(ctx))
-                prefill[name].append((time.perf_counter() - t) * 1e3)
-                t = time.perf_counter()
-                for i in range(steps):
-                    v.run(input_ids=tokens[i], cache_position=positions[i])
-                decode[name].append((time.perf_counter() - t) * 1e3 / steps)
-            log(f"  threads={threads} repeat {r + 1}/{repeats}")
-    for name in live:
-        out[name] = {
-            "prefill_ms": round(statistics.median(prefill[name]), 2),
-            "decode_ms": round(statistics.median(decode[name]), 3),
-            "decode_samples_ms": [round(s, 3) for s in decode[name]],
-        }
+    """Interleaved (the package's ``decode.interleaved``): every repeat samples each variant's prefill and
+    ``steps`` decode steps once, in turn; the anchor's process takes its turn in the same loop; medians."""
+    forms: dict[str, Any] = {}
+    for name, v in variants.items():
+        if v.anchors is not None:
+            forms[name] = v.anchors[threads]
+        elif v.run is not None:
+            forms[name] = decode.InProcess(v.run, shape)
+    out, failed = decode.interleaved(forms, threads, repeats, steps, log)
+    for name, why in failed.items():
+        variants[name].error, variants[name].run, variants[name].anchors = why, None, None
     return out
 
 
@@ -425,7 +378,7 @@ def accuracy(variants: dict[str, Variant], shape: Shape) -> dict[str, dict[str, 
     logits = {}
     with torch.no_grad():
         for name, v in variants.items():
-            if v.run is None:
+            if v.run is None or v.anchors is not None:
                 continue
             v.run(input_ids=prompt, cache_position=torch.arange(ctx))
             logits[name] = v.run(input_ids=tokens[0], cache_position=torch.tensor([ctx])).float()
@@ -467,16 +420,21 @@ def rss_child(spec: dict[str, Any]) -> None:
         import precast
 
         c = spec["compile"]
-        # the program is not kept: under max-autotune the model holds only the packed copies its code reads
-        model = precast.compile(
-            torch.export.load(c["program"]),
-            cache_dir=c["cache_dir"],
-            dynamic=False,
-            mode=c["mode"],
-            inductor_configs=c["inductor_configs"],
-        )
-        if not model.from_cache:
-            raise RuntimeError("the fresh process compiled: the cache key differs from the parent's")
+        if c.get("backend") == "openvino":  # converted to OpenVINO and compiled in this fresh process
+            model = precast.compile(
+                torch.export.load(c["program"]), backend="openvino", precision_hint="bf16", threads=1
+            )
+        else:
+            # the program is not kept: under max-autotune the model holds only the packed copies its code reads
+            model = precast.compile(
+                torch.export.load(c["program"]),
+                cache_dir=c["cache_dir"],
+                dynamic=False,
+                mode=c["mode"],
+                inductor_configs=c["inductor_configs"],
+            )
+            if not model.from_cache:
+                raise RuntimeError("the fresh process compiled: the cache key differs from the parent's")
     elif spec["package"]:
         model = torch._inductor.aoti_load_package(spec["package"])
     else:
@@ -583,10 +541,16 @@ def gemv_probe(shape: Shape, threads: int, repeats: int = 15) -> list[dict[str, 
             w32 = torch.randn(n, k, generator=g) * 0.02
             x32 = torch.randn(1, k, generator=g)
             w16, x16 = w32.to(torch.bfloat16), x32.to(torch.bfloat16)
+            blocked = torch.ops.mkldnn._reorder_linear_weight(w16, 1)
             fns = {
                 "fp32 mm": (lambda x=x32, w=w32: torch.mm(x, w.t()), 4),
                 "bf16 mm": (lambda x=x16, w=w16: torch.mm(x, w.t()), 2),
                 "bf16 F.linear": (lambda x=x16, w=w16: torch.nn.functional.linear(x, w), 2),
+                # what precast.compile's onednn-packed form calls (the weight blocked at load)
+                "bf16 oneDNN packed": (
+                    lambda x=x16, w=blocked: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                    2,
+                ),
             }
             row: dict[str, Any] = {"gemm": name, "n x k": f"{n} x {k}"}
             for label, (fn, size) in fns.items():
@@ -621,6 +585,41 @@ def machine() -> dict[str, Any]:
 
     info["transformers"] = transformers.__version__
     return info
+
+
+def ov_targets(
+    rows: dict[int, dict[str, dict[str, Any]]],
+    rss: dict[str, float | None],
+    read: dict[str, int],
+    bandwidth: dict[int, float],
+) -> list[dict[str, Any]]:
+    """precast on OpenVINO against OpenVINO's own export (issue 34 item 3): tokens/s >= 0.97x, resident memory
+    <= 0.8x, >= 60% of the measured bandwidth at 1 thread."""
+    out = []
+    for threads, table in rows.items():
+        ours, anchor = table.get("precast_openvino"), table.get("openvino_anchor")
+        if not ours:
+            continue
+        gbs = read["precast_openvino"] / (ours["decode_ms"] / 1e3) / 1e9
+        row: dict[str, Any] = {
+            "threads": threads,
+            "bandwidth_share": {
+                "ratio": round(gbs / bandwidth[threads], 3),
+                "target": 0.6 if threads == 1 else None,
+            },
+        }
+        if anchor:
+            row["vs_anchor"] = {
+                "speed_ratio": round(anchor["decode_ms"] / ours["decode_ms"], 3),
+                "target": 0.97,
+            }
+        if rss.get("precast_openvino") and rss.get("openvino_anchor"):
+            row["memory_vs_anchor"] = {
+                "ratio": round(rss["precast_openvino"] / rss["openvino_anchor"], 3),
+                "target": 0.8,
+            }
+        out.append(row)
+    return out
 
 
 def targets(rows: dict[int, dict[str, dict[str, Any]]], rss: dict[str, float | None]) -> list[dict[str, Any]]:
@@ -668,7 +667,7 @@ def markdown(payload: dict[str, Any]) -> str:
         "",
         f"CPU: **{m.get('cpu')}** ({', '.join(m.get('isa', [])) or 'no bf16/fp16 ISA flags'}; torch capability "
         f"{m.get('cpu_capability')}), {m.get('cores')} cores; torch {m.get('torch')}, transformers "
-        f"{m.get('transformers')}. Load average (1 min) {payload['load_start']} at the start, {payload['load_end']} "
+        f"{m.get('transformers')}. Load average (1, 5, 15 min) {payload['load_start']} at the start, {payload['load_end']} "
         "at the end (other jobs share the cores: medians of interleaved repeats, compare ratios within a row set).",
         "",
         f"Model: Llama-shaped, random weights, {payload['params'] / 1e9:.3f} B parameters (hidden {shape['hidden']}, "
@@ -736,6 +735,21 @@ def markdown(payload: dict[str, Any]) -> str:
             lines.append(
                 f"| {t['threads']} | {t['variant']} | {cell(h)} | {cell(f)} | {cell(mem, 'ratio')} |"
             )
+    if payload.get("openvino_targets"):
+        lines += [
+            "",
+            "## Targets: precast on OpenVINO against OpenVINO's own export",
+            "",
+            "| threads | tokens/s vs the anchor (>= 0.97) | resident memory vs the anchor (<= 0.8) | "
+            "share of measured bandwidth (>= 0.6 at 1 thread) |",
+            "|---|---|---|---|",
+        ]
+        for t in payload["openvino_targets"]:
+            a, mem, bw = t.get("vs_anchor"), t.get("memory_vs_anchor"), t["bandwidth_share"]
+            lines.append(
+                f"| {t['threads']} | {a['speed_ratio'] if a else '-'} | {mem['ratio'] if mem else '-'} | "
+                f"{bw['ratio']} |"
+            )
     prof = payload.get("profiles") or {}
     if prof.get("kernels"):
         kinds = list(_GEMM_KINDS)
@@ -756,14 +770,16 @@ def markdown(payload: dict[str, Any]) -> str:
         if prof.get("bandwidth_best_gbs"):
             bw = ", ".join(f"{t} thread(s) {v} GB/s" for t, v in prof["bandwidth_best_gbs"].items())
             lines += [f"Read bandwidth when this profile was taken (best of 7 sums of 512 MiB): {bw}.", ""]
-        labels = ["fp32 mm", "bf16 mm", "bf16 F.linear"]
+        labels = ["fp32 mm", "bf16 mm", "bf16 F.linear", "bf16 oneDNN packed"]
         lines += [
             "| threads | GEMM | n x k | " + " | ".join(labels) + " |",
             "|---|---|---|" + "---|" * len(labels),
         ]
         for t, rows in prof["gemv"].items():
             for r in rows:
-                cells = " | ".join(f"{r[lb]['ms']} ms ({r[lb]['GB/s']} GB/s)" for lb in labels)
+                cells = " | ".join(
+                    f"{r[lb]['ms']} ms ({r[lb]['GB/s']} GB/s)" if lb in r else "-" for lb in labels
+                )
                 lines.append(f"| {t} | {r['gemm']} | {r['n x k']} | {cells} |")
     if payload.get("analysis"):
         lines += ["", "## Why", "", payload["analysis"].strip()]
@@ -813,7 +829,27 @@ def main(argv: list[str] | None = None) -> int:
         help="re-take the profile section of an earlier run's llm_decode.json (its packages) and rewrite it",
     )
     ap.add_argument("--analysis", default=None, metavar="FILE", help="markdown for the 'Why' section")
+    ap.add_argument(
+        "--anchor-python",
+        default=None,
+        help=f"the Python of the OpenVINO anchor's environment (default $PRECAST_OV_ANCHOR_PYTHON or "
+        f"{decode.ANCHOR_ENV}/bin/python)",
+    )
+    ap.add_argument(
+        "--build-anchor-env",
+        nargs="?",
+        const=decode.ANCHOR_ENV,
+        default=None,
+        metavar="DIR",
+        help="build the anchor's environment (optimum-intel 2.2, transformers < 5.6, torch CPU) and exit",
+    )
+    ap.add_argument("--torch-wheel", default=None, help="with --build-anchor-env: a local torch CPU wheel")
     args = ap.parse_args(argv)
+    if args.build_anchor_env:
+        for cmd in decode.anchor_env_commands(args.build_anchor_env, args.torch_wheel):
+            print("+", " ".join(cmd), file=sys.stderr)
+            subprocess.run(cmd, check=True)
+        return 0
 
     if args.reprofile:
         payload = json.loads(Path(args.reprofile).read_text())
@@ -850,8 +886,11 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
-    load_start = round(os.getloadavg()[0], 2)
-    variants, fp32_state = build_variants(names, shape, work, args.cache_dir, log)
+    load_start = decode.load_average()
+    log(f"load average (1, 5, 15 min) at the start: {load_start}")
+    variants, fp32_state = build_variants(
+        names, shape, work, args.cache_dir, log, tuple(args.threads), args.anchor_python
+    )
     if args.memory_only:
         return memory_only(variants, shape, log)
     params = sum(v.numel() for k, v in fp32_state.items() if "cache" not in k and "inv_freq" not in k)
@@ -863,9 +902,14 @@ def main(argv: list[str] | None = None) -> int:
         runs[threads] = measure(variants, shape, threads, repeats, steps, log)
     torch.set_num_threads(max(args.threads))
     acc = accuracy(variants, shape)
+    for v in variants.values():
+        for proc in (v.anchors or {}).values():
+            proc.close()
     rss = {}
     for name, v in variants.items():
-        if v.run is not None and not args.no_rss:
+        if v.rss_mb is not None:
+            rss[name] = v.rss_mb  # the anchor's own fresh process
+        elif v.run is not None and not args.no_rss:
             log(f"fresh-process memory: {name}")
             rss[name] = fresh_rss_mb(v, shape)
         else:
@@ -877,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         "argv": " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(),
         "load_start": load_start,
-        "load_end": round(os.getloadavg()[0], 2),
+        "load_end": decode.load_average(),
         "shape": dataclasses.asdict(shape),
         "params": params,
         "repeats": repeats,
@@ -899,8 +943,10 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "accuracy": acc,
         "targets": targets(runs, rss),
+        "openvino_targets": ov_targets(runs, rss, {n: v.read_bytes for n, v in variants.items()}, bandwidth),
         "profiles": profiles,
     }
+    log(f"load average (1, 5, 15 min) at the end: {payload['load_end']}")
     text = markdown(payload)
     print(text)
     if args.out:

@@ -15,7 +15,17 @@ loadable entry. An entry whose files do not match its manifest is rebuilt, never
 Every call's inputs are checked against the compiled program's signature (``backends/signature.py``) before
 the native code runs: AOTInductor itself reads past its buffers on a wrong shape.
 
-Packed weights: under ``mode="max-autotune"`` on a CPU, Inductor's C++ GEMM template (AMX / AVX512 micro-kernels)
+Forms: ``mode="auto"`` (the default) compiles in the form fastest on this CPU for the program's matmul weight
+dtype (``backends/forms.py``): Inductor's C++ GEMM template on AMX, oneDNN's packed linear (freezing) on
+AVX512-BF16 / -FP16 without AMX, Inductor's defaults otherwise. ``CompiledModel.form`` says which and why.
+
+Folded constants: under freezing, Inductor folds each 16-bit linear's weight into oneDNN's blocked layout
+(``mkldnn._reorder_linear_weight``) at compile time. The compile records each folded constant's subgraph as a
+recipe (``record_folded_constants``), keeps those whose replay on the program's weights gives back every bit
+(``match_folded``), and recomputes them from the weights at load and in ``load_weights`` (``replay``): the package
+holds no weights, a streamed program gets the same form, and the originals the code never reads are not loaded.
+
+Packed weights: under ``mode="max-autotune"`` (or the ``gemm-template`` form) on a CPU, Inductor's C++ GEMM template (AMX / AVX512 micro-kernels)
 copies each weight it uses into a blocked (and for bf16 VNNI-interleaved) constant at compile time and reads only
 that copy. The compile records those copies (``record_new_constants``), finds the stored weight and the packing
 that reproduces each bit for bit (``match_packed``), and writes the plan in the manifest; ``load_weights`` packs
@@ -61,8 +71,18 @@ from precast.backends.cache import (
     write_durable,
 )
 from precast.backends.compiled import CompiledModel, initial_state
-from precast.backends.packed import gemm_pack, match_packed, record_new_constants
-from precast.backends.signature import ProgramSignature, dynamic_batch, exported_program, with_example_inputs
+from precast.backends.exported import dynamic_batch, exported_program, with_example_inputs
+from precast.backends.forms import Form, choose_form
+from precast.backends.packed import (
+    gemm_pack,
+    match_folded,
+    match_packed,
+    recipe_sources,
+    record_folded_constants,
+    record_new_constants,
+    replay,
+)
+from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError, first_line
 from precast.io import check_space, file_lock
 from precast.ir.program import written_targets
@@ -76,7 +96,7 @@ from precast.weights.sources import (
     with_placeholders,
 )
 
-MODES = ("default", "max-autotune")
+MODES = ("auto", "default", "max-autotune")
 IN_SO = "aot_inductor.package_constants_in_so"
 
 # program -> {options key: CompiledModel}; weak so a cached model never keeps a program's weights alive. A hit
@@ -87,29 +107,31 @@ _MEMO_LOCK = threading.Lock()
 
 # ---- public entry point -------------------------------------------------------------------------------------
 def compile_configs(
-    mode: str = "default", inductor_configs: Mapping[str, Any] | None = None
+    mode: str = "default", inductor_configs: Mapping[str, Any] | None = None, form: Form | None = None
 ) -> dict[str, Any]:
-    """The inductor configs ``compile`` compiles with (and keys its cache entry by).
+    """The inductor configs ``compile`` compiles with (and keys its cache entry by): ``form``'s (``mode="auto"``,
+    ``backends/forms.py``), then the caller's ``inductor_configs`` over them.
 
-    Without freezing, every constant stays a swappable constant: AOTInductor otherwise inlines 0-d constants and
-    1-d ones of <= 8 elements into its code (``GraphLowering.can_inline_constant``), and ``load_weights`` could
-    never swap an 8-element bias (``always_keep_tensor_constants``; the caller's own value wins). And the
-    package leaves its constants out (``aot_inductor.package_constants_in_so=False``, the same name on torch 2.13
-    and 2.15): the model hands the loader tensors it owns, held once (``weights/sources.py``); freezing folds
-    weights into constants only the compile computes, so they stay in the .so there."""
-    configs = dict(inductor_configs or {})
+    Every constant stays a swappable constant: AOTInductor otherwise inlines 0-d constants and 1-d ones of <= 8
+    elements into its code (``GraphLowering.can_inline_constant``), and ``load_weights`` could never swap an
+    8-element bias (``always_keep_tensor_constants``; the caller's own value wins). And the package leaves its
+    constants out (``aot_inductor.package_constants_in_so=False``, the same name on torch 2.13 and 2.15): the
+    model hands the loader tensors it owns, held once (``weights/sources.py``). Constants freezing computes
+    from the weights (a transpose, oneDNN's blocked copy) are recomputed at load from recorded recipes
+    (``packed.record_folded_constants``); a package whose code reads one precast cannot recompute keeps its
+    constants in the .so instead (``_build_locked``)."""
+    configs = {**(form.configs if form else {}), **dict(inductor_configs or {})}
     if mode == "max-autotune":
         configs["max_autotune"] = True
-    if not configs.get("freezing"):
-        configs.setdefault("always_keep_tensor_constants", True)
-        configs.setdefault(IN_SO, False)
+    configs.setdefault("always_keep_tensor_constants", True)
+    configs.setdefault(IN_SO, False)
     return configs
 
 
 def compile(
     program: ExportedProgram | Any,
     *,
-    mode: str = "default",
+    mode: str = "auto",
     cache_dir: str | os.PathLike | None = None,
     dynamic: bool = True,
     inductor_configs: Mapping[str, Any] | None = None,
@@ -119,6 +141,11 @@ def compile(
 ) -> CompiledModel:
     """Compile ``program`` (an ExportedProgram or a ConvertResult) with AOTInductor, cached; returns a loaded model.
 
+    ``mode``: ``"auto"`` (default) compiles in the form fastest on this CPU for the program's matmul weight
+    dtype (``backends/forms.py``: Inductor's C++ GEMM template on AMX, oneDNN's packed linear on AVX512-BF16 /
+    -FP16 without AMX, Inductor's defaults otherwise; ``CompiledModel.form`` says which and why);
+    ``"default"``: Inductor's defaults; ``"max-autotune"``: Inductor's autotuning (``inductor_configs`` picks
+    its GEMM backends). Weights stay swappable with ``load_weights`` in every form.
     ``dynamic``: re-export with a dynamic dim 0 (batch) on every tensor input, as PyTorch's benchmark harness does.
     ``cache_dir``: default ``$PRECAST_CACHE_DIR`` or the user cache dir. ``progress``: a spinner on stderr
     (default: only when stderr is a terminal and ``CI`` is unset). ``lock_timeout``: seconds to wait for another
@@ -132,14 +159,20 @@ def compile(
     ep = with_example_inputs(exported_program(program, "precast.compile"))
     if mode not in MODES:
         raise PrecastError(f"precast.compile: mode={mode!r}; choose one of {', '.join(MODES)}")
-    configs = compile_configs(mode, inductor_configs)
     fake = sorted(n for n, v in tensor_constants(ep).items() if is_fake(v))
-    device = _check_fake(ep, fake, weights, configs, mode)
+    device = _check_fake(ep, fake, weights)
+    form = _form(ep, mode, device, bool(fake))
+    configs = compile_configs(mode, inductor_configs, form)
+    _check_fake_configs(fake, configs)
     root = resolve_cache_dir(cache_dir)
     options = json.dumps(
-        {"configs": configs, "dynamic": dynamic, "root": str(root)}, sort_keys=True, default=str
+        {"configs": configs, "dynamic": dynamic, "root": str(root), "form": form.name},
+        sort_keys=True,
+        default=str,
     )
-    key = cache_key(ep, configs, dynamic)  # by content: weights changed in place give another key
+    # by content; the form is in the configs, and the CPU's flags are in the key: a package built for AMX is
+    # never served to a CPU without it
+    key = cache_key(ep, {**configs, "precast.form": form.name}, dynamic)  # weights changed in place: new key
     with _MEMO_LOCK:
         model = None if weights is not None else _MEMO.get(ep, {}).get(options)
     if model is not None and model.key == key:
@@ -169,13 +202,16 @@ def compile(
             progress,
             lock_timeout,
             fake=bool(fake),
+            form=form,
         )
     from_cache = compile_seconds == 0.0  # published by an earlier run or by a process we waited for
     layout = manifest["weights"]
     constants = None
     if layout["external"]:
         source = SafetensorsSource(weights, "precast.compile(weights=...)") if fake else None
-        constants = _constants(ep, source, layout, manifest["packed"]["plans"])
+        constants = _constants(
+            ep, source, layout, manifest["packed"]["plans"], manifest["packed"].get("folded", {})
+        )
     with TORCH_LOCK:
         runner = _load(entry / PACKAGE)
     model = CompiledModel(
@@ -191,6 +227,7 @@ def compile(
         constants=constants,
         unread=tuple(layout["unread"]),
         state=initial_state(_written_values(ep)),
+        form=manifest.get("form", form.to_dict()),
     )
     with _MEMO_LOCK:
         _MEMO.setdefault(ep, {})[options] = model
@@ -203,9 +240,30 @@ def _written_values(ep: ExportedProgram) -> dict[str, torch.Tensor]:
     return {n: program[n] for n in sorted(written_targets(ep)) if n in program and not is_fake(program[n])}
 
 
-def _check_fake(
-    ep: ExportedProgram, fake: list[str], weights: Any, configs: dict[str, Any], mode: str
-) -> str:
+def _form(ep: ExportedProgram, mode: str, device: str, fake: bool) -> Form:
+    """The form ``mode`` compiles in: chosen for this CPU under ``"auto"`` (``backends/forms.py``)."""
+    if mode == "default":
+        return Form("default", {}, "mode='default': Inductor's defaults")
+    if mode == "max-autotune":
+        return Form("max-autotune", {}, "mode='max-autotune'")
+    form = choose_form(ep, device=device)
+    if fake and form.name == "gemm-template":
+        # the template's packed copies are matched to their weights by value (packed.match_packed), which a
+        # program without weight values cannot give; oneDNN's blocked copies are recorded by recipe
+        fallback = choose_form(ep, {**_caps(), "amx_tile": False}, device)
+        return Form(
+            fallback.name, fallback.configs, f"{fallback.why} (streamed weights: no C++ GEMM template)"
+        )
+    return form
+
+
+def _caps() -> dict[str, Any]:
+    from precast.backends.forms import cpu_capabilities
+
+    return cpu_capabilities()
+
+
+def _check_fake(ep: ExportedProgram, fake: list[str], weights: Any) -> str:
     """The device the constants live on at run time; refuses a fake-weight program this compile cannot serve."""
     inputs = [
         n.meta["val"].device.type
@@ -219,31 +277,41 @@ def _check_fake(
             "precast.compile: weights= is for a program whose constants are fake or meta (converted with streamed "
             "weights); this one holds its weights: drop weights=, or swap them after with load_weights"
         )
-    if not fake:
-        return device
-    if weights is None:
+    if fake and weights is None:
         raise PrecastError(
             f"precast.compile: {len(fake)} constant(s) of the program have no data (fake or meta), e.g. "
             f"{fake[0]!r}; pass weights=DIR (the shards the conversion wrote) or a .safetensors file"
         )
-    if configs.get(IN_SO, True) or mode == "max-autotune":
-        raise PrecastError(
-            "precast.compile: a program with fake or meta weights compiles only with mode='default' and its "
-            f"weights outside the package (no freezing, {IN_SO} not True): max-autotune and freezing compute new "
-            "constants from the weights' values at compile time; load the weights into the program for those"
-        )
     return device
 
 
+def _check_fake_configs(fake: list[str], configs: dict[str, Any]) -> None:
+    if fake and (configs.get(IN_SO, True) or configs.get("max_autotune")):
+        raise PrecastError(
+            "precast.compile: a program with fake or meta weights compiles only with its weights outside the "
+            f"package ({IN_SO} not True) and without max-autotune (its C++ GEMM template packs copies matched "
+            "to the weights' values at compile time); use mode='auto' or mode='default', or load the weights into "
+            "the program"
+        )
+
+
 def _constants(
-    ep: ExportedProgram, source: SafetensorsSource | None, layout: dict[str, Any], plans: dict[str, Any]
+    ep: ExportedProgram,
+    source: SafetensorsSource | None,
+    layout: dict[str, Any],
+    plans: dict[str, Any],
+    folded: dict[str, Any],
 ) -> dict[str, torch.Tensor]:
     """The tensors the loader will read: the program's own (a buffer the code writes is copied: the caller's
-    program stays as it was), or those of ``source``; plus the packed copies, packed from them."""
+    program stays as it was), or those of ``source``; plus the packed copies, packed from them, and the
+    constants freezing folded, recomputed from them."""
     program = tensor_constants(ep)
     unread = set(layout["unread"])
-    needed = {n for n in layout["every"] if n not in unread and n not in plans}
+    every = set(layout["every"])
+    folded = {n: r for n, r in folded.items() if n in every and n not in unread}
+    needed = {n for n in layout["every"] if n not in unread and n not in plans and n not in folded}
     wanted = needed | {p["source"] for n, p in plans.items() if n not in unread}
+    wanted |= set().union(*(recipe_sources(r) for r in folded.values())) if folded else set()
     # the files hold what the program has no values for (streamed weights); a buffer made at construction
     # (a rotary table) or a KV cache stays the program's own
     from_files = {n for n in wanted if is_fake(program[n])} if source is not None else set()
@@ -257,6 +325,8 @@ def _constants(
         if name not in unread:
             kw = {k: plan[k] for k in ("transposed", "block_n", "vnni")}
             out[name] = gemm_pack(values[plan["source"]], **kw)
+    for name, recipe in folded.items():
+        out[name] = replay(recipe, values)
     return out
 
 
@@ -270,6 +340,7 @@ def _build_locked(
     progress: bool | None,
     lock_timeout: float | None,
     fake: bool = False,
+    form: Form | None = None,
 ) -> tuple[float, dict[str, Any]]:
     """Compile and publish the entry for ``key`` unless another process did it while we waited for the lock.
 
@@ -314,6 +385,7 @@ def _build_locked(
                 "signature": ProgramSignature.from_program(compiled).to_dict(),
                 "torch": torch.__version__,
                 "inductor_configs": configs,
+                "form": (form or Form("default", {}, "")).to_dict(),
                 "dynamic": dynamic,
                 "compile_seconds": round(seconds, 3),
                 "created": time.time(),
@@ -347,7 +419,7 @@ def _layout(
     if found is None or packed["unmatched"]:
         return None
     every, unread = found
-    known = set(tensor_constants(ep)) | set(packed["plans"])
+    known = set(tensor_constants(ep)) | set(packed["plans"]) | set(packed.get("folded", {}))
     if any(n not in known for n in every if n not in unread):
         return None
     return {"external": True, "every": every, "unread": unread}
@@ -378,7 +450,7 @@ def _aoti_compile(
     with torch.no_grad():
         program = dynamic_batch(ep) if dynamic else ep
         try:
-            with record_new_constants() as added:
+            with record_new_constants() as added, record_folded_constants() as folded:
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(package), inductor_configs=dict(configs)
                 )
@@ -393,7 +465,8 @@ def _aoti_compile(
         if isinstance(value, torch.Tensor)
     }
     plans, unmatched = match_packed(added, sources)
-    return program, {"plans": plans, "unmatched": unmatched}
+    recipes, _ = match_folded(folded, sources)  # one the code reads without a recipe: _layout refuses it
+    return program, {"plans": plans, "unmatched": unmatched, "folded": recipes}
 
 
 def _load(package: Path) -> Any:

@@ -294,8 +294,11 @@ def read_entry(entry: Path, key: str) -> tuple[dict[str, Any] | None, str | None
 
 def packed_plan_ok(packed: Any) -> bool:
     """The manifest's ``"packed"``: ``{"plans": {name: {"source", "transposed", "block_n", "vnni"}}, "unmatched":
-    [names]}`` (backends/aoti.py)."""
+    [names], "folded": {name: recipe}}`` (backends/aoti.py; ``folded`` absent in entries before it)."""
     if not isinstance(packed, dict) or not isinstance(packed.get("unmatched"), list):
+        return False
+    folded = packed.get("folded", {})
+    if not isinstance(folded, dict) or not all(isinstance(r, dict) for r in folded.values()):
         return False
     plans = packed.get("plans")
     return isinstance(plans, dict) and all(

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from precast.backends.cache import StoredConstant
-from precast.backends.packed import gemm_pack
+from precast.backends.packed import gemm_pack, recipe_sources, replay
 from precast.backends.signature import ProgramSignature
 from precast.errors import NAMES_SHOWN, PrecastError, name_list
 from precast.passes.fold import cast_constant
@@ -47,6 +47,7 @@ class CompiledModel:
         constants: dict[str, torch.Tensor] | None = None,
         unread: tuple[str, ...] = (),
         state: Mapping[str, Initial] | None = None,
+        form: Mapping[str, Any] | None = None,
     ):
         self._runner = runner
         # the constants the code writes (a KV cache) -> their initial values, shared read-only by every model of
@@ -55,6 +56,10 @@ class CompiledModel:
         # packed constant -> {"source": stored name, "transposed", "block_n", "vnni"}; "unmatched": [names]
         self._packed = dict((packed or {}).get("plans", {}))
         self._packed_unmatched = list((packed or {}).get("unmatched", []))
+        # constant freezing folded (oneDNN's blocked weights) -> its recipe over stored names (packed.replay)
+        self._folded = dict((packed or {}).get("folded", {}))
+        # the form compiled in and why (backends/forms.py): {"name", "why"}
+        self.form = dict(form or {"name": "default", "why": ""})
         # the constants the loader reads through their pointers (package built without them); None: in the .so
         self._constants = constants
         self._unread = frozenset(unread)  # constants the code never reads: not loaded, not kept
@@ -121,18 +126,31 @@ class CompiledModel:
             from_cache=True,
             compile_seconds=0.0,
             load_seconds=load_seconds,
-            packed={"plans": self._packed, "unmatched": self._packed_unmatched},
+            packed={"plans": self._packed, "unmatched": self._packed_unmatched, "folded": self._folded},
             constants=constants,
             unread=tuple(self._unread),
             state=self._state,
+            form=self.form,
         )
         return (
             other  # weights in the .so: the package loaded again holds the initial values it was built with
         )
 
     def constant_fqns(self) -> list[str]:
-        """Names of the constants the compiled code reads (stored names, possibly low precision)."""
-        return sorted(n for n in self._runner.get_constant_fqns() if n not in self._unread)
+        """Stored names (possibly low precision) of the program's constants the compiled code reads, directly or
+        through a copy precast makes from them (the GEMM template's packed copies, freezing's oneDNN blocked
+        weights)."""
+        names: set[str] = set()
+        for n in self._runner.get_constant_fqns():
+            if n in self._unread:
+                continue
+            if n in self._packed:
+                names.add(self._packed[n]["source"])
+            elif n in self._folded:
+                names |= recipe_sources(self._folded[n])
+            else:
+                names.add(n)
+        return sorted(names)
 
     def load_weights(
         self, state_dict: Mapping[str, torch.Tensor] | str | os.PathLike
@@ -156,6 +174,8 @@ class CompiledModel:
         for st in self._stored.values():
             by_original.setdefault(st.source.original, []).append(st)
         swappable = set(self._runner.get_constant_fqns())
+        live = {n: r for n, r in self._folded.items() if n in swappable}
+        recomputed = set().union(*(recipe_sources(r) for r in live.values())) if live else set()
         kept = sorted(
             n for n, sts in by_original.items() if n not in source and not any(st.persistent for st in sts)
         )
@@ -181,7 +201,9 @@ class CompiledModel:
             if meta[1] != want.source.original_dtype:
                 problems.append(f"{name} has dtype {meta[1]}, expected {want.source.original_dtype}")
         folded = sorted(
-            st.source.stored for st in self._stored.values() if st.read and st.source.stored not in swappable
+            st.source.stored
+            for st in self._stored.values()
+            if st.read and st.source.stored not in swappable and st.source.stored not in recomputed
         )
         if nodata:
             kinds = ", ".join(f"{why} ({name})" for why, name in nodata_why.items())
@@ -240,6 +262,20 @@ class CompiledModel:
                     block_n=plan["block_n"],
                     vnni=plan["vnni"],
                 )
+        for (
+            name,
+            recipe,
+        ) in live.items():  # freezing's folded constants, recomputed as the compile folded them
+            sources = recipe_sources(recipe)
+            if sources & set(update):
+                held = {n: (self._constants or {}).get(n) for n in sources - set(update)}
+                if any(v is None for v in held.values()):
+                    raise PrecastError(
+                        f"{what}: {name} is computed from {sorted(sources)}; pass all of them together"
+                    )
+                update[name] = replay(recipe, {**held, **{n: update[n] for n in sources & set(update)}})
+        for name in recomputed - swappable:  # read only through their folded copies: not the package's
+            update.pop(name, None)
         if self._constants is None:
             self._runner.load_constants(update, check_full_update=set(update) >= swappable)
         else:

@@ -94,3 +94,162 @@ def match_packed(
         else:
             unmatched.append(pname)
     return plans, unmatched
+
+
+# ---- constants folded at compile time (freezing): recorded as recipes, replayed at load ----------------------
+@contextlib.contextmanager
+def record_folded_constants() -> Iterator[dict[str, tuple[Any, torch.Tensor]]]:
+    """Record each constant Inductor's constant folding creates (``freezing``: a weight's transpose, its oneDNN
+    blocked copy from ``mkldnn._reorder_linear_weight``), as ``{name: (recipe, value)}``.
+
+    The recipe is the folded subgraph as JSON-able data (``{"ref": name}`` for a constant it reads,
+    ``{"op": "ns::name.overload", "args": [...], "kwargs": {...}}`` for a call), with the constants folded
+    earlier inlined, so it reads only the program's constants; a subgraph holding a value JSON cannot state
+    gets recipe None (that constant stays unmatched). ``replay`` recomputes a recipe from new weights. Call under
+    ``TORCH_LOCK`` (the hook is process-wide)."""
+    import torch._inductor.constant_folding as constant_folding
+
+    folded: dict[str, tuple[Any, torch.Tensor]] = {}
+    original = constant_folding.replace_node_with_constant
+
+    def replace_node_with_constant(
+        gm: torch.fx.GraphModule, node: torch.fx.Node, constant: Any = None, name: str | None = None
+    ) -> None:
+        recipe = _recipe(node, {k: r for k, (r, _) in folded.items()}) if constant is not None else None
+        label = node.name
+        original(gm, node, constant, name)
+        if constant is None:
+            return
+        made = [n for n in gm.graph.nodes if n.op == "get_attr" and n.name == label]
+        if len(made) == 1 and isinstance(constant, torch.Tensor):
+            folded[str(made[0].target)] = (recipe, constant)
+
+    constant_folding.replace_node_with_constant = replace_node_with_constant
+    try:
+        yield folded
+    finally:
+        constant_folding.replace_node_with_constant = original
+
+
+class _Unstated(Exception):
+    """A folded subgraph holds a value a recipe cannot state (caught in ``_recipe`` only: no recipe)."""
+
+
+def _recipe(node: torch.fx.Node, earlier: Mapping[str, Any]) -> Any:
+    try:
+        return _expr(node, earlier)
+    except _Unstated:
+        return None
+
+
+def _expr(value: Any, earlier: Mapping[str, Any]) -> Any:
+    if isinstance(value, torch.fx.Node):
+        if value.op in ("get_attr", "placeholder"):
+            target = str(value.target)
+            return earlier.get(target, {"ref": target})
+        op = value.target
+        if value.op == "call_function" and isinstance(op, torch._ops.OpOverloadPacket):
+            op = op.default  # freezing's passes call some ops by packet (mkldnn._reorder_linear_weight)
+        if value.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            raise _Unstated
+        return {
+            "op": f"{op.namespace}::{op._opname}.{op._overloadname}",
+            "args": [_expr(a, earlier) for a in value.args],
+            "kwargs": {k: _expr(v, earlier) for k, v in value.kwargs.items()},
+        }
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_expr(v, earlier) for v in value]
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, torch.layout):
+        return {"layout": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.memory_format):
+        return {"memory_format": str(value).removeprefix("torch.")}
+    raise _Unstated
+
+
+def recipe_sources(recipe: Any) -> set[str]:
+    """The program constants a recipe reads."""
+    if isinstance(recipe, dict):
+        if "ref" in recipe:
+            return {recipe["ref"]}
+        if "op" in recipe:
+            out: set[str] = set()
+            for a in [*recipe["args"], *recipe["kwargs"].values()]:
+                out |= recipe_sources(a)
+            return out
+        return set()
+    if isinstance(recipe, list):
+        return set().union(*(recipe_sources(r) for r in recipe)) if recipe else set()
+    return set()
+
+
+def replay(recipe: Any, values: Mapping[str, torch.Tensor]) -> Any:
+    """The value a recipe computes from ``values`` (the program's constants by name), as the compile folded it."""
+    if isinstance(recipe, list):
+        return [replay(r, values) for r in recipe]
+    if not isinstance(recipe, dict):
+        return recipe
+    if "ref" in recipe:
+        return values[recipe["ref"]]
+    if "op" in recipe:
+        qualified, overload = recipe["op"].rsplit(".", 1)
+        namespace, name = qualified.split("::", 1)
+        op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        with torch.no_grad():
+            return op(
+                *[replay(a, values) for a in recipe["args"]],
+                **{k: replay(v, values) for k, v in recipe["kwargs"].items()},
+            )
+    for kind, make in (
+        ("dtype", lambda s: getattr(torch, s)),
+        ("device", torch.device),
+        ("layout", lambda s: getattr(torch, s)),
+        ("memory_format", lambda s: getattr(torch, s)),
+    ):
+        if kind in recipe:
+            return make(recipe[kind])
+    return recipe
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two constants are the same to the compiled code: dtype, shape, layout, strides and every byte
+    (a oneDNN blocked tensor compared by its raw buffer, as AOTInductor reads it)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.is_mkldnn != b.is_mkldnn:
+        return False
+    if a.is_mkldnn:
+        import ctypes
+
+        n = torch.ops.mkldnn._nbytes(a)
+        if n != torch.ops.mkldnn._nbytes(b):
+            return False
+        return ctypes.string_at(torch.ops.mkldnn.data_ptr(a), n) == ctypes.string_at(
+            torch.ops.mkldnn.data_ptr(b), n
+        )
+    if a.stride() != b.stride():
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def match_folded(
+    folded: Mapping[str, tuple[Any, torch.Tensor]], sources: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, Any], list[str]]:
+    """``({name: recipe}, unmatched)``: the folded constants whose recipe, replayed on ``sources``, gives back
+    every bit of what the compile folded; the others (no recipe, a source that is not a program constant, other
+    bits) are unmatched."""
+    recipes: dict[str, Any] = {}
+    unmatched: list[str] = []
+    for name, (recipe, value) in folded.items():
+        ok = recipe is not None and recipe_sources(recipe) <= set(sources)
+        if ok:
+            again = replay(recipe, sources)
+            ok = isinstance(again, torch.Tensor) and same_bits(again, value)
+        if ok:
+            recipes[name] = recipe
+        else:
+            unmatched.append(name)
+    return recipes, unmatched

@@ -23,10 +23,6 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, InputKind, SymIntArgument, TensorArgument
 from torch.utils import _pytree as pytree
 
-# precast.compile (backends/aoti.py) imports these from here; their home is backends/exported.py
-from precast.backends.exported import dynamic_batch as dynamic_batch
-from precast.backends.exported import exported_program as exported_program
-from precast.backends.exported import with_example_inputs as with_example_inputs
 from precast.backends.positions import cache_positions, check_positions
 from precast.backends.sizes import evaluate as _evaluate
 from precast.backends.sizes import parse_expr as _parse_expr

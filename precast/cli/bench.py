@@ -4,6 +4,7 @@ precast bench [--model NAME|module:factory ...] [--batch N ...] [--dtype bf16|fp
               [--repeats N] [--variant V ...] [--out DIR]
 precast bench --convert [--model chain NAME ...] [--sizes N ...] [--policy none torch] [--no-memory] [--out DIR]
 precast bench --convert --llama 0.2b 1.1b [--policy none torch rules] [--out DIR]
+precast bench --llm [--quick] [--threads 1 2] [--steps N] [--repeats N] [--anchor-python PY] [--out DIR]
 
 Input: argv. Output: tables on stdout, files in ``--out``, an exit status.
 """
@@ -85,6 +86,20 @@ def add_parser(sub) -> None:
         "transformers model with random weights (0.2b, 1.1b: TinyLlama's shapes), one fresh process per "
         "(size, policy); a large one waits for /tmp/precast-bigmem.lock (flock)",
     )
+    llm = p.add_argument_group("LLM decode (--llm)")
+    llm.add_argument(
+        "--llm",
+        action="store_true",
+        help="instead: decode speed of a Llama-shaped decoder with random weights (0.246 B; --quick: 2 tiny "
+        "layers), interleaved at each --threads: eager fp32, eager hand-cast bf16, precast.compile with no options "
+        "(the form this CPU implies) and with mode='default', precast on OpenVINO, and OpenVINO's own export "
+        "through optimum-intel in its own environment (--anchor-python; benchmarks/llm_decode.py "
+        "--build-anchor-env builds it); needs transformers",
+    )
+    llm.add_argument("--quick", action="store_true", help="with --llm: the tiny decoder (a smoke run)")
+    llm.add_argument("--threads", nargs="+", type=int, default=[1, 2], metavar="N", help="with --llm")
+    llm.add_argument("--steps", type=int, default=8, metavar="N", help="with --llm: decode steps per sample")
+    llm.add_argument("--anchor-python", default=None, metavar="PY", help="with --llm: the anchor's Python")
     conv.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run (halves the time)")
     conv.add_argument("--no-verify", action="store_true", help="skip timing verification")
     p.set_defaults(run=run)
@@ -102,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         raise PrecastError("bench: --llama measures the conversion; add --convert")
     if args.convert:
         return run_convert(args)
+    if args.llm:
+        return run_llm(args)
     if args.repeats < 1:
         raise PrecastError(f"bench: --repeats {args.repeats}; give at least 1")
     if any(b < 1 for b in args.batch):
@@ -138,6 +155,48 @@ def run(args: argparse.Namespace) -> int:
                 "note: bench.png not drawn: matplotlib is missing; pip install 'precast[bench]'",
                 file=sys.stderr,
             )
+    return 0
+
+
+def run_llm(args: argparse.Namespace) -> int:
+    """``precast bench --llm``: the package's decode harness (``precast.bench.decode``)."""
+    import json
+    from pathlib import Path
+
+    from precast.bench import decode
+    from precast.errors import PrecastError
+
+    if args.repeats < 1 or args.steps < 1 or any(t < 1 for t in args.threads):
+        raise PrecastError("bench --llm: --repeats, --steps and --threads must be at least 1")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise PrecastError("bench --llm: needs transformers; pip install transformers") from None
+    if args.out:
+        out_dir(args.out, "llm_decode.json")
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    log(f"load average before: {decode.load_average()}")
+    payload = decode.run_decode_bench(
+        decode.QUICK if args.quick else decode.Shape(),
+        list(args.threads),
+        args.repeats,
+        args.steps,
+        cache_dir=args.cache_dir,
+        anchor=args.anchor_python,
+        log=log,
+    )
+    log(f"load average after: {payload['load_end']}")
+    text = decode.decode_markdown(payload)
+    print(text)
+    if args.out:
+        from precast.io import write_bytes
+
+        out = Path(args.out)
+        write_bytes(out / "llm_decode.json", (json.dumps(payload, indent=1, default=str) + "\n").encode())
+        write_bytes(out / "llm_decode.md", text.encode())
     return 0
 
 

@@ -1,4 +1,4 @@
-"""precast compile IN.pt2 [--backend aoti|openvino|onnx|executorch] [-o FILE] [--mode default|max-autotune]
+"""precast compile IN.pt2 [--backend aoti|openvino|onnx|executorch] [-o FILE] [--mode auto|default|max-autotune]
                    [--cache-dir DIR] [--static] [--weights DIR]
 
 Input: a saved program. Output: the artifact the engine loads (AOTInductor package, OpenVINO IR .xml + .bin, .onnx,
@@ -43,7 +43,13 @@ def add_parser(sub) -> None:
         "path, whose weights precast.compile loads; openvino (.xml), onnx, executorch: required)",
     )
     p.add_argument("--backend", choices=BACKENDS, default="aoti", help="default: aoti (AOTInductor)")
-    p.add_argument("--mode", choices=["default", "max-autotune"], default="default", help="aoti only")
+    p.add_argument(
+        "--mode",
+        choices=["auto", "default", "max-autotune"],
+        default="auto",
+        help="aoti only; auto (default): the form fastest on this CPU for the program's weight dtype "
+        "(oneDNN's packed linear on AVX512-BF16 without AMX, the C++ GEMM template on AMX)",
+    )
     p.add_argument(
         "--cache-dir", default=None, help="aoti only; default: $PRECAST_CACHE_DIR or the user cache dir"
     )
@@ -111,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         weights=weights,
     )
     how = "loaded from cache" if cm.from_cache else f"compiled in {cm.compile_seconds:.1f}s"
+    how += f", form {cm.form['name']}"
     if args.output:
         write_bytes(args.output, cm.package_path.read_bytes(), (args.source,))
         print(f"{args.output}: {how} ({time.perf_counter() - started:.1f}s total)", file=sys.stderr)
@@ -127,8 +134,8 @@ def _run_export(args: argparse.Namespace, backend: str) -> int:
 
     if not args.output:
         raise PrecastError(f"--backend {backend} needs -o FILE (e.g. -o model{SUFFIXES[backend]})")
-    if args.mode != "default" or args.cache_dir is not None or getattr(args, "weights", None):
-        option = "--mode" if args.mode != "default" else "--cache-dir" if args.cache_dir else "--weights"
+    if args.mode != "auto" or args.cache_dir is not None or getattr(args, "weights", None):
+        option = "--mode" if args.mode != "auto" else "--cache-dir" if args.cache_dir else "--weights"
         raise PrecastError(f"{option} applies to --backend aoti only; drop it for --backend {backend}")
     check_writable(args.output, (args.source,))
     if backend == "openvino":
