@@ -1,4 +1,4 @@
-"""LLM decode on a CPU, measured: the harness of ``precast bench --llm`` and ``benchmarks/llm_decode.py``.
+"""LLM decode on a CPU, measured: the harness of ``precast bench --llm`` (and of the source checkout's decode script).
 
 - ``Shape``, ``llama``, ``wrapped``, ``export_decoder``, ``decode_inputs``: the seeded Llama-shaped decoder of
   transformers (random weights), its ExecuTorch export recipe (static KV cache in buffers), the prompt and tokens.
@@ -32,9 +32,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import platformdirs
 import torch
 
-ANCHOR_ENV = "/work/venv-ovanchor"  # default; $PRECAST_OV_ANCHOR_PYTHON or --anchor-python point elsewhere
+# where `precast bench --llm --build-anchor-env` builds the anchor's environment (optimum-intel pins transformers
+# < 5.6); $PRECAST_OV_ANCHOR_PYTHON or --anchor-python point elsewhere
+ANCHOR_ENV = str(Path(platformdirs.user_data_dir("precast")) / "ov-anchor")
 ANCHOR_SCRIPT = Path(__file__).with_name("ov_anchor.py")
 
 
@@ -385,8 +388,8 @@ def run_decode_bench(
                 python = anchor_python(anchor)
                 if python is None:
                     raise RuntimeError(
-                        f"no anchor environment ({ANCHOR_ENV}; build it with benchmarks/llm_decode.py "
-                        "--build-anchor-env)"
+                        f"no anchor environment ({ANCHOR_ENV}; build it with precast bench --llm "
+                        "--build-anchor-env, or give --anchor-python)"
                     )
                 folder = save_for_anchor(fp32, Path(tempfile.gettempdir()) / f"precast-anchor-{shape.tag()}")
                 built[name] = {t: AnchorProcess(python, folder, shape, t) for t in threads}

@@ -93,13 +93,22 @@ def add_parser(sub) -> None:
         help="instead: decode speed of a Llama-shaped decoder with random weights (0.246 B; --quick: 2 tiny "
         "layers), interleaved at each --threads: eager fp32, eager hand-cast bf16, precast.compile with no options "
         "(the form this CPU implies) and with mode='default', precast on OpenVINO, and OpenVINO's own export "
-        "through optimum-intel in its own environment (--anchor-python; benchmarks/llm_decode.py "
-        "--build-anchor-env builds it); needs transformers",
+        "through optimum-intel in its own environment (--anchor-python; --build-anchor-env builds it); needs "
+        "transformers",
     )
     llm.add_argument("--quick", action="store_true", help="with --llm: the tiny decoder (a smoke run)")
     llm.add_argument("--threads", nargs="+", type=int, default=[1, 2], metavar="N", help="with --llm")
     llm.add_argument("--steps", type=int, default=8, metavar="N", help="with --llm: decode steps per sample")
     llm.add_argument("--anchor-python", default=None, metavar="PY", help="with --llm: the anchor's Python")
+    llm.add_argument(
+        "--build-anchor-env",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="with --llm: only build the anchor's environment (optimum-intel 2.2, transformers < 5.6, OpenVINO) "
+        "in DIR (default: precast's data folder), then exit",
+    )
     conv.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run (halves the time)")
     conv.add_argument("--no-verify", action="store_true", help="skip timing verification")
     p.set_defaults(run=run)
@@ -172,6 +181,18 @@ def run_llm(args: argparse.Namespace) -> int:
         import transformers  # noqa: F401
     except ImportError:
         raise PrecastError("bench --llm: needs transformers; pip install transformers") from None
+    if args.build_anchor_env is not None:
+        import subprocess
+
+        env = args.build_anchor_env or decode.ANCHOR_ENV
+        for cmd in decode.anchor_env_commands(env):
+            print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+            if subprocess.run(cmd).returncode != 0:
+                raise PrecastError(
+                    f"bench --llm --build-anchor-env: {cmd[0]} failed (see above); {env} is partial"
+                )
+        print(f"anchor environment ready: {env}/bin/python", file=sys.stderr)
+        return 0
     if args.out:
         out_dir(args.out, "llm_decode.json")
 

@@ -308,13 +308,14 @@ def test_load_weights_refuses_meta_and_sparse_tensors_and_keeps_its_weights(
 @pytest.mark.aoti
 def test_load_weights_casts_as_the_conversion_does(converted_a, compiled_a, aoti_cache):
     """A value beyond the stored dtype's range is clamped as fold and the streamed writer clamp it (bf16: the
-    largest finite bf16, not inf); inf stays inf."""
+    largest finite bf16, not inf); inf stays inf. mode="default": the form that holds the stored weight itself
+    (this CPU's form may hold only a packed copy made from it, test_aoti_forms checks those bitwise)."""
     import copy
 
     from precast.passes.fold import cast_constant
 
     model, inputs, res = converted_a
-    cm = precast.compile(copy.deepcopy(res.program), cache_dir=aoti_cache, progress=False)
+    cm = precast.compile(copy.deepcopy(res.program), cache_dir=aoti_cache, progress=False, mode="default")
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     sd["layers.0.weight"][0, :2] = torch.tensor([3.4e38, float("inf")])
     cm.load_weights(sd)
