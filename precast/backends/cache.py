@@ -38,7 +38,7 @@ from precast.weights.files import has_values, tensor_bytes
 MANIFEST = "manifest.json"
 PACKAGE = "model.pt2"
 FORMAT = 4  # 2: the manifest carries the compiled program's input signature; the key covers the toolchain;
-# 3: and the plan of the weights the compiled code reads through packed copies (backends/aoti.py, "packed");
+# 3: and the plan of the weights the compiled code reads through packed copies (backends/aoti_build.py, "packed");
 # 4: packages leave their constants out; "weights" says which the code declares and which it never reads
 
 # environment variables that change what inductor or the C++ compiler emits (read at compile time)
@@ -294,7 +294,7 @@ def read_entry(entry: Path, key: str) -> tuple[dict[str, Any] | None, str | None
 
 def packed_plan_ok(packed: Any) -> bool:
     """The manifest's ``"packed"``: ``{"plans": {name: {"source", "transposed", "block_n", "vnni"}}, "unmatched":
-    [names], "folded": {name: recipe}}`` (backends/aoti.py; ``folded`` absent in entries before it)."""
+    [names], "folded": {name: recipe}}`` (backends/aoti_build.py; ``folded`` absent in entries before it)."""
     if not isinstance(packed, dict) or not isinstance(packed.get("unmatched"), list):
         return False
     folded = packed.get("folded", {})
@@ -312,7 +312,7 @@ def packed_plan_ok(packed: Any) -> bool:
 
 def weights_layout_ok(layout: Any) -> bool:
     """The manifest's ``"weights"``: ``{"external": bool, "every": [names], "unread": [names]}``
-    (backends/aoti.py ``_layout``)."""
+    (backends/aoti_build.py ``_layout``)."""
     return (
         isinstance(layout, dict)
         and isinstance(layout.get("external"), bool)
