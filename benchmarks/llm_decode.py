@@ -70,7 +70,7 @@ if __package__ in (None, ""):  # run as a file: the repository root is importabl
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from precast.bench import decode  # noqa: E402 - after the path set-up above
+from precast.bench import decode, decode_anchor, decode_model  # noqa: E402 - after the path set-up above
 
 EAGER = ("eager_fp32", "eager_autocast", "eager_bf16")
 HAND = ("aoti_fp32", "aoti_fp32_frozen", "aoti_bf16", "aoti_bf16_frozen", "aoti_bf16_autotune")
@@ -91,16 +91,16 @@ FP32_FORMS = ("eager_fp32", "aoti_fp32", "aoti_fp32_frozen")
 BF16_HAND_FORMS = ("eager_bf16", "aoti_bf16", "aoti_bf16_frozen", "aoti_bf16_autotune")
 
 
-# the model, its inputs and the measuring live in the package's harness (precast/bench/decode.py), which
+# the model, its inputs and the measuring live in the package's harness (precast/bench/decode*.py), which
 # ``precast bench --llm`` runs too
 Shape, QUICK, llama, wrapped, read_bytes = (
-    decode.Shape,
-    decode.QUICK,
-    decode.llama,
-    decode.wrapped,
-    decode.read_bytes,
+    decode_model.Shape,
+    decode_model.QUICK,
+    decode_model.llama,
+    decode_model.wrapped,
+    decode_model.read_bytes,
 )
-export, inputs, bandwidth_gbs = decode.export_decoder, decode.decode_inputs, decode.bandwidth_gbs
+export, inputs, bandwidth_gbs = decode_model.export_decoder, decode_model.decode_inputs, decode.bandwidth_gbs
 
 
 # ---- the variants -------------------------------------------------------------------------------------------
@@ -273,13 +273,13 @@ def build_variants(
                 v.compile_spec = {"program": str(program_path), "backend": "openvino"}
                 v.stored_bytes, v.read_bytes = _bytes(_state(res.program), shape)
             elif name == "openvino_anchor":
-                python = decode.anchor_python(anchor)
+                python = decode_anchor.anchor_python(anchor)
                 if python is None:
                     raise RuntimeError(
-                        f"no anchor environment at {decode.ANCHOR_ENV}: build it with --build-anchor-env"
+                        f"no anchor environment at {decode_anchor.ANCHOR_ENV}: build it with --build-anchor-env"
                     )
-                folder = decode.save_for_anchor(fp32, work / f"anchor-{tag}")
-                v.anchors = {t: decode.AnchorProcess(python, folder, shape, t) for t in threads}
+                folder = decode_anchor.save_for_anchor(fp32, work / f"anchor-{tag}")
+                v.anchors = {t: decode_anchor.AnchorProcess(python, folder, shape, t) for t in threads}
                 first = v.anchors[threads[0]].info
                 v.compile_s, v.rss_mb = first.get("export_s"), first.get("rss_mb")
                 v.note = f"optimum-intel export, bf16 hint + bf16 KV cache; {first.get('versions')}"
@@ -833,12 +833,12 @@ def main(argv: list[str] | None = None) -> int:
         "--anchor-python",
         default=None,
         help=f"the Python of the OpenVINO anchor's environment (default $PRECAST_OV_ANCHOR_PYTHON or "
-        f"{decode.ANCHOR_ENV}/bin/python)",
+        f"{decode_anchor.ANCHOR_ENV}/bin/python)",
     )
     ap.add_argument(
         "--build-anchor-env",
         nargs="?",
-        const=decode.ANCHOR_ENV,
+        const=decode_anchor.ANCHOR_ENV,
         default=None,
         metavar="DIR",
         help="build the anchor's environment (optimum-intel 2.2, transformers < 5.6, torch CPU) and exit",
@@ -846,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-wheel", default=None, help="with --build-anchor-env: a local torch CPU wheel")
     args = ap.parse_args(argv)
     if args.build_anchor_env:
-        for cmd in decode.anchor_env_commands(args.build_anchor_env, args.torch_wheel):
+        for cmd in decode_anchor.anchor_env_commands(args.build_anchor_env, args.torch_wheel):
             print("+", " ".join(cmd), file=sys.stderr)
             subprocess.run(cmd, check=True)
         return 0

@@ -1,7 +1,7 @@
 """OpenVINO's own export of a saved transformers model, timed: the anchor of ``precast bench --llm``.
 
-Runs in the anchor's own environment (optimum-intel 2.2, transformers < 5.6; ``decode.anchor_env_commands``),
-never imports precast. Protocol on stdin / stdout, one JSON object a line:
+Runs in the anchor's own environment (optimum-intel 2.2, transformers < 5.6;
+``decode_anchor.anchor_env_commands``), never imports precast. Protocol on stdin / stdout, one JSON object a line:
 
   {"model_dir", "threads", "hint", "context", "cache_len", "vocab"}  -> {"export_s", "rss_mb", "versions"}
       exports ``model_dir`` with ``OVModelForCausalLM.from_pretrained(export=True)`` (stateful KV cache) into

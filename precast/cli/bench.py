@@ -172,7 +172,7 @@ def run_llm(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from precast.bench import decode
+    from precast.bench import decode, decode_anchor, decode_model
     from precast.errors import PrecastError
 
     if args.repeats < 1 or args.steps < 1 or any(t < 1 for t in args.threads):
@@ -184,8 +184,8 @@ def run_llm(args: argparse.Namespace) -> int:
     if args.build_anchor_env is not None:
         import subprocess
 
-        env = args.build_anchor_env or decode.ANCHOR_ENV
-        for cmd in decode.anchor_env_commands(env):
+        env = args.build_anchor_env or decode_anchor.ANCHOR_ENV
+        for cmd in decode_anchor.anchor_env_commands(env):
             print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
             if subprocess.run(cmd).returncode != 0:
                 raise PrecastError(
@@ -201,7 +201,7 @@ def run_llm(args: argparse.Namespace) -> int:
 
     log(f"load average before: {decode.load_average()}")
     payload = decode.run_decode_bench(
-        decode.QUICK if args.quick else decode.Shape(),
+        decode_model.QUICK if args.quick else decode_model.Shape(),
         list(args.threads),
         args.repeats,
         args.steps,

@@ -56,7 +56,7 @@ def test_interleaved_samples_every_form_in_turn_and_reports_failures():
 
 
 def test_read_bytes_counts_weights_whole_one_embedding_row_and_the_cache():
-    from precast.bench import decode
+    from precast.bench import decode_model
 
     state = {
         "model.embed_tokens.weight": torch.zeros(100, 8),  # one row per token: 32 bytes
@@ -64,15 +64,15 @@ def test_read_bytes_counts_weights_whole_one_embedding_row_and_the_cache():
         "static_cache.layers.0.keys": torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16),  # 128, cache
         "model.rotary_emb.inv_freq": torch.zeros(4),  # neither
     }
-    held, read = decode.read_bytes(state)
+    held, read = decode_model.read_bytes(state)
     assert held == {"weights": 100 * 8 * 4 + 256, "cache": 128}
     assert read == 32 + 256 + 128
 
 
 def test_anchor_environment_pins_what_optimum_intel_needs():
-    from precast.bench import decode
+    from precast.bench import decode_anchor
 
-    cmds = [" ".join(c) for c in decode.anchor_env_commands("/tmp/env", "/w/torch.whl")]
+    cmds = [" ".join(c) for c in decode_anchor.anchor_env_commands("/tmp/env", "/w/torch.whl")]
     assert cmds[0] == "python3.11 -m venv /tmp/env"
     assert any("/w/torch.whl" in c for c in cmds)  # torch CPU first: optimum-intel must not pull a CUDA one
     assert any("transformers<5.6" in c and "optimum-intel[openvino]==2.2.*" in c for c in cmds)
@@ -81,12 +81,12 @@ def test_anchor_environment_pins_what_optimum_intel_needs():
 
 
 def test_bench_llm_quick_eager_rows_and_a_missing_anchor_is_a_row_error(tmp_path, monkeypatch):
-    from precast.bench import decode
+    from precast.bench import decode, decode_anchor, decode_model
 
-    monkeypatch.setattr(decode, "ANCHOR_ENV", str(tmp_path / "no-env"))
+    monkeypatch.setattr(decode_anchor, "ANCHOR_ENV", str(tmp_path / "no-env"))
     monkeypatch.delenv("PRECAST_OV_ANCHOR_PYTHON", raising=False)
     payload = decode.run_decode_bench(
-        decode.QUICK, [1], 1, 1, forms=("eager_fp32", "eager_bf16", "openvino_anchor")
+        decode_model.QUICK, [1], 1, 1, forms=("eager_fp32", "eager_bf16", "openvino_anchor")
     )
     assert set(payload["runs"][1]) == {"eager_fp32", "eager_bf16"}
     assert "no anchor environment" in payload["errors"]["openvino_anchor"]
