@@ -40,7 +40,13 @@ from precast.ir.inputs import bind_inputs, placeholder_values, user_values
 from precast.ir.program import Program
 from precast.ir.regions import region_autocast
 from precast.pipeline.distributed import rank_and_size, reduce_calibration
-from precast.policy.rules.calibration import check_calibration, load_calibration
+from precast.policy.rules.calibration import (
+    check_calibration,
+    check_coverage,
+    load_calibration,
+    measured_nodes,
+    new_part,
+)
 from precast.policy.rules.measures import TOLERANCE_BATCHES, Calibration, NodeStats
 from precast.progress import ProgressBar
 
@@ -102,7 +108,9 @@ def calibrate(
     rank, world = shard if shard is not None else (0, 1)
     if not (isinstance(rank, int) and isinstance(world, int) and 0 <= rank < world):
         raise PrecastError(f"shard={shard!r}: give (rank, world) with 0 <= rank < world")
-    cal = Calibration(source=source, keep=keep, key=graph_key(program.graph), dtype=dtype_name(low))
+    cal = Calibration(
+        source=source, keep=keep, key=graph_key(program.graph), dtype=dtype_name(low), parts=(new_part(),)
+    )
     interp = _StatsInterpreter(program.gm, cal.stats, low)
     total = len(data) if hasattr(data, "__len__") else None
     with ProgressBar(f"calibrating on {source}", total, progress) as bar, torch.no_grad():
@@ -132,15 +140,18 @@ def is_given(data: Any) -> bool:
 
 
 def given_calibration(data: Any, program: Program, low: torch.dtype | None) -> Calibration:
-    """The given statistics (files loaded, several merged), checked against ``program`` and ``low``."""
+    """The given statistics (files loaded, several merged), checked against ``program`` and ``low``: measured
+    on it for ``low``, of its measured nodes only, and (merged) of every one of them."""
     items = list(data) if isinstance(data, (list, tuple)) else [data]
     cals = []
+    names = measured_nodes(program.graph)
     for d in items:
         c = d if isinstance(d, Calibration) else load_calibration(Path(d))
         where = f"calibration {d}" if not isinstance(d, Calibration) else "calibration"
-        check_calibration(c, graph_key(program.graph), low, where)
+        check_calibration(c, graph_key(program.graph), low, where, names)
         cals.append(c)
     cal = cals[0].merge(*cals[1:])
+    check_coverage(cal, names, "calibration" if len(cals) == 1 else f"the {len(cals)} calibrations merged")
     if cal.batches == 0:
         raise PrecastError("calibration: the given statistics cover no batch; calibrate on at least one")
     return cal

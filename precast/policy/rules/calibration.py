@@ -11,6 +11,14 @@ Files: JSON (format ``precast-calibration``) for the statistics; the sample's te
 beside it (``<stem>.sample.safetensors``, named and hashed in the JSON). Nothing is unpickled: a batch's
 structure is a pytree spec in JSON, its tensors safetensors, its other leaves JSON values.
 
+Files are untrusted input (``load_calibration``): the JSON's nesting is bounded before it is parsed, every
+number checked (ranges finite and ordered, ``absmax`` the larger magnitude of the range; counts integers in
+``[0, MAX_COUNT]`` and consistent with each other), the sample's safetensors header checked before torch reads
+it, and the statistics must cover exactly the program's measured nodes (``check_calibration``,
+``check_coverage``). Each measurement gets an identity (``parts``: a random id, or a file's sha256 for files
+written before ids): merging two values that share a part (a file merged with itself, whatever ``keep``) is
+refused, as is merging two that hold the same kept batch.
+
 Input: batches' outputs (``NodeStats.update``), calibrations, files. Output: merged values, files, one-line
 PrecastErrors for a foreign or corrupt file.
 """
@@ -20,22 +28,34 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx
 import torch.utils._pytree as pytree
 
 from precast.dtypes import dtype_name
 from precast.errors import PrecastError
-from precast.io import read_tensors, write_bytes, write_tensors
+from precast.io import MAX_DEPTH, loads_bounded, read_tensors, too_deep, write_bytes, write_tensors
 
 FORMAT, VERSION = "precast-calibration", 1
 
 
 # batches kept from the single pass over the calibration data for the tolerance search (several forwards each)
 TOLERANCE_BATCHES = 8
+MAX_COUNT = (
+    2**62
+)  # counts in a file: integers in [0, MAX_COUNT] (int64 after a distributed sum of a few ranks)
+MAX_KEEP = 1 << 20  # kept batches a file may declare
+MAX_PARTS = 1 << 16  # measurement ids a file may list
+
+
+def new_part() -> str:
+    """A fresh measurement id (``Calibration.parts``)."""
+    return uuid.uuid4().hex
 
 
 @dataclass
@@ -104,6 +124,38 @@ class NodeStats:
 COUNTS = ("nonfinite", "batches", "count", "nonzero", "subnormal", "flushed")  # NodeStats' summed fields
 
 
+def count(x: Any, what: str, limit: int = MAX_COUNT) -> int:
+    """A count read from a file: an integer (not a float, not a bool) in [0, limit]."""
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"{what} is {x!r}, not an integer")
+    if not 0 <= x <= limit:
+        raise ValueError(f"{what} is {x}, outside [0, {limit}]")
+    return x
+
+
+def check_node_stats(s: NodeStats, what: str, batches: int) -> None:
+    """ValueError when ``s`` could not have been measured: a range that is not finite and ordered (or not the
+    empty range of a node without finite values), an ``absmax`` other than the range's larger magnitude, counts
+    that contradict each other or exceed the calibration's batches."""
+    if s.count == 0:
+        if not (s.min == math.inf and s.max == -math.inf and s.absmax == 0.0):
+            raise ValueError(
+                f"{what}: no finite value counted, but a range [{s.min}, {s.max}] (absmax {s.absmax})"
+            )
+    else:
+        if not (math.isfinite(s.min) and math.isfinite(s.max) and s.min <= s.max):
+            raise ValueError(f"{what}: range [{s.min}, {s.max}] is not finite and ordered (min <= max)")
+        if s.absmax != max(abs(s.min), abs(s.max)):
+            raise ValueError(f"{what}: absmax {s.absmax} is not the largest magnitude of [{s.min}, {s.max}]")
+    if not s.flushed <= s.subnormal <= s.nonzero <= s.count:
+        raise ValueError(
+            f"{what}: counts contradict each other (flushed {s.flushed} <= subnormal {s.subnormal} <= nonzero "
+            f"{s.nonzero} <= count {s.count} must hold)"
+        )
+    if s.batches > batches or ((s.count or s.nonfinite) and not s.batches):
+        raise ValueError(f"{what}: {s.batches} batches of the calibration's {batches}")
+
+
 def smallest_subnormal(dtype: torch.dtype) -> float:
     """2**-24 for float16, 2**-133 for bfloat16: the smallest positive value the dtype holds."""
     info = torch.finfo(dtype)
@@ -126,6 +178,9 @@ class Calibration:
     keep: int = 0  # how many batches the sample keeps at most
     key: str = ""  # the program's graph the statistics are keyed by ("" : not recorded)
     dtype: str | None = None  # the low dtype of the subnormal counts (None: not counted)
+    # the measurements merged into this value: a random id each (a file written before ids: its sha256); two
+    # values sharing one would count the same batches twice
+    parts: tuple[str, ...] = ()
 
     def merge(self, *others: Calibration) -> Calibration:
         """One calibration of this one's batches and ``others``': statistics merged node by node, the sample the
@@ -140,6 +195,7 @@ class Calibration:
             self.keep,
             self.key,
             self.dtype,
+            tuple(self.parts),
         )
         for o in others:
             for what, mine, theirs in (("program", out.key, o.key), ("low dtype", out.dtype, o.dtype)):
@@ -148,6 +204,13 @@ class Calibration:
                         f"cannot merge calibrations of another {what} ({mine or 'none'} and {theirs or 'none'}): "
                         "calibrate every shard on the same program with the same dtype"
                     )
+            same = sorted(set(out.parts) & set(o.parts))
+            if same:
+                raise PrecastError(
+                    f"cannot merge calibrations that both hold measurement {same[0][:12]} ({len(same)} shared): "
+                    "the same statistics given twice (a file merged with itself, or with a merge that holds it) "
+                    "would count their batches twice; merge each shard once"
+                )
             for k, v in o.stats.items():
                 out.stats[k] = out.stats[k].merge(v) if k in out.stats else NodeStats().merge(v)
             out.batches += o.batches
@@ -163,6 +226,7 @@ class Calibration:
                 zip(out.sample_index + o.sample_index, out.sample + o.sample, strict=True), key=lambda p: p[0]
             )[: out.keep]
             out.sample_index, out.sample = [i for i, _ in pairs], [b for _, b in pairs]
+            out.parts = (*out.parts, *o.parts)
         return out
 
     def save(self, path: str | Path) -> None:
@@ -198,6 +262,7 @@ def save_calibration(cal: Calibration, path: str | Path) -> None:
         "batches": cal.batches,
         "source": cal.source,
         "keep": cal.keep,
+        "parts": list(cal.parts),
         "stats": {
             k: {
                 "absmax": s.absmax,
@@ -234,12 +299,17 @@ def save_calibration(cal: Calibration, path: str | Path) -> None:
 
 
 def read_json_file(path: Path, what: str, fmt: str, hint: str, version: int = VERSION) -> dict:
-    """A JSON file of format ``fmt`` and ``version``, or one line saying what it is not (``hint``: what to do)."""
+    """A JSON file of format ``fmt`` and ``version``, or one line saying what it is not (``hint``: what to do).
+    Its nesting is bounded before it is parsed (``check_json_depth``)."""
     try:
-        doc = json.loads(path.read_text())
+        text = path.read_text()
     except OSError as exc:
         raise PrecastError(f"{what} {path}: cannot read it ({exc.strerror})") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise PrecastError(f"{what} {path}: not JSON ({exc}); {hint}") from exc
+    try:
+        doc = loads_bounded(text)
+    except ValueError as exc:  # json.JSONDecodeError is one
         raise PrecastError(f"{what} {path}: not JSON ({exc}); {hint}") from exc
     if not isinstance(doc, dict) or doc.get("format") != fmt:
         raise PrecastError(f'{what} {path}: not a {fmt} file (no "format": "{fmt}"); {hint}')
@@ -250,49 +320,145 @@ def read_json_file(path: Path, what: str, fmt: str, hint: str, version: int = VE
     return doc
 
 
+def _stats_of(name: str, v: Any, batches: int) -> NodeStats:
+    if not isinstance(v, dict):
+        raise ValueError(f"statistics of {name} are a {type(v).__name__}, not an object")
+    s = NodeStats(
+        absmax=_float(v["absmax"]),
+        min=_float(v["min"]),
+        max=_float(v["max"]),
+        **{c: count(v[c], f"{c} of {name}") for c in COUNTS},
+    )
+    check_node_stats(s, name, batches)
+    return s
+
+
+def _parts(doc: dict, path: Path) -> tuple[str, ...]:
+    parts = doc.get("parts")
+    if parts is None:  # written before measurement ids: the file's own bytes identify it
+        return (hashlib.sha256(path.read_bytes()).hexdigest(),)
+    if not isinstance(parts, list) or not 0 < len(parts) <= MAX_PARTS:
+        raise ValueError(f"parts is not a list of 1 to {MAX_PARTS} measurement ids")
+    for p in parts:
+        if not (isinstance(p, str) and 0 < len(p) <= 64 and all(c in "0123456789abcdef" for c in p)):
+            raise ValueError(f"measurement id {p!r} is not hexadecimal")
+    if len(set(parts)) != len(parts):
+        raise ValueError("a measurement id is listed twice (the same statistics merged twice)")
+    return tuple(parts)
+
+
+def _sample_batch(b: Any, tensors: dict[str, torch.Tensor], name: str) -> tuple[int, Any]:
+    """(global index, batch) of one kept batch of the JSON, its spec's nesting bounded before it is parsed."""
+    if not isinstance(b, dict) or not isinstance(b.get("spec"), str) or not isinstance(b.get("leaves"), list):
+        raise ValueError("a kept batch is not an object with a spec and leaves")
+    index = count(b["index"], "a kept batch's index")
+    leaves = []
+    for x in b["leaves"]:
+        if not isinstance(x, dict):
+            raise ValueError(f"a leaf of batch {index} is not an object")
+        if "tensor" in x:
+            if x["tensor"] not in tensors:
+                raise ValueError(f"batch {index} names tensor {x['tensor']!r}, which {name} does not hold")
+            leaves.append(tensors[x["tensor"]])
+        elif x.get("value") is None or isinstance(x["value"], (bool, int, float, str)):
+            leaves.append(x.get("value"))
+        else:
+            raise ValueError(f"a leaf of batch {index} is neither a tensor nor a number")
+    if too_deep(b["spec"]):
+        raise ValueError(f"the spec of batch {index} nests more than {MAX_DEPTH} deep")
+    try:
+        spec = pytree.treespec_loads(b["spec"])
+    except NotImplementedError as exc:  # a type no pytree registration knows
+        raise ValueError(f"the spec of batch {index} names a type this process cannot build ({exc})") from exc
+    return index, pytree.tree_unflatten(leaves, spec)
+
+
 def load_calibration(path: str | Path) -> Calibration:
-    """A calibration saved by ``Calibration.save`` (its sample read from the safetensors file beside it)."""
+    """A calibration saved by ``Calibration.save`` (its sample read from the safetensors file beside it), every
+    value checked (see the module docstring): anything a measurement could not have written is one line."""
     path = Path(path)
     what, hint = "calibration", "write it with precast.calibrate(...).save(path)"
     doc = read_json_file(path, what, FORMAT, hint)
     try:
-        stats = {
-            str(k): NodeStats(
-                absmax=_float(v["absmax"]),
-                min=_float(v["min"]),
-                max=_float(v["max"]),
-                **{c: int(v[c]) for c in COUNTS},
-            )
-            for k, v in doc["stats"].items()
-        }
+        batches = count(doc["batches"], "batches")
+        stats = doc["stats"]
+        if not isinstance(stats, dict):
+            raise ValueError("stats is not an object of node names")
+        if not isinstance(doc["program"], str) or not isinstance(doc["source"], str):
+            raise ValueError("program and source must be strings")
+        if doc["dtype"] is not None and not isinstance(doc["dtype"], str):
+            raise ValueError("dtype must be a string or null")
         cal = Calibration(
-            stats,
-            int(doc["batches"]),
-            str(doc["source"]),
-            keep=int(doc["keep"]),
-            key=str(doc["program"]),
-            dtype=None if doc["dtype"] is None else str(doc["dtype"]),
+            {str(k): _stats_of(str(k), v, batches) for k, v in stats.items()},
+            batches,
+            doc["source"],
+            keep=count(doc["keep"], "keep", MAX_KEEP),
+            key=doc["program"],
+            dtype=doc["dtype"],
+            parts=_parts(doc, path),
         )
         sample = doc["sample"]
         if sample is not None:
+            if not isinstance(sample, dict) or not isinstance(sample.get("batches"), list):
+                raise ValueError("sample is not an object with a list of batches")
             name = str(sample["file"])
             if Path(name).name != name:
                 raise ValueError(f"sample file {name!r} is not a file name beside it")
+            if len(sample["batches"]) > cal.keep:
+                raise ValueError(f"{len(sample['batches'])} kept batches, more than keep={cal.keep}")
             side = path.with_name(name)
             if side.is_file() and hashlib.sha256(side.read_bytes()).hexdigest() != sample["sha256"]:
                 raise ValueError(f"{name} does not match its sha256 (written by another save)")
             tensors, _ = read_tensors(side, what)
             for b in sample["batches"]:
-                leaves = [tensors[x["tensor"]] if "tensor" in x else x["value"] for x in b["leaves"]]
-                cal.sample.append(pytree.tree_unflatten(leaves, pytree.treespec_loads(b["spec"])))
-                cal.sample_index.append(int(b["index"]))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                index, batch = _sample_batch(b, tensors, name)
+                cal.sample.append(batch)
+                cal.sample_index.append(index)
+            if cal.sample_index != sorted(set(cal.sample_index)):
+                raise ValueError(f"kept batch indices {cal.sample_index[:8]} are not ascending and distinct")
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise PrecastError(f"{what} {path}: malformed ({type(exc).__name__}: {exc}); {hint}") from exc
     return cal
 
 
-def check_calibration(cal: Calibration, key: str, low: torch.dtype | None, where: str) -> None:
-    """One line if ``cal`` was measured on another program or for another low dtype."""
+def measured_nodes(graph: torch.fx.Graph) -> list[str]:
+    """The nodes calibration measures, in graph order: every placeholder and op but export's dtype asserts."""
+    return [
+        n.name
+        for n in graph.nodes
+        if n.op in ("placeholder", "call_function")
+        and n.target is not torch.ops.aten._assert_tensor_metadata.default
+    ]
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def check_coverage(cal: Calibration, names: list[str], where: str) -> None:
+    """One line unless ``cal`` has statistics of exactly ``names`` (``measured_nodes``): a node the program lacks
+    would be ignored, a missing one decided without data; a calibration of no batch (a shard with no data) may
+    hold none."""
+    want = set(names)
+    extra = sorted(set(cal.stats) - want)
+    if extra:
+        raise PrecastError(
+            f"{where}: statistics of {len(extra)} node(s) the program does not have ({_few(extra)}); "
+            "calibrate this program (precast.calibrate on the same program or module and inputs)"
+        )
+    missing = [n for n in names if n not in cal.stats]
+    if missing and cal.batches:
+        raise PrecastError(
+            f"{where}: no statistics for {len(missing)} of the program's {len(names)} measured node(s) "
+            f"({_few(missing)}); calibrate this program again (a calibration measures every node)"
+        )
+
+
+def check_calibration(
+    cal: Calibration, key: str, low: torch.dtype | None, where: str, names: list[str] | None = None
+) -> None:
+    """One line if ``cal`` was measured on another program or for another low dtype, or (``names``: the
+    program's ``measured_nodes``) holds statistics of nodes the program does not have."""
     if cal.key != key:
         raise PrecastError(
             f"{where}: measured on another program (graph key {cal.key or 'none'}, this program's is {key}); "
@@ -303,3 +469,7 @@ def check_calibration(cal: Calibration, key: str, low: torch.dtype | None, where
         raise PrecastError(
             f"{where}: measured for {cal.dtype}, this conversion lowers to {want}; calibrate with dtype={want!r}"
         )
+    if names is not None:
+        extra = sorted(set(cal.stats) - set(names))
+        if extra:
+            check_coverage(cal, names, where)
