@@ -151,7 +151,8 @@ def given_calibration(data: Any, program: Program, low: torch.dtype | None) -> C
         check_calibration(c, graph_key(program.graph), low, where, names)
         cals.append(c)
     cal = cals[0].merge(*cals[1:])
-    check_coverage(cal, names, "calibration" if len(cals) == 1 else f"the {len(cals)} calibrations merged")
+    one = "calibration" if isinstance(items[0], Calibration) else f"calibration {items[0]}"
+    check_coverage(cal, names, one if len(cals) == 1 else f"the {len(cals)} calibrations merged")
     if cal.batches == 0:
         raise PrecastError("calibration: the given statistics cover no batch; calibrate on at least one")
     return cal
