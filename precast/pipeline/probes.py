@@ -117,9 +117,8 @@ class Tapping(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, readers: set[str], grad: bool = True, keep: bool = True):
         super().__init__(gm)
         self.readers, self.grad, self.keep = readers, grad, keep
-        self.taps: dict[
-            tuple[str, str], torch.Tensor
-        ] = {}  # with ``keep``; else only their keys, in ``reads``
+        # the tapped values with ``keep``; every tapped read's key in ``reads`` either way
+        self.taps: dict[tuple[str, str], torch.Tensor] = {}
         self.reads: set[tuple[str, str]] = set()
         self.leaves: dict[tuple[str, str], torch.Tensor] = {}
         self.constant_reads: set[tuple[str, str]] = set()  # reads of a value no op computed (weights, inputs)
