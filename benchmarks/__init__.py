@@ -1,6 +1,6 @@
 """precast's benchmarks (a source checkout only; not part of the installed package).
 
-``benchmarks.models``: the models ``precast bench --model NAME`` resolves short names against;
-``benchmarks.minilm``: all-MiniLM-L6-v2 in plain PyTorch with its real weights (optional packages);
+``precast.bench.models``: the models ``precast bench --model NAME`` resolves short names against;
+``precast.bench.minilm``: all-MiniLM-L6-v2 in plain PyTorch with its real weights (optional packages);
 ``benchmarks/aoti_mlp.py``, ``benchmarks/convert_cost.py``: scripts (run from the repository root).
 """

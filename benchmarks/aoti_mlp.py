@@ -27,8 +27,8 @@ if __package__ in (
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import precast  # noqa: E402
-from benchmarks.models import mlp  # noqa: E402
 from precast import bench  # noqa: E402
+from precast.bench.models import mlp  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

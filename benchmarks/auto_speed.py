@@ -33,7 +33,7 @@ MODELS = ("mlp", "cnn", "minilm")
 
 
 def _build(name: str):
-    from benchmarks import models
+    from precast.bench import models
 
     return getattr(models, name)()
 

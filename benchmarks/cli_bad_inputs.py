@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import io
 import os
 import pickle
+import stat
 import sys
 import zipfile
 from dataclasses import dataclass
@@ -221,6 +223,57 @@ CASES: list[tuple[str, list[str]]] = [
             ("missing a read", "e_missing"),
         )
     ],
+    # streamed weights (issue 33): the input weights never written, only regular files read, bounded lines
+    (
+        "convert: --weights-out through a missing folder and .. is the input",
+        [
+            "convert",
+            "{d}/weightless.pt2",
+            "-o",
+            "{d}/out.pt2",
+            "--weights",
+            "{d}/in",
+            "--weights-out",
+            "{d}/new/../in",
+        ],
+    ),
+    (
+        "convert: --weights-out through a link into the input",
+        [
+            "convert",
+            "{d}/weightless.pt2",
+            "-o",
+            "{d}/out.pt2",
+            "--weights",
+            "{d}/in",
+            "--weights-out",
+            "{d}/inlink/sub",
+        ],
+    ),
+    (
+        "convert: -o names an input weights file",
+        ["convert", "{d}/weightless.pt2", "-o", "{d}/in/model.safetensors", "--weights", "{d}/in"],
+    ),
+    (
+        "convert: -o inside the input weights folder",
+        ["convert", "{d}/weightless.pt2", "-o", "{d}/inlink/out.pt2", "--weights", "{d}/in"],
+    ),
+    (
+        "convert: --weights folder holding a FIFO named *.safetensors",
+        ["convert", "{d}/weightless.pt2", "-o", "{d}/out.pt2", "--weights", "{d}/fifo_w"],
+    ),
+    (
+        "convert: --weights of another model",
+        ["convert", "{d}/weightless.pt2", "-o", "{d}/out.pt2", "--weights", "{d}/other_w"],
+    ),
+    (
+        "compile: -o inside the --weights folder",
+        ["compile", "{d}/weightless.pt2", "--weights", "{d}/in", "-o", "{d}/in/pkg.pt2"],
+    ),
+    (
+        "compile: --weights -o for a program holding its weights",
+        ["compile", "{d}/good.pt2", "--weights", "{d}/in", "-o", "{d}/pkg.pt2"],
+    ),
     ("convert: factory spec malformed", ["convert", "a:b:c", "-o", "{d}/out.pt2"]),
     ("convert: factory module missing", ["convert", "no_such_pkg.models:make", "-o", "{d}/out.pt2"]),
     ("convert: factory missing", ["convert", "bad_input_factories:nosuch", "-o", "{d}/out.pt2"]),
@@ -261,6 +314,38 @@ CASES: list[tuple[str, list[str]]] = [
     ("compile: --cache-dir writable by others", ["compile", "{d}/good.pt2", "--cache-dir", "{d}/shared"]),
     ("compile: --cache-dir owned by another user", ["compile", "{d}/good.pt2", "--cache-dir", "{d}/theirs"]),
     ("compile: --cache-dir is a file", ["compile", "{d}/good.pt2", "--cache-dir", "{d}/text.pt2"]),
+    ("report: output type not registered with pytree", ["report", "{d}/unregistered.pt2"]),
+    ("generate: missing file", ["generate", "{d}/nope.pt2", "--prompt-ids", "1,2", "--max-new-tokens", "4"]),
+    ("generate: not a decoder", ["generate", "{d}/good.pt2", "--prompt-ids", "1,2", "--max-new-tokens", "4"]),
+    (
+        "generate: bad --prompt-ids",
+        ["generate", "{d}/good.pt2", "--prompt-ids", "1,x", "--max-new-tokens", "4"],
+    ),
+    (
+        "generate: --prompt without --tokenizer",
+        ["generate", "{d}/good.pt2", "--prompt", "hi", "--max-new-tokens", "4"],
+    ),
+    (
+        "generate: --tokenizer missing",
+        [
+            "generate",
+            "{d}/good.pt2",
+            "--prompt",
+            "hi",
+            "--tokenizer",
+            "{d}/nope.json",
+            "--max-new-tokens",
+            "4",
+        ],
+    ),
+    (
+        "generate: --max-new-tokens 0",
+        ["generate", "{d}/good.pt2", "--prompt-ids", "1", "--max-new-tokens", "0"],
+    ),
+    (
+        "generate: --temperature 0",
+        ["generate", "{d}/good.pt2", "--prompt-ids", "1", "--max-new-tokens", "4", "--temperature", "0"],
+    ),
     ("bench: --out is a file", ["bench", "--model", "mlp", "--out", "{d}/text.pt2"]),
     ("bench: --repeats 0", ["bench", "--model", "mlp", "--repeats", "0"]),
     ("bench: --batch 0", ["bench", "--model", "mlp", "--batch", "0"]),
@@ -273,6 +358,28 @@ CASES: list[tuple[str, list[str]]] = [
     ("bench: factory module fails to import", ["bench", "--model", "bad_input_broken:make"]),
     ("bench: --convert --sizes 0", ["bench", "--convert", "--model", "chain", "--sizes", "0"]),
 ]
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+
+
+class _ReturnsOutput(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> _Output:
+        return _Output(x * 2)
+
+
+def _save_unregistered(path: Path) -> None:
+    """A program whose output type is registered with pytree only while it is saved (transformers'
+    CausalLMOutputWithPast in a process that has not imported transformers)."""
+    from torch.utils import _pytree as pytree
+
+    pytree.register_dataclass(_Output, serialized_type_name="bad_inputs.Output")
+    try:
+        torch.export.save(torch.export.export(_ReturnsOutput(), (torch.ones(2),)), str(path))
+    finally:
+        pytree._deregister_pytree_node(_Output)
 
 
 def make_fixtures(d: Path) -> None:
@@ -301,6 +408,7 @@ def make_fixtures(d: Path) -> None:
             blob = src.read(info.filename)
             dst.writestr(info, payload.getvalue() if "/data/sample_inputs/" in info.filename else blob)
     (d / "link.pt2").symlink_to(good)
+    _save_unregistered(d / "unregistered.pt2")
     (d / "folder").mkdir()
     torch.save((torch.randn(4, 128),), d / "inputs.pt")
     torch.save((torch.randn(4, 7),), d / "wrong_inputs.pt")
@@ -311,6 +419,7 @@ def make_fixtures(d: Path) -> None:
         d / "other.json"
     )
     stats_fixtures(d / "stats", good, inputs)
+    _weights_fixtures(d)
     (d / "bad_input_factories.py").write_text(FACTORIES)
     (d / "bad_input_broken.py").write_text(BROKEN_IMPORT)
     (d / "shared").mkdir(mode=0o700)
@@ -385,6 +494,76 @@ def stats_fixtures(d: Path, good: Path, inputs: tuple) -> None:
     assert e["energy"], "the fixture's energies hold no read"
 
 
+def _weights_fixtures(d: Path) -> None:
+    """A program exported without its weights (weightless.pt2), its weights (in/, linked as inlink), the same
+    beside a FIFO named like a shard (fifo_w/), and another model's weights (other_w/)."""
+    from safetensors.torch import save_file
+
+    import precast
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(12))).eval()
+    torch.export.save(precast.export_weightless(model, (torch.randn(2, 8),)), str(d / "weightless.pt2"))
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    for name in ("in", "fifo_w", "other_w"):
+        (d / name).mkdir()
+    save_file(state, str(d / "in" / "model.safetensors"))
+    save_file(state, str(d / "fifo_w" / "model.safetensors"))
+    os.mkfifo(d / "fifo_w" / "zz.safetensors")
+    save_file({f"blocks.{k}": v for k, v in state.items()}, str(d / "other_w" / "model.safetensors"))
+    (d / "inlink").symlink_to(d / "in")
+
+
+# Python API cases: (name, code run with `precast`, `torch` and `D` (the fixture folder, a Path) in scope)
+API_CASES: list[tuple[str, str]] = [
+    (
+        "convert: weights_out through a missing folder and .. is the input",
+        "precast.convert(weightless(), weights=D / 'in', weights_out=str(D / 'new') + '/../in')",
+    ),
+    (
+        "convert: weights_out through a link into the input",
+        "precast.convert(weightless(), weights=D / 'in', weights_out=D / 'inlink' / 'sub')",
+    ),
+    (
+        "convert: weights folder holding a FIFO named *.safetensors",
+        "precast.convert(weightless(), weights=D / 'fifo_w', weights_out=D / 'o')",
+    ),
+    (
+        "convert: weights of another model",
+        "precast.convert(weightless(), weights=D / 'other_w', weights_out=D / 'o')",
+    ),
+    (
+        "with_weights: weights of another model",
+        "precast.with_weights(weightless(), D / 'other_w')",
+    ),
+]
+
+
+def run_api_case(d: Path, name: str, code: str) -> Outcome:
+    """``code`` run in process: exit 2 stands for a one-line ``PrecastError``, 1 for anything else raised, 0 for
+    none; ``changed`` as for the CLI cases."""
+    import precast
+    from precast.pipeline.load import load_program
+
+    scope = {
+        "precast": precast,
+        "torch": torch,
+        "D": d,
+        "weightless": lambda: load_program(d / "weightless.pt2"),
+    }
+    before = snapshot(d)
+    status, message = 0, ""
+    try:
+        exec(code, scope)  # noqa: S102 - the table's own code
+    except precast.PrecastError as exc:
+        status, message = 2, str(exc)
+    except Exception as exc:  # noqa: BLE001 - recorded in the table as the failure it is
+        status, message = 1, f"{type(exc).__name__}: {exc}"
+    after = snapshot(d)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    return Outcome(name, code.replace("D / ", "D/"), status, message, "", changed, api=True)
+
+
 class _Marker:
     def __reduce__(self):
         return (print, ("this pickle ran",))
@@ -396,6 +575,8 @@ def snapshot(d: Path) -> dict[str, str]:
     for p in sorted(d.rglob("*")):
         if p.is_symlink() or p.is_dir():
             out[str(p.relative_to(d))] = "link" if p.is_symlink() else "dir"
+        elif not stat.S_ISREG(p.lstat().st_mode):
+            out[str(p.relative_to(d))] = "special"  # a FIFO: never opened (it would wait for a writer)
         else:
             out[str(p.relative_to(d))] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
@@ -409,6 +590,7 @@ class Outcome:
     stderr: str
     stdout: str
     changed: list[str]
+    api: bool = False  # a Python API case: "exit 2" stands for a one-line PrecastError
 
 
 def run_case(d: Path, name: str, argv: list[str]) -> Outcome:
@@ -432,31 +614,49 @@ def run_all(d: Path) -> list[Outcome]:
     make_fixtures(d)
     sys.path.insert(0, str(d))
     try:
-        return [run_case(d, name, argv) for name, argv in CASES]
+        return [run_case(d, name, argv) for name, argv in CASES] + [
+            run_api_case(d, name, code) for name, code in API_CASES
+        ]
     finally:
         sys.path.remove(str(d))
 
 
 def to_markdown(outcomes: list[Outcome], d: Path) -> str:
     ok = sum(o.status == 2 and len(o.stderr.strip().splitlines()) == 1 and not o.changed for o in outcomes)
+    cli = [o for o in outcomes if not o.api]
+    api = [o for o in outcomes if o.api]
     lines = [
         "# CLI bad-input table",
         "",
-        f"{len(outcomes)} cases, {ok} exit 2 with one line on stderr, no output or temporary file, inputs "
+        f"{len(outcomes)} cases ({len(cli)} CLI, {len(api)} Python API), {ok} exit 2 (the API: raise one "
+        "PrecastError) with one line on stderr, no output or temporary file, inputs "
         "unchanged. Generated by `python -m benchmarks.cli_bad_inputs --out docs/cli_bad_inputs.md` "
         f"(torch {torch.__version__}); `D` is the fixture folder. tests/cli/test_cli_bad_inputs.py runs the same cases.",
         "",
         "| case | command | exit | stderr (one line) | files changed |",
         "|---|---|---|---|---|",
     ]
-    for o in outcomes:
-        first = o.stderr.strip().splitlines()[0] if o.stderr.strip() else ""
-        first = first.replace("|", "\\|")
-        first = first.replace(str(d), "D").replace("\x1b[1m", "").replace("\x1b[0m", "")
-        lines.append(
-            f"| {o.name} | `{o.command}` | {o.status} | {first} | {', '.join(o.changed) or 'none'} |"
-        )
+    lines += [_row(o, d) for o in cli]
+    if api:
+        lines += [
+            "",
+            "## Python API",
+            "",
+            "The same bad inputs through the API: exit 2 here means one `PrecastError` of one line (the message "
+            "shown), nothing written, inputs unchanged.",
+            "",
+            "| case | call | exit | error (one line) | files changed |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [_row(o, d) for o in api]
     return "\n".join(lines) + "\n"
+
+
+def _row(o: Outcome, d: Path) -> str:
+    first = o.stderr.strip().splitlines()[0] if o.stderr.strip() else ""
+    first = first.replace("|", "\\|")
+    first = first.replace(str(d), "D").replace("\x1b[1m", "").replace("\x1b[0m", "")
+    return f"| {o.name} | `{o.command}` | {o.status} | {first} | {', '.join(o.changed) or 'none'} |"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,9 +6,9 @@
     .venv/bin/python -m benchmarks.convert_cost --llama 0.2b 1.1b --out docs/benchmarks   # s/GB, peak RSS
 
 The same measurement as ``precast bench --convert`` (``precast.bench.run_convert_bench``): the real
-``precast.convert`` observed stage by stage through ``precast.pipeline.runner.observe`` (see
+``precast.convert`` observed stage by stage through ``precast.passes.runner.observe`` (see
 ``precast/bench/convert_cost.py``), on a synthetic chain of N ops in one bf16 region and on the small-config
-transformers / timm models of ``benchmarks.convert_models`` (skipped when the library is missing), for policy
+transformers / timm models of ``precast.bench.convert_models`` (skipped when the library is missing), for policy
 None and "torch". Results are printed as each row finishes and written to ``--out``
 (convert_cost.json / convert_cost.md). ``--profile POLICY`` adds a cProfile of ``precast.convert`` on the chain
 at the largest N. Target (issue 15): <= 1 ms per node for all stages together, verification excluded, linear

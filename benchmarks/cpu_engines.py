@@ -60,7 +60,7 @@ PRECAST_OV = ("precast -> OpenVINO", "precast (fp32 head) -> OpenVINO")
 
 
 def minilm() -> tuple[torch.nn.Module, tuple]:
-    from benchmarks.minilm import SENTENCES
+    from precast.bench.minilm import SENTENCES
     from tests.realmodels.builders import MeanPooled, minilm_bert_model, minilm_tokenize
 
     model = MeanPooled(minilm_bert_model(), False).eval()

@@ -102,7 +102,7 @@ def save_model():
 
 def save_trials(n: int, rng: random.Random, failures: list[str]) -> int:
     import precast
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     model, inputs = save_model()
     want = precast.convert(model, inputs).program.module()(*inputs)

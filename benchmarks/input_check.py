@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a file: the repository root is importabl
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import precast  # noqa: E402
-from benchmarks.models import mlp  # noqa: E402
+from precast.bench.models import mlp  # noqa: E402
 
 
 def per_call_us(fn, n: int) -> float:

@@ -122,6 +122,7 @@ def stage_export(work: Path, size: str) -> dict:
 
 def stage_stream(work: Path, policy: str) -> dict:
     import precast.pipeline.capture  # noqa: F401 - imports outside the measured conversion
+    import precast.pipeline.load  # noqa: F401
     from precast.cli import main
 
     base = _peak_mib()
@@ -150,14 +151,14 @@ def stage_stream(work: Path, policy: str) -> dict:
 
 
 def _hash(t: torch.Tensor) -> str:
-    from precast.ir.weights import tensor_bytes
+    from precast.weights.files import tensor_bytes
 
     return hashlib.sha256(tensor_bytes(t.contiguous())).hexdigest()[:24]
 
 
 def stage_memory(work: Path, policy: str) -> dict:
     import precast
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     ep = precast.with_weights(load_program(work / "w.pt2"), work / "weights")
     res = precast.convert(ep, policy=None if policy == "none" else policy, dtype="bf16", verify=False)

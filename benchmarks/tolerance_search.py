@@ -1,4 +1,4 @@
-"""The tolerance search on all-MiniLM-L6-v2 (real weights, ``benchmarks.minilm``): forwards, wall time and ops
+"""The tolerance search on all-MiniLM-L6-v2 (real weights, ``precast.bench.minilm``): forwards, wall time and ops
 kept in fp32 for ``policy="rules", tolerance={"cosine": 0.99996}`` on the first 8 sample sentences (one
 calibration batch), as ``tests/test_minilm.py`` runs it.
 
@@ -7,8 +7,8 @@ calibration batch), as ``tests/test_minilm.py`` runs it.
 Before (the search as it was before the overrides/fast-search rework: a ``MixedInterpreter`` applying the
 decisions op by op, each candidate ranked by one forward with it alone in low precision, then doubling and
 bisection), measured before the change with this model, data and target on the same 2-core CPU machine, bf16,
-by a script that wrapped ``MixedInterpreter.run`` and ``check_program`` in ``precast.policy.rules.tolerance_search`` /
-``precast.pipeline.tolerance`` with call counters and ran ``run()``'s conversion under ``time``::
+by a script that wrapped ``MixedInterpreter.run`` and ``check_program`` in ``precast.numerics.tolerance_search`` /
+``precast.numerics.tolerance`` with call counters and ran ``run()``'s conversion under ``time``::
 
     forwards 49 (reference 1, all-low 1, every candidate in fp32 1, 37 rankings, 8 tries, check 1)
     convert 56.6 s wall (26 s CPU; the machine was shared), kept 15 of 37 candidates in fp32:
@@ -38,7 +38,7 @@ import torch
 import torch.fx
 
 import precast
-from benchmarks.minilm import SENTENCES, load_minilm, tokenize
+from precast.bench.minilm import SENTENCES, load_minilm, tokenize
 
 TARGET = 0.99996
 
@@ -112,11 +112,11 @@ def _old_search(program: Any, ep: Any, policy: Any, opts: Any, cal: Any, tol: An
     from precast.ir.inputs import placeholder_values, user_values
     from precast.ir.op_families import GEMM_OPS
     from precast.metrics import WorstError
-    from precast.pipeline.tolerance import user_outputs
+    from precast.numerics.tolerance import user_outputs
+    from precast.numerics.tolerance_search import ToleranceResult
     from precast.policy.base import apply_decision
     from precast.policy.compose import decide
     from precast.policy.rules.taxonomy import op_name
-    from precast.policy.rules.tolerance_search import ToleranceResult
 
     class MixedInterpreter(torch.fx.Interpreter):
         def __init__(self, gm: torch.fx.GraphModule, pol: Any):

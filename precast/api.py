@@ -14,50 +14,34 @@ applies to, or refused with one line.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
 
-from precast.dtypes import parse_low_dtype
 from precast.errors import PrecastError
 from precast.guard import guard_module
-from precast.ir import diagnostics
 from precast.ir.program import private_state
-from precast.ir.weights import WeightFiles, weightless
+from precast.numerics.calibrate import calibrate as calibrate_program
+from precast.numerics.calibration import TOLERANCE_BATCHES, Calibration
+from precast.numerics.distributed import process_group
 from precast.pipeline.after_lowering import after_lowering
-from precast.pipeline.calibrate import calibrate as calibrate_program
-from precast.pipeline.calibrate import is_given
 from precast.pipeline.conversion import begin, run_checks
-from precast.pipeline.distributed import process_group
+from precast.pipeline.options import CheckedOptions, ConvertOptions
 from precast.pipeline.prepare import prepare
-from precast.pipeline.streamed import check_weights_out, write_weights
 from precast.pipeline.verify import verify_conversion
-from precast.policy.pinned import Pinned
-from precast.policy.plan import with_plan
-from precast.policy.resolve import POLICY_NAMES, resolve_policy, rule_options
-from precast.policy.rules.calibration import Calibration
-from precast.policy.rules.measures import TOLERANCE_BATCHES
+from precast.policy.resolve import POLICY_NAMES, resolve_policy
 from precast.report.build import fill_report, new_report, unchanged_report, write_program_info
 from precast.report.model import Report
 from precast.threads import TORCH_LOCK
+from precast.weights.streamed import write_weights
 
-__all__ = ["POLICY_NAMES", "ConvertResult", "calibrate", "convert"]
-
-
-def cache_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
-    """``cache_dtype=`` as a dtype: bf16/fp16 names or dtypes, float32 for "as the program gives it"."""
-    if value is None:
-        return None
-    if value in (torch.float32, "fp32", "float32"):
-        return torch.float32
-    try:
-        return parse_low_dtype(value)
-    except PrecastError as exc:
-        raise PrecastError(f"cache_dtype={value!r}: give 'bf16', 'fp16', 'fp32' or a torch dtype") from exc
+__all__ = ["POLICY_NAMES", "ConvertOptions", "ConvertResult", "calibrate", "convert", "convert_with"]
 
 
 @dataclass
@@ -71,6 +55,22 @@ class ConvertResult:
         return guard_module(self.program.module())
 
 
+def options_record(front: Callable[..., ConvertResult]) -> Callable[..., ConvertResult]:
+    """``convert``'s keywords as one record: each call bound by the signature ``front`` declares (so a keyword
+    renamed there is renamed everywhere, and an unknown one is a TypeError), ``ConvertOptions.from_keywords``
+    picks the rules keywords by ``RulesPolicy``'s field names, and ``convert_with`` runs the conversion."""
+    signature = inspect.signature(front)
+
+    @functools.wraps(front)
+    def call(*args: Any, **kwargs: Any) -> ConvertResult:
+        given = dict(signature.bind(*args, **kwargs).arguments)
+        source, inputs = given.pop("program_or_module"), given.pop("example_inputs", None)
+        return convert_with(source, inputs, ConvertOptions.from_keywords(given))
+
+    return call
+
+
+@options_record
 def convert(
     program_or_module: ExportedProgram | torch.nn.Module,
     example_inputs: Any = None,
@@ -100,6 +100,9 @@ def convert(
 ) -> ConvertResult:
     """Convert a program (or module + example inputs) to explicit mixed precision. See the README.
 
+    The keywords are bound by this signature into one ``ConvertOptions`` (``precast/pipeline/options.py``: the
+    rules keywords by ``RulesPolicy``'s field names), checked there, and converted by ``convert_with``.
+
     ``policy``: None (the program's own autocast regions), "torch" / ``TorchPolicy(device_type, dtype)`` (eager
     autocast semantics), "rules" / ``RulesPolicy(...)`` (everything low except what rules keep fp32; the rules
     keywords here, ``precast.policy.resolve.RULE_OPTIONS``, are a shorthand for ``RulesPolicy(...)``), "auto"
@@ -109,94 +112,44 @@ def convert(
     ``plan``: a ``precast.Plan`` (or its JSON file): its ops stay fp32, a custom rule (docs/sensitivity.md).
     ``cache_dtype``: hold the caches the program stores into (a KV cache) in this dtype (``"bf16"``,
     ``torch.float16``...), under any policy; refused with one line where a written buffer is not a cache
-    (``precast/pipeline/caches.py``). The report states the cache bytes before and after.
+    (``precast/passes/caches.py``). The report states the cache bytes before and after.
     ``weights``: a folder of safetensors shards (or one file) holding the program's weights, which the program
     itself need not hold (exported with fake or meta weights, docs/streaming.md): the conversion decides on the
     graph and writes the converted weights into ``weights_out`` one tensor at a time; ``res.program`` then holds
     meta tensors for them (``precast.compile(res.program, weights=weights_out)`` runs it).
     """
+    raise AssertionError("options_record runs convert_with")  # pragma: no cover
+
+
+def convert_with(
+    source: ExportedProgram | torch.nn.Module, example_inputs: Any, options: ConvertOptions
+) -> ConvertResult:
+    """``convert``'s steps over one options record (what ``precast.convert`` and ``precast convert`` run)."""
     # one conversion at a time per process: torch 2.15's export picks up another thread's fake tensors as
     # constants (measured: 'fake tensor in the exported program constant's list'); see precast/threads.py
     with TORCH_LOCK:
-        files = streamed_source(program_or_module, weights, weights_out, policy, calibration, tolerance)
-        if files is not None:
-            program_or_module = weightless(program_or_module, files)
-        policy, custom_rules, dtype, pins = with_plan(plan, policy, custom_rules, dtype)
-        chosen, low = resolve_policy(policy, dtype, device_type, rule_options(locals()))
-        if pins is not None:  # a plan over policy torch or the program's regions: its ops pinned to fp32
-            chosen = Pinned(chosen, pins, rule="custom:plan")
-        state = begin(
-            program_or_module,
-            example_inputs,
-            chosen,
-            low,
-            device_type,
-            dynamic_shapes,
-            keep_io_types,
-            cache_dtype_of(cache_dtype),
-        )
-        state.weights = state.program.weights = files
-        state.log = report = new_report(state, allow)
+        policy, checked = options.check(source)  # every refusal of a bad option, before anything runs
+        state = begin(source, example_inputs, policy, checked)  # capture, program copy, regions
+        state.log = report = new_report(state, checked.allowed)
         run_checks(state)
         if state.unchanged:  # a program of its own (same graph, its own copies of the state it writes)
-            out = private_state(state.ep)
-            if files is not None:
-                report.weights = write_weights(out, files, weights_out)  # type: ignore[arg-type]
-            return ConvertResult(out, unchanged_report(report))
-        prepare(state)
-        state.lower_program()
-        after_lowering(state)
+            return result(private_state(state.captured), unchanged_report(report), checked)
+        prepare(state)  # the policy's prepare steps: calibrate, latency, tolerance search
+        state.lower_program()  # classify .. restore_io, export
+        after_lowering(state)  # the policy's checks after lowering: device fallback, auto's confirmation
         fill_report(state, report)
-        if verify and files is not None:
-            diagnostics.record(
-                report,
-                "verification-skipped",
-                "not verified: the weights are streamed from files, so no values are in memory to run; run "
-                "precast.compile(program, weights=...) on your inputs, or convert in memory to verify",
-            )
-        elif verify:
+        if options.verify:
             report.verification = verify_conversion(state, report.verification)
-        if files is not None:
-            report.weights = write_weights(state.lowered.exported, files, weights_out)  # type: ignore[arg-type]
-        write_program_info(state.lowered.exported, report)
-        return ConvertResult(state.lowered.exported, report)
+        converted = result(state.lowered.exported, report, checked)  # type: ignore[union-attr]
+        write_program_info(converted.program, report)  # after the weights: their record is saved too
+        return converted
 
 
-def streamed_source(
-    source: Any, weights: Any, weights_out: Any, policy: Any, calibration: Any, tolerance: Any
-) -> WeightFiles | None:
-    """``weights=``: the files, once the options it cannot serve are refused (one line each)."""
-    if weights is None:
-        if weights_out is not None:
-            raise PrecastError(
-                "weights_out= is where streamed weights go: give weights= (their source) as well"
-            )
-        return None
-    if not isinstance(source, ExportedProgram):
-        raise PrecastError(
-            "weights= streams the weights of an ExportedProgram (exported with fake or meta weights, "
-            "docs/streaming.md); a module holds its weights already: convert it without weights="
-        )
-    if weights_out is None:
-        raise PrecastError("weights= needs weights_out=: the folder the converted weights are written to")
-    if calibration is not None and not is_given(calibration):
-        raise PrecastError(
-            "calibration= batches run the program, which streamed weights cannot (no values in memory); pass "
-            "statistics measured beforehand (precast.calibrate, docs/distributed.md), or convert in memory"
-        )
-    if tolerance is not None:
-        raise PrecastError(
-            "tolerance= runs the converted program on data, which streamed weights cannot (no values in "
-            "memory); convert in memory, or leave it out"
-        )
-    if policy == "auto" or type(policy).__name__ == "AutoPolicy":
-        raise PrecastError(
-            "policy='auto' times the converted program, which streamed weights cannot run; use 'torch', "
-            "'rules' or a plan"
-        )
-    files = WeightFiles(weights)
-    check_weights_out(files.path, weights_out)  # before the conversion, not after it
-    return files
+def result(program: ExportedProgram, report: Report, options: CheckedOptions) -> ConvertResult:
+    """The converted program and its report; streamed weights (``weights=``) written to ``weights_out`` first."""
+    if options.files is not None:
+        report.weights = write_weights(program, options.files, options.given.weights_out)  # type: ignore[arg-type]
+    return ConvertResult(program, report)
 
 
 def calibrate(
@@ -226,10 +179,11 @@ def calibrate(
         raise PrecastError(f"keep={keep!r}: give a number of batches >= 0")
     with TORCH_LOCK:
         policy, low = resolve_policy("rules", dtype, device_type, {})
-        state = begin(program_or_module, example_inputs, policy, low, device_type, dynamic_shapes, None)
+        options = CheckedOptions.of(low, device_type=device_type, dynamic_shapes=dynamic_shapes)
+        state = begin(program_or_module, example_inputs, policy, options)
         return calibrate_program(
             state.program,
-            state.ep,
+            state.captured,
             data,
             low=state.low,
             keep=keep,

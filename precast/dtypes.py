@@ -20,7 +20,6 @@ ALIASES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-FP16_MAX = torch.finfo(torch.float16).max
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:

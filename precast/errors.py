@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterable
 
 import torch
 import torch.fx
@@ -31,6 +32,18 @@ def first_line(exc: BaseException) -> str:
         if line.strip():
             return line.strip()
     return type(exc).__name__
+
+
+NAMES_SHOWN = 5  # how many names an error line lists before "... (N in all)"
+
+
+def name_list(names: Iterable[object], limit: int = NAMES_SHOWN) -> str:
+    """``names`` for an error line, bounded: the first ``limit`` in order, then how many there are in all
+    (``a, b, c, d, e ... (147 in all)``). Every error that lists names uses it, so no line grows with the model."""
+    names = [str(n) for n in names]
+    if len(names) <= limit:
+        return ", ".join(names)
+    return f"{', '.join(names[:limit])} ... ({len(names)} in all)"
 
 
 # torch's own package: frames under it are the library's, never the model's (torch.nn layers, functional)

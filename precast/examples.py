@@ -3,8 +3,8 @@
 Used by ``precast demo`` and as ``precast.examples:seed_model`` wherever a model spec is taken (``precast
 convert precast.examples:seed_model``, ``precast bench --model precast.examples:seed_model``).
 Input: nothing (seeded random weights). Output: ``seed_model()`` -> ``(model in eval mode on CPU, (x,))`` with
-``x`` a (4, 128) fp32 tensor. The benchmark and test models live outside the package (``benchmarks/models.py``,
-``tests/models.py`` in a source checkout).
+``x`` a (4, 128) fp32 tensor. The benchmark models are ``precast/bench/models.py``; the test models
+``tests/models.py`` (a source checkout).
 """
 
 from __future__ import annotations

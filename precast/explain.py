@@ -3,8 +3,8 @@
 Input: an ``ExportedProgram`` or an ``nn.Module``, one batch of inputs, the low dtype, a rules policy ("rules" or a
 ``RulesPolicy``/``AutoPolicy`` with its options), the metric ("rel", "cosine", "max_abs"). Output:
 ``Sensitivity``: every op the policy runs in low precision, ranked by the output error its rounding alone causes
-(``precast.pipeline.sensitivity``), the cumulative curve (estimated for every k, measured at a few), the first
-non-finite op (``precast.pipeline.nonfinite``), optionally a repro folder (``repro=DIR``) and the single-op
+(``precast.numerics.sensitivity``), the cumulative curve (estimated for every k, measured at a few), the first
+non-finite op (``precast.numerics.nonfinite``), optionally a repro folder (``repro=DIR``) and the single-op
 ablation truth (``ablation=True``); ``plan(k)`` keeps the top k in fp32 as a portable ``Plan``; ``energies``:
 what the ranking was made from, a mergeable value (``data=`` batches, summed over a process group's ranks, or
 given with ``energies=``; docs/distributed.md).
@@ -30,13 +30,14 @@ from precast.errors import PrecastError, module_path, user_source_line
 from precast.io import atomic_path
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.inputs import check_example_inputs, placeholder_values
-from precast.pipeline.calibrate import batches_of
+from precast.numerics.calibrate import batches_of
+from precast.numerics.distributed import process_group
+from precast.numerics.energies import Energies, load_energies
+from precast.numerics.nonfinite import is_nonfinite, op_inputs, op_subgraph, run_watching
+from precast.numerics.sensitivity import METRICS, Estimate, Estimator, ablate, estimate
 from precast.pipeline.conversion import begin
-from precast.pipeline.distributed import process_group
-from precast.pipeline.energies import Energies, load_energies
-from precast.pipeline.nonfinite import is_nonfinite, op_inputs, op_subgraph, run_watching
+from precast.pipeline.options import CheckedOptions
 from precast.pipeline.prepare import prepare
-from precast.pipeline.sensitivity import METRICS, Estimate, Estimator, ablate, estimate
 from precast.policy.hooks import binds
 from precast.policy.plan import Plan
 from precast.policy.resolve import resolve_policy
@@ -180,7 +181,8 @@ def sensitivity(
             raise PrecastError("energies=[]: give Energies or their files")
     if data is not None:
         data = batches_of(data)
-    state = begin(program_or_module, inputs, pol, low, device_type, dynamic_shapes, None)
+    options = CheckedOptions.of(low, device_type=device_type, dynamic_shapes=dynamic_shapes)
+    state = begin(program_or_module, inputs, pol, options)
     state.log = DiagnosticLog()
     prepare(state)  # calibration (fp16's data_max), auto's latencies: as the conversion prepares them
     if state.policy is None:  # the program's regions: their dtype is the low one
@@ -196,7 +198,7 @@ def sensitivity(
             )
         low = low or dtypes.pop()
     low = state.low or low
-    ep = state.ep
+    ep = state.captured
     batch = check_example_inputs(ep, inputs)
     more = {"data": data, "group": group, "given": given}
     result, est = estimate(

@@ -6,12 +6,10 @@ Input: a module (``program.module()``). Output: the same module with a forward p
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any
 
 import torch
-from torch.export import ExportedProgram
 
 
 class AmbientAutocastWarning(UserWarning):
@@ -40,22 +38,3 @@ def guard_module(module: torch.nn.Module) -> torch.nn.Module:
         module.register_forward_pre_hook(_warn_if_ambient)
         module._precast_guarded = True
     return module
-
-
-def install_autocast_guard(ep: ExportedProgram) -> ExportedProgram:
-    """Make ``ep.module()`` return modules that warn once when called under an ambient ``torch.autocast``.
-
-    The hook lives on this ExportedProgram object only: a program saved with ``torch.export.save`` and loaded
-    again, or copied by ``run_decompositions``, builds plain modules (use ``precast.guard_module``).
-    """
-    if getattr(ep, "_precast_guarded", False):
-        return ep
-    original = ep.module
-
-    @functools.wraps(original)
-    def module(*a, **k):
-        return guard_module(original(*a, **k))
-
-    ep.module = module  # type: ignore[method-assign]
-    ep._precast_guarded = True  # type: ignore[attr-defined]
-    return ep

@@ -106,3 +106,19 @@ def compiled_a_in_so(converted_a, aoti_cache):
     _, _, res = converted_a
     configs = {"aot_inductor.package_constants_in_so": True}
     return precast.compile(res.program, cache_dir=aoti_cache, progress=False, inductor_configs=configs)
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder():
+    """``tests.models.TinyDecoder`` exported with a dynamic sequence length (the recipe's convention)."""
+    from tests import models as zoo
+
+    return zoo.tiny_decoder_program()
+
+
+@pytest.fixture(scope="session")
+def compiled_decoder(tiny_decoder, aoti_cache):
+    """The tiny decoder compiled once for the session (a model that holds a cache between calls)."""
+    import precast
+
+    return precast.compile(tiny_decoder, cache_dir=aoti_cache, progress=False)

@@ -2,7 +2,7 @@
 CPU, example_inputs)``.
 
 The demo model comes from the package (``precast.examples``), the benchmark models (mlp, cnn, encoder) from
-``benchmarks.models``; everything else here is test-only. ``REGION_MODELS``: models with autocast regions of
+``precast.bench.models``; everything else here is test-only. ``REGION_MODELS``: models with autocast regions of
 their own (policy None); ``PLAIN_MODELS``: models without (policy "torch"/"rules"); ``ZOO``: both.
 """
 
@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.models import CNN, MLP, AutocastRegion, Encoder, cnn, encoder, mlp  # noqa: F401
+from precast.bench.models import CNN, MLP, AutocastRegion, Encoder, cnn, encoder, mlp  # noqa: F401
 from precast.examples import SeedModel, SeedSubModule, seed_model  # noqa: F401
 
 BF16 = torch.bfloat16
@@ -322,3 +322,41 @@ def views_of_weights():
 def einsum():
     torch.manual_seed(0)
     return Einsum().eval(), (torch.randn(3, 8),)
+
+
+class TinyDecoder(nn.Module):
+    """A decoder with transformers' recipe's call convention (``forward(input_ids, cache_position)``): a static
+    cache buffer of ``length`` positions written in place by ``index_copy_`` at ``cache_position``, attention over
+    the positions written so far, logits (1, seq, vocab). Seeded weights; greedy continuations vary."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, length: int = 8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.out = nn.Linear(d, vocab)
+        self.register_buffer("cache", torch.zeros(1, length, d))
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        x = self.emb(input_ids)
+        self.cache.index_copy_(1, cache_position, x)
+        seen = torch.arange(self.cache.shape[1])[None, :] <= cache_position[:, None]
+        scores = (x @ self.cache.transpose(1, 2)) / x.shape[
+            -1
+        ]  # |x|^2 / d ~ 1: attention spread over the past
+        att = scores.masked_fill(~seen, -1e9).softmax(-1)
+        return self.out(att @ self.cache)
+
+
+def tiny_decoder_program(dynamic: bool = True, length: int = 8) -> torch.export.ExportedProgram:
+    """``TinyDecoder`` exported like the recipe: sequence length dynamic (1..length-1), or static at 1 token."""
+    from torch.export import Dim
+
+    _seed(0)
+    model = TinyDecoder(length=length).eval()
+    n = 3 if dynamic else 1
+    kwargs = {"input_ids": torch.arange(1, n + 1)[None], "cache_position": torch.arange(n)}
+    shapes = None
+    if dynamic:
+        seq = Dim("seq", min=1, max=length - 1)
+        shapes = {"input_ids": {1: seq}, "cache_position": {0: seq}}
+    with torch.no_grad():
+        return torch.export.export(model, (), kwargs, dynamic_shapes=shapes)

@@ -6,7 +6,7 @@
 
 Cache entries live in ``<cache_dir>/aoti/<key>/`` (``model.pt2`` + ``manifest.json``). The package holds no
 weights: the model hands the loader the program's own tensors (or, for a program with meta weights, those read
-from ``weights=`` shards), held once (``backends/weights.py``, ``backends/compiled.py``). The key hashes the
+from ``weights=`` shards), held once (``weights/sources.py``, ``backends/compiled.py``). The key hashes the
 graph, the weights, the compile options, inductor's config and environment, the C++ compiler and its version, the
 CPU's ISA, torch's version and git commit, precast's version and the device. An entry is built in a temporary
 folder and renamed into place after its manifest (sha256 of every file, the compiled program's input signature)
@@ -60,10 +60,14 @@ from precast.backends.cache import (
     warn_rebuilding,
     write_durable,
 )
-from precast.backends.compiled import CompiledModel
+from precast.backends.compiled import CompiledModel, initial_state
 from precast.backends.packed import gemm_pack, match_packed, record_new_constants
 from precast.backends.signature import ProgramSignature, dynamic_batch, exported_program, with_example_inputs
-from precast.backends.weights import (
+from precast.errors import PrecastError, first_line
+from precast.io import check_space, file_lock
+from precast.ir.program import written_targets
+from precast.threads import TORCH_LOCK
+from precast.weights.sources import (
     SafetensorsSource,
     check_stored,
     is_fake,
@@ -71,10 +75,6 @@ from precast.backends.weights import (
     tensor_constants,
     with_placeholders,
 )
-from precast.errors import PrecastError, first_line
-from precast.io import check_space, file_lock
-from precast.ir.program import written_targets
-from precast.threads import TORCH_LOCK
 
 MODES = ("default", "max-autotune")
 IN_SO = "aot_inductor.package_constants_in_so"
@@ -95,7 +95,7 @@ def compile_configs(
     1-d ones of <= 8 elements into its code (``GraphLowering.can_inline_constant``), and ``load_weights`` could
     never swap an 8-element bias (``always_keep_tensor_constants``; the caller's own value wins). And the
     package leaves its constants out (``aot_inductor.package_constants_in_so=False``, the same name on torch 2.13
-    and 2.15): the model hands the loader tensors it owns, held once (``backends/weights.py``); freezing folds
+    and 2.15): the model hands the loader tensors it owns, held once (``weights/sources.py``); freezing folds
     weights into constants only the compile computes, so they stay in the .so there."""
     configs = dict(inductor_configs or {})
     if mode == "max-autotune":
@@ -143,7 +143,15 @@ def compile(
     with _MEMO_LOCK:
         model = None if weights is not None else _MEMO.get(ep, {}).get(options)
     if model is not None and model.key == key:
-        return model
+        if not model.stateful:
+            return model
+        # a program that writes state (a KV cache): a model of its own each call, never another's state; the
+        # package is loaded again (AOTInductor keeps the state a loaded package writes per loaded package), the
+        # read-only weights shared
+        started = time.perf_counter()
+        with TORCH_LOCK:
+            runner = _load(model.package_path)
+        return model._sibling(runner, time.perf_counter() - started)
 
     stored = stored_constants(ep, device if fake else None)
     entry = root / "aoti" / key
@@ -182,10 +190,17 @@ def compile(
         packed=manifest.get("packed"),
         constants=constants,
         unread=tuple(layout["unread"]),
+        state=initial_state(_written_values(ep)),
     )
     with _MEMO_LOCK:
         _MEMO.setdefault(ep, {})[options] = model
     return model
+
+
+def _written_values(ep: ExportedProgram) -> dict[str, torch.Tensor]:
+    """The program's values of the constants its code writes (a KV cache): the state each model starts from."""
+    program = tensor_constants(ep)
+    return {n: program[n] for n in sorted(written_targets(ep)) if n in program and not is_fake(program[n])}
 
 
 def _check_fake(

@@ -28,11 +28,12 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from precast import cpu
 from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError
 from precast.io import cache_root, private_dir
 from precast.ir.program import CONSTANT_KINDS, ConstantSource, constant_sources
-from precast.ir.weights import has_values, tensor_bytes
+from precast.weights.files import has_values, tensor_bytes
 
 MANIFEST = "manifest.json"
 PACKAGE = "model.pt2"
@@ -124,7 +125,7 @@ def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic:
     for name, value in sorted({**ep.constants, **ep.state_dict}.items()):
         if isinstance(value, torch.Tensor) and not has_values(value):
             # no data (streamed weights): the package is built without constants, so it depends on their
-            # metadata only; the values are checked against it when loaded (backends/weights.py)
+            # metadata only; the values are checked against it when loaded (weights/sources.py)
             put("fake-tensor", f"{name}:{value.dtype}:{tuple(value.shape)}:{value.stride()}")
         elif isinstance(value, torch.Tensor):
             t = value.detach().cpu().contiguous()
@@ -160,7 +161,7 @@ def toolchain() -> dict[str, str]:
         "env": json.dumps(env, sort_keys=True),
         "compiler": _compiler_identity(),
         # inductor compiles with -march=native: a package runs only on a CPU with the ISA it was built for
-        "isa": f"{torch.backends.cpu.get_cpu_capability()} {_cpu_identity()}",
+        "isa": f"{cpu.capability()} {cpu.identity()}",
     }
 
 
@@ -207,18 +208,6 @@ def _compiler_version(path: str, mtime_ns: int, size: int) -> str:
         if (out.stdout or out.stderr).strip()
         else "unknown"
     )
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_identity() -> str:
-    """The CPU model and its flags (what -march=native reads), hashed: /proc/cpuinfo on Linux."""
-    from precast.pipeline.latency import cpu_info
-
-    model, flags = cpu_info("model name"), cpu_info("flags")
-    import platform
-
-    text = f"{model or platform.processor() or platform.machine()}|{flags or ''}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def program_device(ep: ExportedProgram) -> str:

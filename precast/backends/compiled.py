@@ -1,6 +1,6 @@
 """``CompiledModel``: a loaded AOTInductor package, called like the program's module, with ``load_weights``.
 
-The package's constants are outside it (``backends/weights.py``): the model owns the tensors the loader reads
+The package's constants are outside it (``weights/sources.py``): the model owns the tensors the loader reads
 (``user_managed``), so it holds each weight once; under max-autotune it holds only the packed copies the code
 reads, and repacks them from new originals on ``load_weights``.
 
@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from precast.backends.cache import StoredConstant
 from precast.backends.packed import gemm_pack
 from precast.backends.signature import ProgramSignature
-from precast.backends.weights import SafetensorsSource
-from precast.errors import PrecastError
+from precast.errors import NAMES_SHOWN, PrecastError, name_list
+from precast.passes.fold import cast_constant
+from precast.weights.files import has_values
+from precast.weights.sources import SafetensorsSource
 
 
 class CompiledModel:
@@ -42,8 +46,12 @@ class CompiledModel:
         packed: Mapping[str, Any] | None = None,
         constants: dict[str, torch.Tensor] | None = None,
         unread: tuple[str, ...] = (),
+        state: Mapping[str, Initial] | None = None,
     ):
         self._runner = runner
+        # the constants the code writes (a KV cache) -> their initial values, shared read-only by every model of
+        # the same compile: each model holds its own written tensors, reset() restores these
+        self._state = dict(state or {})
         # packed constant -> {"source": stored name, "transposed", "block_n", "vnni"}; "unmatched": [names]
         self._packed = dict((packed or {}).get("plans", {}))
         self._packed_unmatched = list((packed or {}).get("unmatched", []))
@@ -78,6 +86,50 @@ class CompiledModel:
         how = "from cache" if self.from_cache else f"compiled in {self.compile_seconds:.1f}s"
         return f"CompiledModel({self.package_path}, {how})"
 
+    @property
+    def stateful(self) -> bool:
+        """True when the compiled code writes constants (a KV cache) that carry from one call to the next."""
+        return bool(self._state)
+
+    def reset(self) -> None:
+        """Restore every constant the code writes (a KV cache) to the program's initial value: a new sequence.
+        Read-only weights are not touched; a model without state has nothing to restore."""
+        if not self._state:
+            return
+        if self._constants is not None:  # the loader reads these tensors: restore them in place
+            for name, initial in self._state.items():
+                if name in self._constants:  # (a written constant the code never reads is not held)
+                    initial.restore(self._constants[name])
+            return
+        # the written constants live in the package's own buffers (weights in the .so): hand new copies over
+        self._runner.load_constants({n: v.new() for n, v in self._state.items()}, check_full_update=False)
+
+    def _sibling(self, runner: Any, load_seconds: float) -> CompiledModel:
+        """Another model of the same compile, on ``runner`` (the package loaded again): the read-only weights
+        shared with this one, its own copy of each written constant at its initial value."""
+        constants = None
+        if self._constants is not None:
+            constants = {
+                n: (self._state[n].new() if n in self._state else t) for n, t in self._constants.items()
+            }
+        other = CompiledModel(
+            runner,
+            self.package_path,
+            self.key,
+            self._stored,
+            self.signature,
+            from_cache=True,
+            compile_seconds=0.0,
+            load_seconds=load_seconds,
+            packed={"plans": self._packed, "unmatched": self._packed_unmatched},
+            constants=constants,
+            unread=tuple(self._unread),
+            state=self._state,
+        )
+        return (
+            other  # weights in the .so: the package loaded again holds the initial values it was built with
+        )
+
     def constant_fqns(self) -> list[str]:
         """Names of the constants the compiled code reads (stored names, possibly low precision)."""
         return sorted(n for n in self._runner.get_constant_fqns() if n not in self._unread)
@@ -110,12 +162,20 @@ class CompiledModel:
         missing = sorted(n for n in by_original if n not in source and n not in kept)
         unexpected = sorted(n for n in source if n not in by_original)
         problems: list[str] = []
+        nodata: list[str] = []  # tensors without data the loader could read (fake, meta, ...)
+        nodata_why: dict[str, str] = {}
         for name in sorted(set(by_original) & set(source)):
             meta = _meta(source, name)
             want = by_original[name][0]
             if meta is None:
                 problems.append(f"{name} is a {type(source[name]).__name__}, not a tensor")
                 continue
+            if not isinstance(source, SafetensorsSource):
+                why = _no_data(source[name])
+                if why:
+                    nodata.append(name)
+                    nodata_why.setdefault(why, name)
+                    continue
             if meta[0] != want.shape:
                 problems.append(f"{name} has shape {meta[0]}, expected {want.shape}")
             if meta[1] != want.source.original_dtype:
@@ -123,25 +183,37 @@ class CompiledModel:
         folded = sorted(
             st.source.stored for st in self._stored.values() if st.read and st.source.stored not in swappable
         )
-        if missing:
-            problems.insert(0, f"missing {missing}")
+        if nodata:
+            kinds = ", ".join(f"{why} ({name})" for why, name in nodata_why.items())
+            problems.insert(
+                0,
+                f"{len(nodata)} tensor(s) hold no data the compiled code can read: {kinds}; give real CPU/device "
+                f"tensors (e.g. the module's state_dict after loading its weights): {name_list(nodata)}",
+            )
         if unexpected:
-            problems.insert(1 if missing else 0, f"unexpected {unexpected}")
+            problems.insert(0, f"unexpected {len(unexpected)}: {name_list(unexpected)}")
+        if missing:
+            problems.insert(0, f"missing {len(missing)}: {name_list(missing)}")
         if folded:
             problems.append(
-                f"compiled code folded {folded} into itself (freezing, or always_keep_tensor_constants=False); "
-                "recompile without them to swap those"
+                f"compiled code folded {name_list(folded)} into itself (freezing, or "
+                "always_keep_tensor_constants=False); recompile without them to swap those"
             )
         if self._packed_unmatched:
             problems.append(
-                f"compiled code packed weights into {sorted(self._packed_unmatched)} in a layout precast cannot "
-                "reproduce; recompile with mode='default' to swap them"
+                f"compiled code packed weights into {name_list(sorted(self._packed_unmatched))} in a layout "
+                "precast cannot reproduce; recompile with mode='default' to swap them"
             )
         if problems:
+            given = set(source)
+            another = bool(by_original) and len(given & set(by_original)) * 2 < min(
+                len(by_original), len(given)
+            )
+            hint = "these weights belong to another model (most names differ); pass" if another else "pass"
             raise PrecastError(
-                f"{what}: {len(problems)} problem(s): {'; '.join(problems)}; "
-                "pass the original fp32 state_dict of the model the program was converted from "
-                "(the compiled model still serves its previous weights)"
+                f"{what}: {hint} the original fp32 state_dict of the model the program was converted from "
+                f"(the compiled model still serves its previous weights); {len(problems)} problem(s): "
+                f"{'; '.join(problems[:NAMES_SHOWN])}{' ...' if len(problems) > NAMES_SHOWN else ''}"
             )
         names = {n for n in by_original if n not in kept}
         pairs = (
@@ -154,10 +226,9 @@ class CompiledModel:
             for st in by_original[name]:
                 if not st.read:
                     continue  # never read by the graph (e.g. num_batches_tracked): checked above, nothing to swap
-                # a fresh contiguous copy in the stored dtype: the same rounding fold_constant_casts applied
-                update[st.source.stored] = value.detach().to(
-                    device=st.device, dtype=st.source.dtype, copy=True, memory_format=torch.contiguous_format
-                )
+                # a fresh contiguous copy in the stored dtype: cast_constant, the rounding and fp16 clamping
+                # fold_constant_casts and the streamed writer apply
+                update[st.source.stored] = _stored_copy(value, st.device, st.source.dtype)
         for (
             name,
             plan,
@@ -177,6 +248,59 @@ class CompiledModel:
             self._runner.load_constants(update, check_full_update=False, user_managed=True)
             self._constants.update(update)  # the loader reads these pointers now; the old tensors may go
         return {"loaded": sorted(names), "kept": kept}
+
+
+def _no_data(value: torch.Tensor) -> str | None:
+    """Why ``value`` holds no data the loader can read (its pointer would be used as it is), or None."""
+    if isinstance(value, FakeTensor):
+        return "a FakeTensor"
+    if not has_values(value):
+        return f"a {value.device.type} tensor"
+    if value.layout != torch.strided or value.is_nested:
+        return f"a {str(value.layout).removeprefix('torch.')} tensor"
+    if type(value) not in (torch.Tensor, torch.nn.Parameter):
+        return f"a {type(value).__name__} (a tensor subclass)"
+    return None
+
+
+def _stored_copy(value: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """A new contiguous tensor on ``device`` in ``dtype``, never sharing memory with ``value``."""
+    on = value.detach()
+    if on.dtype == dtype or on.device != torch.device(device):
+        on = on.to(device=device, copy=True, memory_format=torch.contiguous_format)
+    if on.dtype == dtype:
+        return on
+    return cast_constant(on, dtype)[0].contiguous()  # another dtype: a new tensor
+
+
+@dataclass(frozen=True)
+class Initial:
+    """A written constant's initial value: ``value`` None for all zeros (the usual empty KV cache: nothing held)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    value: torch.Tensor | None
+
+    def new(self) -> torch.Tensor:
+        if self.value is None:
+            return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self.value.clone()
+
+    def restore(self, held: torch.Tensor) -> None:
+        with torch.no_grad():
+            held.zero_() if self.value is None else held.copy_(self.value)
+
+
+def initial_state(values: Mapping[str, torch.Tensor]) -> dict[str, Initial]:
+    """The initial values of the constants a program writes, as ``CompiledModel`` keeps them (a private copy,
+    or nothing for an all-zero tensor)."""
+    out = {}
+    for name, value in values.items():
+        v = value.detach()
+        zero = v.numel() > 0 and not bool(v.any())
+        out[name] = Initial(tuple(v.shape), v.dtype, v.device, None if zero else v.clone())
+    return out
 
 
 def _meta(source: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], Any] | None:

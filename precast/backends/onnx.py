@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from precast.backends.signature import batch_symbols, exported_program, refuse_written_state
+from precast.backends.exported import batch_symbols, exported_program, refuse_written_state
 from precast.errors import PrecastError, first_line
 from precast.io import atomic_path
 from precast.threads import quiet_logger
@@ -163,11 +163,11 @@ def _opset(proto: Any) -> int:
 
 
 def _dynamic(ep: ExportedProgram) -> ExportedProgram:
-    """The program with a dynamic dim 0: itself when it has one, else ``precast.backends.signature.dynamic_batch``'s re-export.
+    """The program with a dynamic dim 0: itself when it has one, else ``precast.backends.exported.dynamic_batch``'s re-export.
 
     A program converted with static shapes may have the batch size baked into its graph (an attention layer's
     ``view(16, 64)``): re-exporting it cannot make the batch dynamic. That is warned about, with the fix."""
-    from precast.backends.signature import dynamic_batch
+    from precast.backends.exported import dynamic_batch
 
     if batch_symbols(ep):
         return ep

@@ -18,7 +18,7 @@ CPU has fp16 kernels (OpenVINO lists ``FP16`` in its capabilities: AVX512-FP16 o
 every layer where OpenVINO runs another precision than precast decided. ``save`` writes the model as converted
 (no hint-specific form: ``openvino_precision.prepare`` makes one from a model read back).
 
-Dynamic batch: a program whose dim 0 is static is re-exported with a dynamic one (``signature.dynamic_batch``, as
+Dynamic batch: a program whose dim 0 is static is re-exported with a dynamic one (``exported.dynamic_batch``, as
 ``precast.compile`` does); every other dimension keeps its size. Needs ``pip install 'precast[openvino]'``.
 
 Input: an ExportedProgram (or a ConvertResult). Output: an ``OpenVINOModel``.
@@ -26,15 +26,12 @@ Input: an ExportedProgram (or a ConvertResult). Output: an ``OpenVINOModel``.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import shutil
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +39,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
+from precast.backends.exported import batch_symbols, dynamic_batch, exported_program
+from precast.backends.openvino_convert import convert, ov_message, require_openvino
 from precast.backends.openvino_plan import (
     PlanCheck,
     check_plan,
@@ -49,33 +48,25 @@ from precast.backends.openvino_plan import (
     rounded_batch_norms,
     warn_overrides,
 )
-from precast.backends.openvino_precision import HINTS, exact_attention_scales, hints_to_try, prepare
-from precast.backends.signature import (
-    ProgramSignature,
-    batch_symbols,
-    dynamic_batch,
-    exported_program,
-    refuse_written_state,
+from precast.backends.openvino_precision import HINTS, hints_to_try, prepare
+from precast.backends.openvino_state import (
+    carried,
+    initial_values,
+    state_values,
 )
-from precast.errors import PrecastError, first_line
+from precast.backends.openvino_state import (
+    to_torch as _to_torch,
+)
+from precast.backends.signature import ProgramSignature
+from precast.errors import PrecastError
 from precast.io import check_writable
 from precast.ir.program import node_records
 
-EXTRA = "pip install 'precast[openvino]' (openvino==2026.4.1)"
 AUTO_NOTE = (
     "precast.compile(backend='openvino'): policy='auto' chose this program's precisions by timing torch's own "
     "kernels on this CPU (what eager and AOTInductor run), not OpenVINO's; on OpenVINO, policy='torch' or "
     "'rules' gives a plan that does not depend on those timings"
 )
-
-
-def require_openvino() -> Any:
-    """The ``openvino`` module, or a one-line PrecastError naming the extra to install."""
-    try:
-        import openvino
-    except ImportError as exc:
-        raise PrecastError(f"OpenVINO is not installed ({first_line(exc)}); {EXTRA}") from exc
-    return openvino
 
 
 class OpenVINOModel:
@@ -103,20 +94,40 @@ class OpenVINOModel:
         self.compile_seconds = compile_seconds
         self._signature = ProgramSignature.from_program(program)
         self._out_spec = program.call_spec.out_spec
-        self._request = compiled.create_infer_request()
+        self._request = compiled.create_infer_request()  # its own: two models never share state
         self._lock = threading.Lock()  # one infer request: calls from several threads take turns
+        # the caches OpenVINO holds as variables between calls (openvino_state), by name
+        self.state_names = tuple(v.get_variable_id() for v in ov_model.get_sinks())
+        self._initial = initial_values(ov_model) if self.state_names else {}
+        # whether a call ran since creation or reset (OpenVINO evaluates the variables' initial values then)
+        self._started = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self._signature.check(args, kwargs)
         feeds = [_to_openvino(t) for t in flat if isinstance(t, torch.Tensor)]
         with self._lock:
             self._request.infer(feeds, share_inputs=True)
+            self._started = True
             outs = [_to_torch(self._request.get_output_tensor(i)) for i in range(len(self.compiled.outputs))]
         return pytree.tree_unflatten(outs, self._out_spec) if self._out_spec is not None else outs
 
     def __repr__(self) -> str:
         hint = self.precision_hint or "OpenVINO's default"
         return f"OpenVINOModel(precision hint {hint}, {self.plan.summary()})"
+
+    def reset(self) -> None:
+        """Restart from the program's initial state (a new conversation): every cache variable back to the
+        buffer the program was exported with (zeros for transformers' recipe). No-op for a stateless program."""
+        with self._lock:
+            self._request.reset_state()
+            self._started = False
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The caches as OpenVINO holds them now, by buffer name (copies, in the dtype precast stored them)."""
+        with self._lock:
+            if not self._started:  # OpenVINO reports zeros until a call evaluates the initial values
+                return {k: v.clone() for k, v in self._initial.items()}
+            return state_values(self._request)
 
     def runtime_precision(self) -> str:
         """The inference precision the compiled model runs with (OpenVINO's INFERENCE_PRECISION_HINT: f32, bf16, f16)."""
@@ -158,11 +169,11 @@ def compile_openvino(
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise PrecastError(f"precast.compile(backend='openvino'): threads={threads!r}; give a positive int")
     _check_cpu_tensors(ep)
-    refuse_written_state(ep, "OpenVINO", "precast.compile(backend='openvino')")
+    state = carried(ep, "precast.compile(backend='openvino')")
     started = time.perf_counter()
-    if dynamic and not batch_symbols(ep):
-        ep = dynamic_batch(ep)  # warns when the graph fixes the batch size
-    ov_model, graph_module = convert(ep)
+    if dynamic and not state and not batch_symbols(ep):
+        ep = dynamic_batch(ep)  # warns when the graph fixes the batch size (a cache's shape fixes it: kept)
+    ov_model, graph_module = convert(ep, state)
     core = ov.Core()
     planned = {dtype for dtype, _ in planned_dtypes(graph_module).values()}
     hints = hints_to_try(precision_hint, planned, core)
@@ -207,59 +218,8 @@ def _compile(core: Any, model: Any, hint: str | None, threads: int | None) -> An
     except RuntimeError as exc:
         raise PrecastError(
             f"precast.compile(backend='openvino'): OpenVINO cannot compile the model for the CPU: "
-            f"{_ov_message(exc)}"
+            f"{ov_message(exc)}"
         ) from exc
-
-
-def convert(ep: ExportedProgram) -> tuple[Any, torch.fx.GraphModule]:
-    """``openvino.convert_model`` of ``ep``, and the decomposed GraphModule it translated (whose node names the
-    OpenVINO ops carry, and whose nodes carry precast's decisions: ``openvino_plan`` reads both).
-
-    Each user input keeps its static sizes; a symbolic size is a dynamic OpenVINO dimension."""
-    ov = require_openvino()
-    from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
-
-    shapes = []
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT:
-            continue
-        val = _placeholder_val(ep, spec.arg.name)
-        if not isinstance(val, torch.Tensor):
-            raise PrecastError(
-                f"precast.compile(backend='openvino'): input {spec.arg.name!r} is not a tensor; OpenVINO "
-                "takes tensor inputs only (export the program with that value fixed)"
-            )
-        dims = [d if isinstance(d, int) else -1 for d in (_static(s) for s in val.shape)]
-        shapes.append(ov.PartialShape(dims))
-    try:
-        with _quiet(), torch.no_grad():
-            decoder = TorchFXPythonDecoder.from_exported_program(ep)
-            model = ov.convert_model(decoder, input=shapes)
-    except Exception as exc:  # noqa: BLE001 - the frontend raises OpConversionFailure, RuntimeError, ...
-        cause = _ov_message(exc)
-        route = (
-            "convert with policy='rules', which keeps the recurrent layer as aten.lstm in float32 (policy "
-            "'torch' takes autocast's oneDNN-only RNN kernel)"
-            if "mkldnn_rnn_layer" in cause
-            else "keep that op out of the program, or serve it with precast.compile (AOTInductor)"
-        )
-        raise PrecastError(
-            f"precast.compile(backend='openvino'): openvino.convert_model failed: {cause}; {route}"
-        ) from exc
-    exact_attention_scales(model, decoder.pt_module)
-    return model, decoder.pt_module
-
-
-def _placeholder_val(ep: ExportedProgram, name: str) -> Any:
-    node = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == name)
-    return node.meta.get("val")
-
-
-def _static(size: Any) -> int | None:
-    if isinstance(size, int):
-        return size
-    expr = size.node.expr if isinstance(size, torch.SymInt) else None
-    return int(expr) if expr is not None and expr.is_number else None
 
 
 def _check_cpu_tensors(ep: ExportedProgram) -> None:
@@ -271,32 +231,6 @@ def _check_cpu_tensors(ep: ExportedProgram) -> None:
             )
 
 
-def _ov_message(exc: BaseException) -> str:
-    """OpenVINO's messages open with 'Exception from src/...' lines: the first line that says something."""
-    lines = [ln.strip().removeprefix("-- ") for ln in str(exc).splitlines() if ln.strip()]
-    useful = [ln for ln in lines if not ln.startswith(_PREAMBLE)]
-    return (useful or lines or [type(exc).__name__])[0][:300]
-
-
-# the lines OpenVINO opens its messages with, before the one naming the cause
-_PREAMBLE = ("Exception from", "Check '", "FrontEnd API failed", "Model wasn't fully converted", "Summary:")
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """OpenVINO's frontend logs a warning with a traceback (on the root logger) for every op of its keep-list
-    that the installed torch no longer decomposes: noise for the user, dropped for the conversion only."""
-    if os.environ.get("PRECAST_VERBOSE"):
-        yield
-        return
-    before = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        yield
-    finally:
-        logging.disable(before)
-
-
 # ---- tensors in and out -------------------------------------------------------------------------------------
 def _to_openvino(t: torch.Tensor) -> Any:
     import openvino as ov
@@ -305,15 +239,6 @@ def _to_openvino(t: torch.Tensor) -> Any:
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: hand OpenVINO the bits
         return ov.Tensor(t.view(torch.int16).numpy(), list(t.shape), ov.Type.bf16)
     return ov.Tensor(t.numpy(), shared_memory=True)
-
-
-def _to_torch(tensor: Any) -> torch.Tensor:
-    """A copy (the infer request reuses its output buffers) as a torch tensor of the same dtype."""
-    data = tensor.data
-    out = torch.from_numpy(data.copy())
-    if str(tensor.element_type.get_type_name()) == "bf16":  # returned as 2-byte values: reinterpret the bits
-        out = out.view(torch.bfloat16)
-    return out
 
 
 # ---- IR files -------------------------------------------------------------------------------------------------
@@ -343,7 +268,7 @@ def save_ir(ov_model: Any, path: str | os.PathLike) -> dict[str, Any]:
         os.replace(tmp / weights.name, weights)
         os.replace(tmp / xml.name, xml)
     except RuntimeError as exc:
-        raise PrecastError(f"{xml}: OpenVINO could not write the IR: {_ov_message(exc)}") from exc
+        raise PrecastError(f"{xml}: OpenVINO could not write the IR: {ov_message(exc)}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {

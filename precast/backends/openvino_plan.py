@@ -10,8 +10,10 @@ those FX nodes carries precast's decision (``node.meta["custom"]["precast"]["dec
 runs, and its precision can be compared with theirs.
 
 - A layer is **checked** when it executes at least one node precast decided (fp32, bf16 or fp16). Layers that
-  only move data (Reshape, Transpose, Gather, Reorder, ...: exact in any dtype), that run only casts, or that
-  OpenVINO made up (a layout Reorder) are counted as not checked.
+  only move data (Reshape, Transpose, Gather, Reorder, ...: exact in any dtype), that run only casts, that
+  OpenVINO made up (a layout Reorder), or that compute in no floating precision (an integer or boolean layer: a
+  comparison building an attention mask, into which OpenVINO fused a decided ``where``) are counted as not
+  checked.
 - A layer **honours** the plan when every dtype precast decided for its nodes is a precision it runs in: its
   ``runtimePrecision``, or for a fused elementwise ``Subgraph`` (which evaluates each fused op in the type the
   graph gives it) the floating precisions of its inputs and outputs.
@@ -203,10 +205,14 @@ def check_plan(compiled: Any, graph_module: torch.fx.GraphModule) -> PlanCheck:
                     )
                 )
             continue
+        runtime = _runtime(op, layer_type, info)
+        if not runtime:  # computes in no floating precision (a comparison building a mask): nothing to hold
+            check.unchecked += 1
+            continue
         layer = LayerPrecision(
             layer=op.get_friendly_name(),
             layer_type=layer_type,
-            runtime=_runtime(op, layer_type, info),
+            runtime=runtime,
             planned=tuple(sorted({dtype for dtype, _ in decided})),
             nodes=tuple(dict.fromkeys(name for _, name in decided)),
         )

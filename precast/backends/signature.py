@@ -15,9 +15,6 @@ user inputs, or a one-line PrecastError naming the argument, the expected and th
 
 from __future__ import annotations
 
-import copy
-import re
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,24 +23,14 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ConstantArgument, InputKind, SymIntArgument, TensorArgument
 from torch.utils import _pytree as pytree
 
+# precast.compile (backends/aoti.py) imports these from here; their home is backends/exported.py
+from precast.backends.exported import dynamic_batch as dynamic_batch
+from precast.backends.exported import exported_program as exported_program
+from precast.backends.exported import with_example_inputs as with_example_inputs
+from precast.backends.positions import cache_positions, check_positions
+from precast.backends.sizes import evaluate as _evaluate
+from precast.backends.sizes import parse_expr as _parse_expr
 from precast.errors import PrecastError, first_line
-
-
-def exported_program(program: Any, caller: str) -> ExportedProgram:
-    """The ExportedProgram a backend is handed: ``program`` itself or a ConvertResult's ``.program``; anything else
-    is one PrecastError line naming ``caller`` (e.g. "precast.compile")."""
-    ep = getattr(program, "program", program)  # a ConvertResult
-    if not isinstance(ep, ExportedProgram):
-        raise PrecastError(
-            f"{caller}: got {type(program).__name__}; pass an ExportedProgram "
-            "(torch.export.export(...) or precast.convert(...).program)"
-        )
-    return ep
-
-
-# a compound size expression as ``str(sympy expr)`` writes it (``2*s0``, ``s0 + s1``): only size symbols, integers
-# and arithmetic, so evaluating one read from a manifest cannot run anything else
-_EXPR = re.compile(r"^(?:[su]\d+|\d+|\s|[-+*/()]|Mod|FloorDiv|,)+$")
 
 
 @dataclass(frozen=True)
@@ -70,10 +57,15 @@ class ProgramSignature:
         inputs: list[_Input],
         in_spec: pytree.TreeSpec,
         ranges: dict[str, tuple[int, int | None]],
+        positions: dict[str, int] | None = None,
     ):
         self.inputs = tuple(inputs)
         self.in_spec = in_spec
         self.ranges = dict(ranges)
+        # input name -> the length of the cache it indexes (``cache_positions``): its values must lie in [0, L)
+        self.positions = dict(positions or {})
+        index = {spec.name: pos for pos, spec in enumerate(self.inputs)}
+        self._positions = [(index[n], length) for n, length in self.positions.items() if n in index]
         self._positional = in_spec == pytree.tree_flatten((tuple(range(len(inputs))), {}))[1]
         # the hot path, precomputed: per tensor input (position, dtype, device type, rank, static, symbolic)
         self._tensor_checks = []
@@ -126,13 +118,14 @@ class ProgramSignature:
         ranges = {}
         for sym, vr in ep.range_constraints.items():
             ranges[str(sym)] = (_finite(vr.lower) or 0, _finite(vr.upper))
-        return cls(inputs, in_spec, ranges)
+        return cls(inputs, in_spec, ranges, cache_positions(ep))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for a cache manifest); ``from_dict`` reads it back."""
         return {
             "in_spec": pytree.treespec_dumps(self.in_spec),
             "ranges": {k: list(v) for k, v in self.ranges.items()},
+            "positions": dict(self.positions),
             "inputs": [
                 {
                     "name": s.name,
@@ -165,7 +158,8 @@ class ProgramSignature:
             ranges = {
                 str(k): (int(v[0]), None if v[1] is None else int(v[1])) for k, v in data["ranges"].items()
             }
-            return cls(inputs, pytree.treespec_loads(data["in_spec"]), ranges)
+            positions = {str(k): int(v) for k, v in data.get("positions", {}).items()}
+            return cls(inputs, pytree.treespec_loads(data["in_spec"]), ranges, positions)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise PrecastError(
                 f"ProgramSignature: malformed signature data ({type(exc).__name__}: {exc})"
@@ -210,6 +204,8 @@ class ProgramSignature:
                 )
         for pos, spec in self._others:
             self._check_other(pos, spec, flat[pos], bound)
+        for pos, length in self._positions:
+            check_positions(flat[pos], length, self.inputs[pos].name, self.inputs[pos].where)
         return list(flat)
 
     def _flatten(self, args: tuple, kwargs: dict) -> list[Any]:
@@ -300,130 +296,3 @@ def _dim(size: Any) -> int | str:
 
 def _is_symbol(dim: int | str) -> bool:
     return isinstance(dim, str) and dim.isidentifier()
-
-
-def _parse_expr(text: str) -> Any:
-    """A compound size expression (``2*s0``) as sympy; None when it is not one precast can evaluate safely."""
-    if not _EXPR.fullmatch(text):
-        return None
-    import sympy
-
-    try:
-        return sympy.sympify(text, locals={n: sympy.Symbol(n) for n in re.findall(r"[su]\d+", text)})
-    except (sympy.SympifyError, TypeError, SyntaxError):
-        return None
-
-
-def _evaluate(expr: Any, bound: dict[str, int]) -> int | None:
-    if expr is None:
-        return None
-    names = {str(s) for s in expr.free_symbols}
-    if not names <= bound.keys():
-        return None  # a symbol no input binds: nothing to compare against
-    value = expr.subs({s: bound[str(s)] for s in expr.free_symbols})
-    return int(value) if value.is_number else None
-
-
-def dynamic_batch(ep: ExportedProgram) -> ExportedProgram:
-    """Re-export ``ep`` with dim 0 of every tensor input dynamic (min 1), as the dynamo harness does.
-
-    A batch of 1 in the example would be specialized (0/1 specialization), so it is traced at batch 2. Falls
-    back to ``Dim.AUTO`` (dynamic where the program allows) and then to the program as it is.
-    """
-    from torch.export import Dim
-
-    args, kwargs = ep.example_inputs or ((), {})
-    if kwargs or not args:
-        return ep
-    batched = [isinstance(a, torch.Tensor) and a.dim() > 0 for a in args]
-    if not any(batched):
-        return ep
-    sizes = {a.shape[0] for a, b in zip(args, batched, strict=True) if b}
-    trace_args = tuple(
-        torch.cat([a, a]) if b and a.shape[0] == 1 else a for a, b in zip(args, batched, strict=True)
-    )
-    module = ep.module(check_guards=False)  # the static program's guards pin the batch size
-    attempts: list[tuple] = []
-    if len(sizes) == 1:
-        batch = Dim("batch", min=1)
-        attempts.append(tuple({0: batch} if b else None for b in batched))
-    attempts.append(tuple({0: Dim.AUTO} if b else None for b in batched))
-    reasons = []
-    for shapes in attempts:
-        try:
-            out = torch.export.export(module, trace_args, dynamic_shapes=shapes, strict=False)
-        except Exception as exc:  # noqa: BLE001 - a model with a fixed batch: try the next, then keep it static
-            reasons.append(first_line(exc))
-            continue
-        if batch_symbols(out):
-            return out
-        # Dim.AUTO "succeeds" on a graph that fixes the batch, with dim 0 pinned to the traced size (2 for an
-        # example batch of 1): that program would run only at the traced size, so keep the original instead
-        reasons.append("Dim.AUTO left dim 0 static (the program fixes the batch size)")
-    warnings.warn(
-        f"precast.compile: the batch dimension stays static ({'; '.join(reasons)}); the package runs only at "
-        "the example batch size (pass dynamic=False to silence this)",
-        stacklevel=3,
-    )
-    return ep
-
-
-def batch_symbols(ep: ExportedProgram) -> set[str]:
-    """Names of the symbols dim 0 of the program's tensor user inputs has (empty: a static batch)."""
-    user = set(ep.graph_signature.user_inputs)
-    out = set()
-    for node in ep.graph.nodes:
-        val = node.meta.get("val")
-        if node.op == "placeholder" and node.name in user and isinstance(val, torch.Tensor) and val.dim():
-            dim = val.shape[0]
-            # a SymInt export specialized (Dim.AUTO on a graph that fixes the size) prints as a number
-            if isinstance(dim, torch.SymInt) and dim.node.expr.free_symbols:
-                out.add(str(dim))
-    return out
-
-
-def refuse_written_state(ep: ExportedProgram, engine: str, what: str) -> None:
-    """One line where ``ep`` writes state (a KV cache, a running statistic) that ``engine`` would not carry from
-    one call to the next: each call there would start again from the values the program was exported with
-    (measured with OpenVINO on a Llama decoder: prefill right, the next decode step's logits at cosine 0.07)."""
-    from precast.ir.program import written_targets
-
-    written = sorted(written_targets(ep))
-    if written:
-        shown = ", ".join(written[:4]) + (" ..." if len(written) > 4 else "")
-        raise PrecastError(
-            f"{what}: the program writes {len(written)} buffer(s) from call to call ({shown}: a KV cache or a "
-            f"running statistic), which {engine} does not carry between calls, so every call after the first "
-            "would be wrong; serve it with precast.compile (AOTInductor) or ExecuTorch, which keep them"
-        )
-
-
-def with_example_inputs(ep: ExportedProgram) -> ExportedProgram:
-    """``ep`` itself when it has example inputs; else a copy whose example inputs are zeros of each input's
-    shape (a dynamic size at the hint export recorded), dtype and device. AOTInductor needs example inputs to
-    compile; a program exported without weights (fake inputs, dropped) or saved without them has none."""
-    from torch.utils import _pytree as pytree
-
-    if ep.example_inputs is not None:
-        return ep
-    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-    flat = []
-    for spec in ep.graph_signature.input_specs:
-        if spec.kind != InputKind.USER_INPUT:
-            continue
-        val = placeholders[spec.arg.name].meta.get("val")
-        if not isinstance(val, torch.Tensor):
-            raise PrecastError(
-                f"precast.compile: the program has no example inputs and its input {spec.arg.name!r} is not a "
-                "tensor; export it with example inputs (torch.export keeps them)"
-            )
-        sizes = [s if isinstance(s, int) else s.node.hint for s in val.shape]
-        if any(s is None for s in sizes):
-            raise PrecastError(
-                f"precast.compile: the program has no example inputs and input {spec.arg.name!r} has a size "
-                "with no recorded value; export it with example inputs"
-            )
-        flat.append(torch.zeros(sizes, dtype=val.dtype, device=val.device))
-    out = copy.copy(ep)
-    out._example_inputs = pytree.tree_unflatten(flat, ep.call_spec.in_spec)
-    return out

@@ -9,7 +9,7 @@ Modules (each opens with what it takes and returns):
   convert_cost  ``precast.convert`` observed stage by stage: ``run_convert_bench`` -> ``ConvertCost`` rows
   output        rich tables, markdown, JSON, PNG
 
-The models themselves are not in the package: short names resolve to ``benchmarks.models`` (a source
+The models themselves are not in the package: short names resolve to ``precast.bench.models`` (a source
 checkout); any ``module:factory`` works.
 
 Input: model specs and options. Output: ``Result`` rows (see ``variants``/``convert_cost``) and their files.

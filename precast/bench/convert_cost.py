@@ -1,7 +1,7 @@
-"""Conversion cost per node (``precast bench --convert``, benchmarks/convert_cost.py): wall/CPU time and peak
+"""Conversion cost per node (``precast bench --convert``): wall/CPU time and peak
 traced Python memory of every stage of the real ``precast.convert``.
 
-How it is measured: ``precast.pipeline.runner.observe(clock)`` makes every stage of ``precast.convert`` run
+How it is measured: ``precast.passes.runner.observe(clock)`` makes every stage of ``precast.convert`` run
 inside ``clock(stage_name)``; ``StageClock`` times each (wall, this process's CPU time, and in a separate run
 the tracemalloc peak). No copy of the pipeline, no monkeypatching: the stages and their names are whatever the
 conversion reports (a stage nested in another is counted once, as its own, not again in its parent); ``verify``
@@ -9,7 +9,7 @@ is kept apart from the stages. The whole ``convert()`` call is timed too: the sh
 for is a column, so work outside any stage shows up.
 
 Input: exported programs -- a synthetic chain of N ops in one bf16 region (``chain_program``; the linearity
-check) and, in a source checkout, small-config transformers/timm models (``benchmarks.convert_models``,
+check) and small-config transformers/timm models (``precast.bench.convert_models``,
 skipped when their library is missing). Output: ``run_convert_bench`` -> one ``ConvertCost`` per (program,
 policy); ``linearity`` -> CPU ms/node at the largest N over the smallest; ``profile_convert`` -> cProfile text.
 """
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from precast.bench.programs import REAL_MODULE, chain_program, model_programs, real_models
+from precast.bench.programs import chain_program, model_programs, real_models
 from precast.errors import PrecastError, first_line
 from precast.progress import ProgressBar
 
@@ -140,7 +140,7 @@ class StageClock:
 def graph_nodes(ep: Any) -> int:
     """Nodes of the graph the passes work on: the program's, its autocast regions inlined."""
     from precast.ir.program import Program
-    from precast.pipeline.regions import inline_regions
+    from precast.passes.regions import inline_regions
 
     program = Program(ep)
     inline_regions(program.gm)
@@ -153,7 +153,7 @@ def observed_convert(
     """One ``precast.convert(ep, policy=policy, verify=verify)`` observed stage by stage: the clock, the wall ms
     of the whole call, and a note (a verification failure leaves the stage times standing)."""
     import precast
-    from precast.pipeline.runner import observe
+    from precast.passes.runner import observe
 
     _cold_start(ep)
     clock, note = StageClock(memory), ""
@@ -168,7 +168,7 @@ def observed_convert(
     wall = (time.perf_counter() - start) * 1e3
     if not clock.ms:
         raise PrecastError(
-            "bench --convert: precast.convert reported no stages to precast.pipeline.runner.observe; "
+            "bench --convert: precast.convert reported no stages to precast.passes.runner.observe; "
             "nothing to measure"
         )
     return clock, wall, note
@@ -238,15 +238,15 @@ def run_convert_bench(
     log: Callable[[str], None] | None = None,
 ) -> list[ConvertCost]:
     """Conversion cost over the synthetic chain at each N in ``sizes`` and over the real ``models`` (default:
-    all of ``benchmarks.convert_models``) whose library is installed (a missing one is skipped with its reason
+    all of ``precast.bench.convert_models``) whose library is installed (a missing one is skipped with its reason
     passed to ``log``)."""
     available = real_models()
     models = tuple(available) if models is None else models
     unknown = [m for m in models if m not in available]
     if unknown:
-        where = ", ".join(available) if available else f"none: {REAL_MODULE} needs a source checkout"
         raise PrecastError(
-            f"bench --convert: unknown model(s) {unknown}; choose from chain, {where} (the synthetic chain is "
+            f"bench --convert: unknown model(s) {unknown}; choose from chain, {', '.join(available)} (the "
+            "synthetic chain is "
             "measured at the sizes given with --sizes)"
         )
     log = log or (lambda text: print(text, file=sys.stderr))

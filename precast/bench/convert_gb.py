@@ -1,12 +1,12 @@
-"""Conversion cost per GB of weights (``precast bench --convert --llama 0.2b 1.1b``, benchmarks/convert_cost.py
-``--llama``): wall and CPU seconds per GB of input weights and peak resident memory above the input, stage by
-stage, for Llama-shaped models of real size, one fresh process per (size, policy).
+"""Conversion cost per GB of weights (``precast bench --convert --llama 0.2b 1.1b``): wall and CPU seconds per
+GB of input weights and peak resident memory above the input, stage by stage, for Llama-shaped models of real
+size, one fresh process per (size, policy).
 
 How it is measured: the child builds a transformers ``LlamaForCausalLM`` from a ``LlamaConfig`` with seeded
 random weights (nothing downloaded), exports its plain forward (``input_ids`` batch 1 x 16 tokens, no cache,
 static shapes; policy None gets the forward inside one bf16 autocast region), frees the module, then runs
 ``precast.convert(ep, policy=..., dtype=bf16)`` with default options (``verify=True``) under
-``precast.pipeline.runner.observe``: every stage timed (wall, CPU) and its peak RSS sampled (``RssClock``: a
+``precast.passes.runner.observe``: every stage timed (wall, CPU) and its peak RSS sampled (``RssClock``: a
 thread reading /proc/self/statm every 2 ms). Peak extra = the highest RSS during convert minus the RSS just
 before it; divided by the input weight bytes (the program's parameters, buffers and constants, each storage
 once). A fresh process per row: the allocator's free lists of one conversion never lower the next one's peak.
@@ -37,7 +37,7 @@ from precast.errors import PrecastError, first_line
 # hidden, layers, heads, kv heads, intermediate, vocab
 LLAMA_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
     "tiny": (64, 2, 4, 2, 128, 256),  # for tests
-    "0.2b": (1024, 16, 16, 4, 2816, 32000),  # benchmarks/llm_decode.py's shape
+    "0.2b": (1024, 16, 16, 4, 2816, 32000),  # the LLM decode benchmark's 0.2 B shape
     "1.1b": (2048, 22, 32, 4, 5632, 32000),  # TinyLlama-1.1B's shape
 }
 BIGMEM_LOCK = "/tmp/precast-bigmem.lock"
@@ -170,7 +170,7 @@ def weight_bytes(ep: Any) -> int:
 def measure_gb(size: str, policy: str | None) -> GbCost:
     """In this process: export the model, then one observed ``precast.convert(ep, policy, dtype=bf16)``."""
     import precast
-    from precast.pipeline.runner import observe
+    from precast.passes.runner import observe
 
     row = GbCost(size=size, policy=str(policy).lower())
     start = time.perf_counter()

@@ -2,9 +2,8 @@
 
 Input: ``--model`` specs. ``module:factory`` (as ``precast convert`` takes) names a callable returning
 ``(model, example_inputs)``; it is called with ``batch=N`` when it has a ``batch`` parameter, else with no
-arguments and the inputs' dim 0 resized to N. A short name (``mlp``) is ``benchmarks.models:mlp``: the
-benchmark models of a source checkout (run from the repository root); elsewhere the default is the demo model,
-``precast.examples:seed_model``.
+arguments and the inputs' dim 0 resized to N. A short name (``mlp``) is ``precast.bench.models:mlp``, the
+benchmark models (the default: ``mlp``).
 
 Output: ``build(spec, batch)`` -> (model, inputs); ``regions(model, ...)`` and ``fp32_reference(...)``.
 
@@ -13,7 +12,7 @@ off, and ``--device``/``--dtype`` retarget its regions. Replacing ``torch.autoca
 also change every other region in the process (the library's own, another thread's) and the code under test.
 Instead a model opts in with the *autocast switch*: each module that opens a region has the attributes
 ``autocast`` (bool; False runs its body without the region), ``device_type`` and ``dtype``, which its
-``torch.autocast(...)`` call reads (``benchmarks.models.Switchable``, ``precast.examples.SeedSubModule``).
+``torch.autocast(...)`` call reads (``precast.bench.models.Switchable``, ``precast.examples.SeedSubModule``).
 ``regions()`` sets them on that model instance only. A model without the switch keeps its regions as written
 (``--device``/``--dtype`` cannot retarget them), and its fp32 reference is its exported program with the regions
 inlined: ``torch.export`` records each region as a higher-order op around plain ops, so inlined they run in the
@@ -34,7 +33,7 @@ import torch
 from precast.bench.measure import resize_batch
 from precast.errors import PrecastError, first_line
 
-SHORT_MODULE = "benchmarks.models"
+SHORT_MODULE = "precast.bench.models"
 DEMO_SPEC = "precast.examples:seed_model"
 
 
@@ -44,34 +43,22 @@ def _import(name: str) -> Any:
     return importlib.import_module(name)
 
 
-def short_names() -> tuple[str, ...] | None:
-    """The short model names (``benchmarks.models.NAMES``), or None outside a source checkout."""
-    try:
-        module = _import(SHORT_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name and (exc.name == SHORT_MODULE or SHORT_MODULE.startswith(exc.name + ".")):
-            return None
-        raise
-    return tuple(module.NAMES)
+def short_names() -> tuple[str, ...]:
+    """The short model names (``precast.bench.models.NAMES``)."""
+    from precast.bench.models import NAMES
+
+    return NAMES
 
 
 def default_models() -> list[str]:
-    """``mlp`` in a source checkout (``benchmarks`` importable), else the demo model."""
-    return ["mlp"] if short_names() is not None else [DEMO_SPEC]
+    """The models ``precast bench`` runs without ``--model``: ``mlp``."""
+    return ["mlp"]
 
 
 def check_specs(specs: list[str]) -> None:
-    """One-line PrecastError for unknown short names, or short names outside a source checkout."""
-    short = [s for s in specs if ":" not in s]
-    if not short:
-        return
+    """One-line PrecastError for unknown short names."""
     names = short_names()
-    if names is None:
-        raise PrecastError(
-            f"bench: --model {' '.join(short)}: short names stand for {SHORT_MODULE}:NAME, in a source "
-            f"checkout of precast (run from the repository root); elsewhere give module:factory, e.g. {DEMO_SPEC}"
-        )
-    unknown = [s for s in short if s not in names]
+    unknown = [s for s in specs if ":" not in s and s not in names]
     if unknown:
         raise PrecastError(
             f"bench: unknown model(s) {unknown}; choose from {', '.join(names)} or give module:factory"
@@ -186,7 +173,7 @@ def fp32_reference(model: torch.nn.Module, inputs: tuple) -> tuple[Callable[[], 
 
         return run, ""
     from precast.ir.program import Program, strip_dtype_asserts
-    from precast.pipeline.regions import inline_regions
+    from precast.passes.regions import inline_regions
 
     program = Program(torch.export.export(model, inputs, strict=False))
     inline_regions(program.gm)

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from precast import cpu
+
 
 # ---- inputs and outputs -----------------------------------------------------------------------------------
 def resize_batch(inputs: tuple, batch: int) -> tuple:
@@ -184,16 +186,11 @@ def machine_info(device: str = "cpu") -> dict[str, Any]:
     """torch version, CPU model and capability, cores/threads, load average (and the GPU on cuda)."""
     info: dict[str, Any] = {
         "torch": torch.__version__,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_capability": cpu.capability(),
+        "cpu": cpu.model_name(),
+        # what decides bf16/fp16 speed (a VM's model name may not say)
+        "low_precision_isa": cpu.low_precision_flags(),
     }
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in lscpu.splitlines():
-            if line.startswith("Model name:"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-            elif line.startswith("Flags:"):  # what decides bf16/fp16 speed (a VM's model name may not say)
-                low = {"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "avx_vnni", "avx512_vnni"}
-                info["low_precision_isa"] = " ".join(sorted(low & set(line.split()[1:]))) or "none"
     info["cores"] = os.cpu_count()
     info["threads"] = torch.get_num_threads()
     with contextlib.suppress(OSError):

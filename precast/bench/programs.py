@@ -2,8 +2,8 @@
 
 - ``chain_program(N)``: a synthetic chain of N ops in one bf16 autocast region (``OpChain``), exported with a
   dynamic batch: the graph grows with N while export and forwards stay cheap (the linearity check).
-- ``real_models()``: name -> (library, builder) of ``benchmarks.convert_models`` (small-config transformers/timm
-  models, random weights; a source checkout only, else empty). ``model_programs(library, builder, policies)``
+- ``real_models()``: name -> (library, builder) of ``precast.bench.convert_models`` (small-config transformers/timm
+  models, random weights). ``model_programs(library, builder, policies)``
   exports one: policy None gets the model inside one bf16 region, "torch" the plain fp32 model.
 - ``export_for_bench``: ``torch.export`` with a dynamic batch, falling back to static shapes (with a note).
 
@@ -13,15 +13,12 @@ Input: a model name and policies. Output: exported programs ready to convert (dy
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from precast.errors import first_line
-
-REAL_MODULE = "benchmarks.convert_models"
 
 
 class OpChain(torch.nn.Module):
@@ -84,16 +81,11 @@ def chain_program(n_ops: int, width: int = 8, dynamic: bool = True) -> Any:
 
 
 def real_models() -> dict[str, tuple[str, Callable[[], Any]]]:
-    """name -> (library, builder) of ``benchmarks.convert_models``; empty outside a source checkout."""
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")  # like python -m: the current directory (a source checkout) is importable
-    try:
-        module = importlib.import_module(REAL_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name and (exc.name == REAL_MODULE or REAL_MODULE.startswith(exc.name + ".")):
-            return {}
-        raise
-    return module.CONVERT_MODELS
+    """name -> (library, builder) of ``precast.bench.convert_models`` (a library that is missing is skipped when
+    its model is built)."""
+    from precast.bench.convert_models import CONVERT_MODELS
+
+    return CONVERT_MODELS
 
 
 class _Calls(torch.nn.Module):

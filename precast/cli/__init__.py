@@ -1,4 +1,4 @@
-"""The ``precast`` command line: convert, report, check, sensitivity, compile, bench, demo.
+"""The ``precast`` command line: convert, report, check, sensitivity, compile, generate, bench, demo.
 
 Each subcommand lives in ``precast/cli/<name>.py`` with ``add_parser(subparsers)`` and ``run(args) -> int``.
 User errors (PrecastError, bad options, an OSError such as a full disk or a read-only destination) print one
@@ -21,7 +21,7 @@ import warnings
 
 from precast.errors import PrecastError
 
-COMMANDS = ("convert", "report", "check", "sensitivity", "compile", "bench", "demo")
+COMMANDS = ("convert", "report", "check", "sensitivity", "compile", "generate", "bench", "demo")
 
 
 class Parser(argparse.ArgumentParser):

@@ -31,12 +31,12 @@ def add_parser(sub) -> None:
         default=None,
         metavar="SPEC",
         help="package.module:factory (as precast convert takes; called with batch=N when it has a batch "
-        "parameter), or a short name of a source checkout's benchmarks.models (run from the repository root): "
-        "seed, mlp, cnn, encoder, minilm. Default: mlp in a source checkout, else precast.examples:seed_model. "
+        "parameter), or a short name of precast.bench.models: "
+        "seed, mlp, cnn, encoder, minilm. Default: mlp. "
         "eager_fp32 turns the model's autocast regions off through the modules' autocast/device_type/dtype "
-        "attributes (see benchmarks/models.py); a model without them keeps its regions as written and gets "
+        "attributes (see precast/bench/models.py); a model without them keeps its regions as written and gets "
         "its fp32 reference from its exported program with the regions inlined. With --convert: chain (the "
-        "synthetic chain at --sizes) and the real architectures of benchmarks.convert_models (gpt2, llama, "
+        "synthetic chain at --sizes) and the real architectures of precast.bench.convert_models (gpt2, llama, "
         "bert, convnext_atto, efficientvit_m0, fastvit_t8; skipped when transformers/timm is missing); "
         "default: all",
     )
@@ -64,7 +64,7 @@ def add_parser(sub) -> None:
         "--convert",
         action="store_true",
         help="measure the conversion itself instead: ms and peak Python memory per node of every stage of "
-        "precast.convert (observed through precast.pipeline.runner.observe), verification timed apart",
+        "precast.convert (observed through precast.passes.runner.observe), verification timed apart",
     )
     conv.add_argument(
         "--sizes", nargs="+", type=int, default=None, metavar="N", help="chain sizes (default 250 ... 8000)"
@@ -158,7 +158,7 @@ def run_convert(args: argparse.Namespace) -> int:
     if unknown:
         raise PrecastError(
             f"bench --convert: unknown model(s) {unknown}; choose from chain, "
-            f"{', '.join(bench.real_models()) or '(benchmarks.convert_models needs a source checkout)'}"
+            f"{', '.join(bench.real_models())}"
         )
     if args.out:
         out_dir(args.out, "convert_cost.json")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from precast.cli.flags import add_trust_pickle
 from precast.errors import PrecastError, first_line
 from precast.ir.program import strip_dtype_asserts
 from precast.metrics import compare_outputs
@@ -39,11 +40,7 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("program", help="a program saved with torch.export.save")
-    p.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
-    )
+    add_trust_pickle(p)
     p.add_argument(
         "--inputs",
         default=None,
@@ -118,7 +115,7 @@ def load_inputs(path: str | None, ep) -> tuple[tuple, dict]:
     tensor, a tuple, (args, kwargs), or a dict keyed by the forward's own argument names (``{"X": t}``) or by
     export's lowercased ones."""
     from precast.ir.inputs import bind_inputs
-    from precast.pipeline.capture import load_saved
+    from precast.pipeline.load import load_saved
 
     if path is None:
         if ep.example_inputs is None:
@@ -142,7 +139,7 @@ def _run(path: str, what: str, module: torch.nn.Module, args: tuple, kwargs: dic
 
 def run(args: argparse.Namespace) -> int:
     from precast.ir.inputs import flat_user_inputs
-    from precast.pipeline.capture import check_program_file, load_program
+    from precast.pipeline.load import check_program_file, load_program
 
     check_program_file(args.program)  # both files checked before the (slow) load
     if args.inputs is not None and not Path(args.inputs).is_file():

@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 
+from precast.cli.flags import add_trust_pickle
 from precast.errors import PrecastError
 
 BACKENDS = ("aoti", "openvino", "onnx", "executorch")
@@ -38,8 +39,8 @@ def add_parser(sub) -> None:
         "--output",
         default=None,
         help="write the artifact here (aoti: a package with its weights inside, for torch._inductor."
-        "aoti_load_package; default prints the cached package's path, whose weights precast.compile loads; "
-        "openvino (.xml), onnx, executorch: required)",
+        "aoti_load_package, with --weights too: the weights are read into it; default prints the cached package's "
+        "path, whose weights precast.compile loads; openvino (.xml), onnx, executorch: required)",
     )
     p.add_argument("--backend", choices=BACKENDS, default="aoti", help="default: aoti (AOTInductor)")
     p.add_argument("--mode", choices=["default", "max-autotune"], default="default", help="aoti only")
@@ -54,13 +55,10 @@ def add_parser(sub) -> None:
         default=None,
         metavar="DIR",
         help="aoti only: the weights of a program converted with streamed weights (its constants meta): a "
-        "directory of safetensors shards with model.safetensors.index.json, or one .safetensors file",
+        "directory of safetensors shards with model.safetensors.index.json, or one .safetensors file; with -o "
+        "they are written into the package",
     )
-    p.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
-    )
+    add_trust_pickle(p)
     p.set_defaults(run=run)
 
 
@@ -73,20 +71,35 @@ def run(args: argparse.Namespace) -> int:
     import importlib
 
     from precast.io import write_bytes
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     compile_mod = importlib.import_module("precast.backends.aoti")
     weights = getattr(args, "weights", None)
+    files = None
+    if weights:
+        from precast.weights.files import WeightFiles
+
+        files = WeightFiles(weights, "--weights")  # checked (headers, regular files) before the program loads
     if args.output:
-        if weights:
-            raise PrecastError(
-                "precast compile: -o writes a package with its weights inside, which a program with streamed "
-                "(meta) weights cannot give; drop -o (the cached package loads them with precast.compile(program, "
-                "weights=...)) or convert with the weights in memory"
-            )
+        if files is not None:  # before check_writable, whose probe file would land in the input folder
+            from precast.weights.streamed import check_file_outside
+
+            check_file_outside(args.output, files)
         check_writable(args.output, (args.source,))
     started = time.perf_counter()
     program = load_program(args.source, trust_pickle=args.trust_pickle)
+    if args.output and files is not None:
+        # -o: a self-contained package; the weights go inside it, so the program takes them in now (read once,
+        # names, shapes and dtypes checked by with_weights) and compiles as a program holding its weights
+        from precast.weights.files import streamed_targets
+        from precast.weights.streamed import with_weights
+
+        if not streamed_targets(program):
+            raise PrecastError(
+                f"--weights {weights}: {args.source} holds its weights (none of its constants is fake or meta); "
+                "drop --weights"
+            )
+        program, weights = with_weights(program, weights), None
     # -o: a self-contained package (constants inside the .so), loadable without precast
     configs = {compile_mod.IN_SO: True} if args.output else None
     cm = compile_mod.compile(
@@ -110,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace, backend: str) -> int:
     """--backend openvino|onnx|executorch: every option checked and the backend imported before the program loads."""
     from precast.io import check_writable
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     if not args.output:
         raise PrecastError(f"--backend {backend} needs -o FILE (e.g. -o model{SUFFIXES[backend]})")
@@ -128,6 +141,8 @@ def _run_export(args: argparse.Namespace, backend: str) -> int:
         files = model.save(args.output)
         weights = ", ".join(f"{k} {v / 2**20:.2f} MB" for k, v in files["weights"].items())
         batch = "dynamic batch" if _dynamic(model) else "static shapes"
+        if model.state_names:  # a KV cache held as OpenVINO variables
+            batch += f", {len(model.state_names)} cache(s) held as state between calls"
         detail = f"{files['bin']} beside it, weights {weights}, {batch}; plan: {model.plan.summary()}"
     elif backend == "onnx":
         info = export(program, args.output, dynamic_batch=not args.static)

@@ -6,6 +6,7 @@ Input: a saved program or a factory spec, options. Output: the converted program
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import re
 import sys
@@ -14,9 +15,11 @@ from pathlib import Path
 
 import torch
 
+from precast.cli.flags import add_trust_pickle
 from precast.errors import PrecastError, first_line
 from precast.io import check_writable, write_bytes
-from precast.pipeline.capture import check_program_file
+from precast.pipeline.load import check_program_file
+from precast.pipeline.options import ConvertOptions
 from precast.policy.resolve import RULE_OPTIONS
 from precast.threads import TORCH_LOCK
 
@@ -106,11 +109,7 @@ def add_parser(sub) -> None:
         help="with --weights: the folder the converted weights go to (default: OUTPUT with the suffix .weights)",
     )
     p.add_argument("--no-verify", action="store_true", help="skip the run comparing against the reference")
-    p.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
-    )
+    add_trust_pickle(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of a summary")
     p.add_argument(
         "--allow",
@@ -124,7 +123,7 @@ def add_parser(sub) -> None:
 
 def load_source(source: str, trust_pickle: bool = False):
     """(program_or_module, example_inputs) from a .pt2 path or a module:factory spec."""
-    from precast.pipeline.capture import load_factory, load_program
+    from precast.pipeline.load import load_factory, load_program
 
     if _is_factory(source):
         return load_factory(source)
@@ -142,56 +141,58 @@ FLAGS = {
     for name in RULE_OPTIONS
     if name not in ("calibration", "tolerance", "custom_rules")
 }
+# every keyword of ConvertOptions a flag sets, for naming the flag in a refusal
+NAMED = {
+    **FLAGS,
+    **{
+        n: "--" + n.replace("_", "-")
+        for n in ("dtype", "device_type", "cache_dtype", "weights_out", "weights")
+    },
+    "calibration": "--calibration",
+    "allow": "--allow",
+    "plan": "--plan",
+}
 
 
-def check_options(args: argparse.Namespace) -> dict:
-    """Every option checked before anything is loaded (one-line PrecastError); returns convert's keywords."""
-    from precast import codes
-    from precast.dtypes import parse_low_dtype as parse_dtype
-    from precast.policy.rules.options import RuleOptions
-
-    try:
-        low = parse_dtype(args.dtype)
-    except PrecastError:
-        raise PrecastError(f"--dtype {args.dtype}: choose bf16 or fp16") from None
-    if getattr(args, "cache_dtype", None) is not None:
-        from precast.api import cache_dtype_of
-
-        try:
-            cache_dtype_of(args.cache_dtype)
-        except PrecastError:
-            raise PrecastError(f"--cache-dtype {args.cache_dtype}: choose bf16, fp16 or fp32") from None
-    opts = {name: getattr(args, name) for name in FLAGS if getattr(args, name) not in (None, (), [])}
+def options_of(args: argparse.Namespace) -> ConvertOptions:
+    """The conversion's options as ``precast.convert`` builds them (``ConvertOptions``), from the flags; the
+    calibration files stand for their data until it is loaded."""
+    rules = {name: getattr(args, name) for name in FLAGS if getattr(args, name) not in (None, (), [])}
     if args.patterns is not None:  # `--patterns` alone: none
-        opts["patterns"] = tuple(args.patterns)
+        rules["patterns"] = tuple(args.patterns)
     stats = getattr(args, "calibration_stats", None)
-    rules_only = [FLAGS[name] for name in opts] + (["--calibration"] if args.calibration else [])
-    rules_only += ["--calibration-stats"] if stats else []
+    if args.calibration or stats:
+        rules["calibration"] = [Path(f) for f in stats] if stats else Path(args.calibration)
+    weights, weights_out = getattr(args, "weights", None), getattr(args, "weights_out", None)
+    if weights and not weights_out:  # default: next to the output
+        weights_out = str(Path(args.output).with_suffix(".weights"))
+    return ConvertOptions(
+        policy=args.policy,
+        dtype=args.dtype,
+        device_type=args.device_type,
+        rules=rules,
+        verify=not getattr(args, "no_verify", False),
+        allow=tuple(args.allow),
+        plan=getattr(args, "plan", None),
+        cache_dtype=getattr(args, "cache_dtype", None),
+        weights=weights,
+        weights_out=weights_out,
+    )
+
+
+def check_options(args: argparse.Namespace) -> ConvertOptions:
+    """Every option checked before anything is loaded (one-line PrecastError, naming the flags): the files the
+    flags name, then the options record's own ``check`` (what ``precast.convert`` refuses, refused here first)."""
+    stats = getattr(args, "calibration_stats", None)
     if args.calibration and stats:
         raise PrecastError(
             "--calibration and --calibration-stats: give batches to measure or statistics, not both"
-        )
-    plan = getattr(args, "plan", None)
-    if plan is not None and args.policy not in (None, "torch", "rules", "auto"):
-        raise PrecastError(f"--plan: applies to --policy torch, rules or auto, not {args.policy}")
-    if args.policy not in ("rules", "auto") and not plan and rules_only:
-        raise PrecastError(f"{', '.join(rules_only)}: these options need --policy rules (or auto)")
-    try:
-        RuleOptions.build(low or torch.bfloat16, **opts)
-    except PrecastError as exc:
-        raise PrecastError(_as_flag(str(exc))) from None
-    unknown = [c for c in args.allow if c not in codes.allowable()]
-    if unknown:
-        raise PrecastError(
-            f"--allow {' '.join(unknown)}: unknown diagnostic code; choose from {', '.join(codes.allowable())}"
         )
     if not _is_factory(args.source):
         check_program_file(args.source)
     elif not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", args.source):
         raise PrecastError(f"'{args.source}': expected a saved program path or 'package.module:factory'")
-    weights, weights_out = getattr(args, "weights", None), getattr(args, "weights_out", None)
-    if weights_out and not weights:
-        raise PrecastError("--weights-out: give --weights (the folder the weights are read from) as well")
+    weights = getattr(args, "weights", None)
     if weights and _is_factory(args.source):
         raise PrecastError(
             "--weights: streams the weights of a saved program; a factory's module holds its own"
@@ -207,19 +208,56 @@ def check_options(args: argparse.Namespace) -> dict:
             raise PrecastError(
                 f"--calibration-stats {f}: no such file; write one with precast.calibrate(...).save"
             )
-    return opts
+    options = options_of(args)
+    try:
+        options.check()
+    except PrecastError as exc:
+        raise PrecastError(as_flags(str(exc), args)) from None
+    return options
 
 
-def _as_flag(message: str) -> str:
-    """``data_max=-1.0: ...`` -> ``--data-max=-1.0: ...``: name the flag the user typed."""
-    for name, flag in FLAGS.items():
-        if message.startswith(name):
-            return flag + message[len(name) :]
+def _check_outputs_outside(args: argparse.Namespace, weights_out: str | None) -> None:
+    """-o and --write-plan never land on or inside the input weights, nor on the weights output folder."""
+    from precast.weights.files import WeightFiles
+    from precast.weights.streamed import check_file_outside, check_weights_out, overlaps, resolved
+
+    files = WeightFiles(args.weights)
+    outputs = [
+        (flag, path) for flag, path in (("-o", args.output), ("--write-plan", args.write_plan)) if path
+    ]
+    for flag, path in outputs:  # what the user typed first: the weights output may be derived from -o
+        check_file_outside(path, files, flag)
+    if weights_out is None:  # again just before writing: only the outputs against the input weights
+        return
+    out = check_weights_out(files, weights_out)
+    for flag, path in outputs:
+        if overlaps(resolved(path), [out]) is not None:
+            raise PrecastError(
+                f"{flag} {path}: resolves into the weights output {out}; give the weights and the program "
+                "different places"
+            )
+
+
+def as_flags(message: str, args: argparse.Namespace) -> str:
+    """A refusal of ``ConvertOptions.check`` in the words of the command line: ``data_max=-1.0: ...`` ->
+    ``--data-max=-1.0: ...``, ``dtype='int8': ...`` -> ``--dtype int8: ...``, ``weights= needs weights_out=`` ->
+    ``--weights needs --weights-out``, ``policy='rules'`` -> ``--policy rules``."""
+    stats = getattr(args, "calibration_stats", None)
+    named = {**NAMED, "calibration": "--calibration-stats" if stats else "--calibration"}
+    for name in ("dtype", "cache_dtype", "device_type"):  # name=repr: -> --flag value: (the value as typed)
+        if message.startswith(f"{name}=") and getattr(args, name, None) is not None:
+            message = f"{named[name]} {getattr(args, name)}:" + message.split(":", 1)[1]
+    if message.startswith("allow="):
+        message = f"--allow {' '.join(args.allow)}:" + message.split(":", 1)[1]
+    message = re.sub(r"policy='(\w+)'", r"--policy \1", message)
+    for name in sorted(named, key=len, reverse=True):
+        message = re.sub(rf"(?<![\w-]){name}=(?=[\s:,.;]|$)", named[name], message)
+        message = re.sub(rf"(?<![\w-]){name}(?=[=:,])", named[name], message)
     return message
 
 
 def _load_calibration(path: str) -> list:
-    from precast.pipeline.capture import load_saved
+    from precast.pipeline.load import load_saved
 
     p = Path(path)
     batches = load_saved(p, "--calibration", "save a list of input tuples with torch.save")
@@ -231,43 +269,34 @@ def _load_calibration(path: str) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    opts = check_options(args)
+    options = check_options(args)
     stats = tuple(getattr(args, "calibration_stats", None) or ())
     inputs_ = (None if _is_factory(args.source) else args.source, args.calibration, *stats)
+    if args.weights:  # before check_writable, whose probe file would land in the input folder
+        _check_outputs_outside(args, args.weights_out or str(Path(args.output).with_suffix(".weights")))
     check_writable(args.output, inputs_)
     if args.write_plan:
         check_writable(args.write_plan, inputs_)
+    plan = None
     if args.plan:
         from precast.policy.plan import load_plan
 
-        opts["plan"] = load_plan(args.plan)  # checked before the (long) load of the program
+        plan = load_plan(args.plan)  # checked before the (long) load of the program
+    rules = dict(options.rules)
     if args.calibration:
-        opts["calibration"] = _load_calibration(args.calibration)  # small and quick: before the program
+        rules["calibration"] = _load_calibration(args.calibration)  # small and quick: before the program
     if stats:
-        from precast.policy.rules.calibration import load_calibration
+        from precast.numerics.calibration import load_calibration
 
         # a corrupt file or a bad merge is said before the program loads; convert checks each file against it
         cals = [load_calibration(f) for f in stats]
         cals[0].merge(*cals[1:])
-        opts["calibration"] = [Path(f) for f in stats]
     import precast
+    from precast.api import convert_with
 
-    if args.weights:
-        opts["weights"] = args.weights
-        opts["weights_out"] = args.weights_out or str(Path(args.output).with_suffix(".weights"))
     started = time.perf_counter()
     obj, inputs = load_source(args.source, args.trust_pickle)
-    res = precast.convert(
-        obj,
-        inputs,
-        policy=args.policy,
-        dtype=args.dtype,
-        device_type=args.device_type,
-        verify=not args.no_verify,
-        allow=tuple(args.allow),
-        cache_dtype=args.cache_dtype,
-        **opts,
-    )
+    res = convert_with(obj, inputs, dataclasses.replace(options, rules=rules, plan=plan))
     buffer = (
         io.BytesIO()
     )  # serialized in memory, written through Python: a full disk is one line, not an abort
@@ -276,6 +305,8 @@ def run(args: argparse.Namespace) -> int:
             torch.export.save(res.program, buffer)
     except Exception as exc:
         raise PrecastError(f"{args.output}: could not save the converted program: {first_line(exc)}") from exc
+    if args.weights:  # checked again just before writing: a link changed meanwhile cannot redirect it
+        _check_outputs_outside(args, None)
     write_bytes(args.output, buffer.getvalue(), inputs_)
     if args.write_plan:
         plan = precast.Plan.from_result(res, source=f"precast convert {args.source}")
@@ -283,9 +314,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.write_plan}: {len(plan.fp32)} op(s) kept in fp32", file=sys.stderr)
     if args.plan:
         applied = sum(1 for r in res.report.nodes if r.rule == "custom:plan")
-        if applied < len(opts["plan"].fp32):
+        if applied < len(plan.fp32):  # type: ignore[union-attr]
             print(
-                f"warning: --plan {args.plan}: {len(opts['plan'].fp32) - applied} of its {len(opts['plan'].fp32)} "
+                f"warning: --plan {args.plan}: {len(plan.fp32) - applied} of its {len(plan.fp32)} "  # type: ignore[union-attr]
                 "op(s) matched no op of this program (another model, or the plan's ops are decided earlier by "
                 "include/exclude rules)",
                 file=sys.stderr,

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         f"   weight casts per forward (decomposed graph): {_weight_casts(ep)} -> {_weight_casts(res.program)}"
     )
     t0, t1 = _median_ms(before, x, args.repeats), _median_ms(after, x, args.repeats)
-    from precast.pipeline.latency import native_note
+    from precast.numerics.latency import native_note
 
     note = native_note("cpu", torch.bfloat16) or "CPU"
     print(f"   eager ep.module() median latency: {t0:.3f} ms -> {t1:.3f} ms ({note})")

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from precast.cli.flags import add_trust_pickle
 from precast.errors import PrecastError
 from precast.io import check_writable, write_bytes
-from precast.pipeline.capture import load_program
+from precast.pipeline.load import load_program
 
 FORMATS = ("table", "json", "model-explorer")
 MIN_WIDTH = 40  # narrower, rich folds every cell to a character or prints nothing
@@ -28,11 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--width", type=int, default=None, help=f"table width, at least {MIN_WIDTH} (default: the terminal's)"
     )
-    p.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
-    )
+    add_trust_pickle(p)
     p.set_defaults(run=run)
 
 

@@ -96,13 +96,13 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from precast.cli.convert import check_options, load_source
 
-    opts = check_options(argparse.Namespace(**{**vars(args), "policy": _convert_policy(args.policy)}))
+    opts = check_options(argparse.Namespace(**{**vars(args), "policy": _convert_policy(args.policy)})).rules
     for path in (args.plot, args.model_explorer, args.write_plan, args.write_energies):
         if path:
             check_writable(path, tuple(args.energies or ()))
     given = None
     if args.energies:
-        from precast.pipeline.energies import load_energies
+        from precast.numerics.energies import load_energies
 
         given = [load_energies(f) for f in args.energies]  # checked before the (long) load of the program
     if args.write_plan and args.keep is None:
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             raise PrecastError("--plot needs matplotlib: pip install 'precast[bench]'") from None
     inputs = None
     if args.inputs:
-        from precast.pipeline.capture import load_saved
+        from precast.pipeline.load import load_saved
 
         inputs = load_saved(
             Path(args.inputs), "--inputs", "save one batch, a tuple of tensors, with torch.save"

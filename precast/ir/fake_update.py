@@ -16,15 +16,8 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 
 from precast.errors import PrecastError, first_line, where
-from precast.ir.fake import (
-    MISSING,
-    FakeState,
-    adopt_vals,
-    fake_run_error,
-    fake_state,
-    node_signature,
-    run_fake,
-)
+from precast.ir.fake import FakeState, adopt_vals, fake_state, node_signature
+from precast.ir.fake_run import MISSING, fake_run_error, run_fake
 from precast.ir.program import Program
 
 

@@ -14,7 +14,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from precast.errors import PrecastError, first_line
+from precast.errors import PrecastError, first_line, name_list
 from precast.ir.program import Program
 
 
@@ -64,7 +64,7 @@ def bind_inputs(ep: ExportedProgram, batch: Any, where: str) -> tuple[tuple, dic
     missing = [n for n in positional[len(args) :] if n not in given]
     if missing:
         raise PrecastError(
-            f"{where}: no value for input(s) {', '.join(missing)}; the program's inputs are "
+            f"{where}: no value for input(s) {name_list(missing)}; the program's inputs are "
             f"({', '.join(expected)})"
         )
     args = args + tuple(given.pop(n) for n in positional[len(args) :])
@@ -163,11 +163,6 @@ def placeholder_values(program: Program, user: list[Any]) -> list[Any]:
             written = program.constant_target(node) in program.written and isinstance(value, torch.Tensor)
             out.append(value.detach().clone() if written else value)
     return out
-
-
-def flat_inputs(program: Program, ep: ExportedProgram, batch: Any, index: int | str) -> list[Any]:
-    """Values for every placeholder of ``program.gm`` (constants, then the batch's checked user inputs)."""
-    return placeholder_values(program, user_values(program, ep, batch, index))
 
 
 def _desc(t: torch.Tensor) -> str:

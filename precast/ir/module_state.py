@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from precast.errors import PrecastError
+from precast.errors import PrecastError, name_list
 
 # nn.Module's own bookkeeping (hooks, flags): never holds the model's tensors; _parameters, _buffers and
 # _modules are walked as the names they register
@@ -203,7 +203,7 @@ def private_call(module: torch.nn.Module, written: dict[str, torch.Tensor]) -> C
     what = type(module).__name__
     if missing:
         raise PrecastError(
-            f"cannot verify against {what}: the program writes {', '.join(missing)}, which precast cannot find in "
+            f"cannot verify against {what}: the program writes {name_list(missing)}, which precast cannot find in "
             "the module (not a parameter, buffer or tensor reachable from its attributes); pass the exported "
             "program instead, or verify=False"
         )

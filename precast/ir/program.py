@@ -51,7 +51,7 @@ class Program:
 
     def __init__(self, ep: ExportedProgram, cache_dtype: torch.dtype | None = None):
         self.source = ep
-        # cache_dtype=: the dtype lower() stores the program's caches in (precast/pipeline/caches.py)
+        # cache_dtype=: the dtype lower() stores the program's caches in (precast/passes/caches.py)
         self.cache_dtype = cache_dtype
         self.gm: torch.fx.GraphModule = copy.deepcopy(ep.graph_module)
         self.graph = self.gm.graph
@@ -74,7 +74,7 @@ class Program:
         self.retyped: dict[torch.fx.Node, torch.dtype] = {}
         # the conversion's private fake mode and shape env (precast.classify.fake_state), made on first use
         self.fake_state: object | None = None
-        # weights streamed from files (``precast.ir.weights.WeightFiles``): the constants holding no values
+        # weights streamed from files (``precast.weights.files.WeightFiles``): the constants holding no values
         # are read from there, one at a time, by the few rules that read values (init_max)
         self.weights: object | None = None
         # constants the program writes: the conversion (and the program it returns) owns copies of them, so

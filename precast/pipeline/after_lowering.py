@@ -26,21 +26,21 @@ from precast.errors import PrecastError, where
 from precast.ir import diagnostics
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.program import private_state
+from precast.numerics.latency import native_note, time_programs
+from precast.passes.runner import timed
 from precast.pipeline.checks import DeviceFailure, example_batch, run_on_device
 from precast.pipeline.conversion import Conversion
-from precast.pipeline.latency import native_note, time_programs
-from precast.pipeline.runner import timed
-from precast.pipeline.streamed import stand_in
 from precast.policy.auto import MARGIN
 from precast.policy.base import Decision
 from precast.policy.hooks import hook
+from precast.weights.streamed import stand_in
 
 MAX_DEVICE_FALLBACK_ROUNDS = 8
 
 
 def device_fallback(state: Conversion) -> None:
     """Ops without a low-precision kernel on this device kept fp32, the program converted again."""
-    batch = example_batch(state.ep, state.inputs)
+    batch = example_batch(state.captured, state.inputs)
     if batch is None or state.lowered is None:
         return
     failed: dict[str, str] = {}  # node -> what failed: bound into the decider as ``device_fp32``
@@ -86,9 +86,9 @@ def auto_confirm(state: Conversion) -> None:
     counts = (lrun.timed, lrun.cached) if lrun is not None else (None, None)
     text, est = decider.summary(native_note(state.device, decider.opts.low), *counts)  # type: ignore[union-attr]
     speed = {"estimated_speedup": est}
-    batch = example_batch(state.ep, state.inputs)
+    batch = example_batch(state.captured, state.inputs)
     if hook(state.policy, "confirm") and batch is not None and any(c.low for c in decider.choices.values()):  # type: ignore[union-attr]
-        conv_ms, ref_ms = time_programs(state.lowered.exported, state.ep, batch, state.device)  # type: ignore[union-attr]
+        conv_ms, ref_ms = time_programs(state.lowered.exported, state.captured, batch, state.device)  # type: ignore[union-attr]
         speed.update(converted_ms=conv_ms, fp32_ms=ref_ms, measured_speedup=ref_ms / conv_ms)
         text += f"; end to end (eager, example inputs): {conv_ms:.3f} ms vs fp32 {ref_ms:.3f} ms"
         if conv_ms > ref_ms * (1 + MARGIN):

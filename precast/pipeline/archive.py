@@ -1,4 +1,5 @@
-"""A .pt2 file checked before ``torch.export.load`` opens it: nothing in it is unpickled unless the user says so.
+"""A .pt2 file checked before ``torch.export.load`` opens it: nothing in it is unpickled unless the user says so;
+and, when torch.export.load fails, the cause it logged (``load_failure``).
 
 ``torch.export.load`` unpickles with ``weights_only=False`` in several places: the sample inputs (after a
 ``weights_only=True`` attempt fails), weights and constants stored with ``use_pickle``, custom and opaque objects,
@@ -14,8 +15,11 @@ Input: the path of a .pt2 file. Output: its bytes, checked; or a one-line Precas
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import logging
+import re
 import zipfile
 from pathlib import Path
 
@@ -132,3 +136,52 @@ def _restricted_load(blob: bytes, what: str) -> str | None:
         why = lines[0].split("error:", 1)[1].strip().split(". ")[0] if lines else first_line(exc)
         return f"{what} needs a full unpickle to load ({why[:160]})"
     return None
+
+
+_UNREGISTERED = re.compile(r"Deserializing (\S+) in pytree is not registered")
+
+
+def load_failure(p: Path, exc: BaseException, logged: list[BaseException]) -> str:
+    """Why ``torch.export.load`` failed: it logs the deserializer's exception and raises a generic one ("We ran
+    into an error when deserializing"), so the logged cause is named first."""
+    for cause in logged:
+        found = _UNREGISTERED.search(str(cause))
+        if found:
+            return (
+                f"{p}: the program's inputs or outputs hold a {found.group(1)}, a type not registered with torch's "
+                "pytree in this process, which torch.export.load needs; export a wrapper that returns tensors "
+                "(precast.LogitsOnly(model) for a causal LM's logits), or load it in Python after importing the "
+                "library that registers the type"
+            )
+    why = first_line(logged[-1]) if logged else first_line(exc)
+    return (
+        f"{p}: cannot be loaded as a torch.export program ({why}); save it with torch.export.save from "
+        f"torch {torch.__version__.split('+')[0]}"
+    )
+
+
+class _Recorder(logging.Filter):
+    """Keeps the exceptions a logger's records carry (and lets every record through to the next filter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[BaseException] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.errors.append(record.exc_info[1])
+        return True
+
+
+@contextlib.contextmanager
+def logged_errors(name: str, into: list[BaseException]):
+    """Append to ``into`` the exceptions logged on ``name`` while inside (a filter on the logger: its level and
+    handlers untouched; installed before ``quiet_loggers`` so it sees the records they drop)."""
+    logger = logging.getLogger(name)
+    recorder = _Recorder()
+    recorder.errors = into
+    logger.addFilter(recorder)
+    try:
+        yield
+    finally:
+        logger.removeFilter(recorder)

@@ -13,7 +13,6 @@ the op that failed as data (``DeviceFailure``), which the device fallback (``pip
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,13 +24,13 @@ from torch.utils._pytree import PyTree
 
 from precast import codes
 from precast.dtypes import long_name
-from precast.errors import PrecastError, first_line, user_source_code, where
-from precast.ir.diagnostics import DiagnosticLog, add, from_error, raise_errors, record
+from precast.errors import first_line, user_source_code, where
+from precast.ir.diagnostics import DiagnosticLog, raise_errors, record
 from precast.ir.inputs import normalize_inputs
 
 # every registered code (kept under this name for callers that list them)
 CODES = tuple(codes.CODES)
-# higher-order ops that carry autocast meaning and are inlined by precast.pipeline.regions; every other HOP with
+# higher-order ops that carry autocast meaning and are inlined by precast.passes.regions; every other HOP with
 # subgraph arguments is control flow that precast does not look inside
 REGION_HOPS = {"wrap_with_autocast", "wrap_with_set_grad_enabled"}
 
@@ -200,20 +199,6 @@ def check_dtype_reads(ep: ExportedProgram, rep: DiagnosticLog) -> None:
         fix="convert the module instead: precast.convert(model, example_inputs, policy='torch') traces its "
         "forward under autocast, as eager runs it",
     )
-
-
-# ---- errors raised while classifying ------------------------------------------------------------------
-
-
-def classify_error_handler(rep: DiagnosticLog) -> Callable[[PrecastError], None]:
-    """For ``classify(on_error=...)``: records the error as a diagnostic; re-raises unless allowed."""
-
-    def handle(err: PrecastError, node: torch.fx.Node | None = None) -> None:
-        d = add(rep, from_error(err, node))
-        if d.severity == "error":
-            raise_errors(rep)
-
-    return handle
 
 
 # ---- checks on the converted program ------------------------------------------------------------------

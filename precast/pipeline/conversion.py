@@ -22,12 +22,15 @@ from precast.ir.graph import output_dtypes
 from precast.ir.inputs import check_example_inputs
 from precast.ir.program import Program, program_device_type
 from precast.ir.regions import Region
-from precast.pipeline import LowerStats, checks, lower
+from precast.passes import LowerStats, lower
+from precast.passes.regions import inline_regions
+from precast.passes.runner import run_stage, timed
+from precast.pipeline import checks
 from precast.pipeline.capture import capture, policy_region
-from precast.pipeline.regions import inline_regions
-from precast.pipeline.runner import run_stage, timed
+from precast.pipeline.options import CheckedOptions
 from precast.policy.base import Policy
 from precast.policy.hooks import Binding, hook
+from precast.weights.files import weightless
 
 Inputs = tuple[tuple, dict]  # (args, kwargs)
 
@@ -48,17 +51,17 @@ class Conversion:
     """Everything one conversion knows, stage after stage."""
 
     source: ExportedProgram | torch.nn.Module  # what the caller gave (never changed)
-    ep: ExportedProgram  # the input program
+    captured: ExportedProgram  # the input program: the caller's, or the module's export (capture)
     policy: Policy | None
     low: torch.dtype | None
     device: str
     inputs: Inputs | None  # the example inputs, bound to the program's signature (None: the program's own)
-    program: Program  # the private copy the checks ran on; the first lowering rewrites it
+    program: Program  # the private copy of ``captured`` the checks ran on; the first lowering rewrites it
     regions: list[Region]
     restore: list[torch.dtype | None]  # the input program's output dtypes, restored with keep_io_types
     keep_io: bool
-    cache_dtype: torch.dtype | None = None  # cache_dtype=: the caches held in this dtype (pipeline/caches.py)
-    weights: Any = None  # weights=: the WeightFiles the value-less constants come from (ir/weights.py)
+    cache_dtype: torch.dtype | None = None  # cache_dtype=: the caches held in this dtype (passes/caches.py)
+    weights: Any = None  # weights=: the WeightFiles the value-less constants come from (weights/files.py)
     log: DiagnosticLog = field(default_factory=DiagnosticLog)  # the report, as the stages see it
     verification: dict[str, dict] = field(default_factory=dict)  # what after-lowering checks measured
     binding: Binding | None = None  # what the policy's decider is bound with (None: the policy decides)
@@ -83,7 +86,7 @@ class Conversion:
         """Convert a fresh copy of the input program again, the decider bound with ``more`` as well
         (``device_fp32=``, ``all_fp32=``); the previous lowering's diagnostics are recorded afresh."""
         del self.log.diagnostics[self.lowering_mark :]
-        fresh = run_stage(None, "program_copy", lambda _: Program(self.ep, self.cache_dtype))
+        fresh = run_stage(None, "program_copy", lambda _: Program(self.captured, self.cache_dtype))
         fresh.weights = self.weights
         run_stage(fresh, "inline_regions", lambda p: inline_regions(p.gm))
         return self._lower(fresh, self.decider_for(fresh, **more))
@@ -104,23 +107,19 @@ def begin(
     source: ExportedProgram | torch.nn.Module,
     example_inputs: PyTree,
     policy: Policy | None,
-    low: torch.dtype | None,
-    device_type: str | None,
-    dynamic_shapes: Any,
-    keep_io_types: bool | None,
-    cache_dtype: torch.dtype | None = None,
+    options: CheckedOptions,
 ) -> Conversion:
-    """capture -> program copy -> regions: the conversion's state before the checks."""
-    if keep_io_types is not None and not isinstance(keep_io_types, bool):
-        raise PrecastError(
-            f"keep_io_types={keep_io_types!r}: give True, False or None (the policy's default)"
-        )
-    device_type = device_type or (hook(policy, "device_type") if policy is not None else None)
+    """capture -> program copy -> regions: the conversion's state before the checks. ``policy``: the resolved
+    policy object (or None); ``options``: what ``ConvertOptions.check`` returned."""
+    given, low = options.given, options.low
+    if options.files is not None:  # weights= : the program's constants found in the files become meta tensors
+        source = weightless(source, options.files)  # type: ignore[arg-type]
+    device_type = given.device_type or (hook(policy, "device_type") if policy is not None else None)
     under_autocast = policy is not None and hook(policy, "capture_under_autocast")
     region = policy_region(source, under_autocast, device_type, low)
     with timed("capture"):
         captured = capture(
-            source, example_inputs, dynamic_shapes, distinct_values=under_autocast, autocast=region
+            source, example_inputs, given.dynamic_shapes, distinct_values=under_autocast, autocast=region
         )
     ep = captured.program
     device = device_type or program_device_type(ep)
@@ -130,18 +129,20 @@ def begin(
         low = low if low is not None else torch.get_autocast_dtype(device)
         policy = hook(policy, "for_device")(device, low)
     inputs = check_example_inputs(ep, example_inputs) if source is ep else None
-    program = run_stage(None, "program_copy", lambda _: Program(ep, cache_dtype))
+    program = run_stage(None, "program_copy", lambda _: Program(ep, options.cache_dtype))
     regions = run_stage(program, "inline_regions", lambda p: inline_regions(p.gm))
-    keep_io = keep_io_types if keep_io_types is not None else bool(policy and hook(policy, "keep_io_types"))
+    keep_io = given.keep_io_types
+    keep_io = keep_io if keep_io is not None else bool(policy and hook(policy, "keep_io_types"))
     restore = output_dtypes(program.graph)
     if region is not None and keep_io:
         # traced under autocast, the program's outputs are already low: the types to keep are the module's own
-        plain = capture(source, example_inputs, dynamic_shapes, distinct_values=True).program
+        plain = capture(source, example_inputs, given.dynamic_shapes, distinct_values=True).program
         restore = output_dtypes(plain.graph)
     state = Conversion(
-        source, ep, policy, low, device, inputs, program, regions, restore, keep_io, cache_dtype
+        source, ep, policy, low, device, inputs, program, regions, restore, keep_io, options.cache_dtype
     )
     state.origins = captured.origins
+    state.weights = state.program.weights = options.files
     return state
 
 
@@ -149,14 +150,16 @@ def run_checks(state: Conversion) -> None:
     """Control flow, unused and no-op regions, and (policy torch given a program) dtype reads fixed at export:
     diagnostics before any decision (raises on an error)."""
     run_stage(
-        state.program, "checks", lambda p: checks.check_program(state.ep, p.gm, state.regions, state.log)
+        state.program,
+        "checks",
+        lambda p: checks.check_program(state.captured, p.gm, state.regions, state.log),
     )
     if (
         isinstance(state.source, ExportedProgram)
         and state.policy is not None
         and hook(state.policy, "capture_under_autocast")
     ):
-        checks.check_dtype_reads(state.ep, state.log)  # the module route would read them as eager does
+        checks.check_dtype_reads(state.captured, state.log)  # the module route would read them as eager does
     if state.unchanged:
         diagnostics.record(
             state.log,

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from precast.errors import PrecastError
 from precast.ir import diagnostics
-from precast.pipeline.calibrate import calibrate_stage, is_given
+from precast.numerics.calibrate import calibrate_stage, is_given
+from precast.numerics.latency import measure_program
+from precast.numerics.tolerance import tolerance_stage
+from precast.numerics.tolerance_search import parse_tolerance
+from precast.passes.runner import run_stage
 from precast.pipeline.conversion import Conversion
-from precast.pipeline.latency import measure_program
-from precast.pipeline.runner import run_stage
-from precast.pipeline.tolerance import tolerance_stage
 from precast.policy.hooks import Binding, binds, hook
 from precast.policy.rules.options import RuleOptions
-from precast.policy.rules.tolerance_search import parse_tolerance
 
 # the steps a policy may ask for, in the order they run
 PREPARE_STEPS = ("calibrate", "latency", "tolerance")
@@ -58,7 +58,7 @@ def prepare(state: Conversion) -> None:
         binding.calibration = run_stage(
             program,
             "calibrate",
-            lambda p: calibrate_stage(p, state.ep, log, data, low, ranges=ranges, tol=tol is not None),
+            lambda p: calibrate_stage(p, state.captured, log, data, low, ranges=ranges, tol=tol is not None),
         )
     if tol is not None and binding.calibration is None:
         raise PrecastError("tolerance= needs data to measure the error on: pass calibration=[inputs, ...]")
@@ -82,6 +82,6 @@ def prepare(state: Conversion) -> None:
         binding.search = run_stage(
             program,
             "tolerance",
-            lambda p: tolerance_stage(p, state.ep, policy, opts, cal, tol, log, low=low, **extra),
+            lambda p: tolerance_stage(p, state.captured, policy, opts, cal, tol, log, low=low, **extra),
         )
     state.binding = binding

@@ -31,9 +31,9 @@ from precast.ir.inputs import normalize_inputs
 from precast.ir.module_state import private_call
 from precast.ir.program import private_state, strip_dtype_asserts, written_targets
 from precast.metrics import compare_outputs
+from precast.passes.runner import timed
 from precast.pipeline import checks
 from precast.pipeline.conversion import Conversion
-from precast.pipeline.runner import timed
 from precast.policy.hooks import hook
 from precast.policy.writes import CastWrites
 
@@ -277,13 +277,22 @@ def _with_private_state(module: torch.nn.Module, ep: ExportedProgram, origins: d
 
 def verify_conversion(state: Conversion, verification: dict[str, dict]) -> dict[str, object]:
     """The verify stage of a conversion: the final program against the policy's reference
-    (``reference`` hook; "program" without a policy). Returns ``verification`` with the record first."""
+    (``reference`` hook; "program" without a policy). Returns ``verification`` with the record first.
+    Streamed weights (``weights=``) hold no values to run: a ``verification-skipped`` warning says so."""
+    if state.weights is not None:
+        diagnostics.record(
+            state.log,
+            "verification-skipped",
+            "not verified: the weights are streamed from files, so no values are in memory to run; run "
+            "precast.compile(program, weights=...) on your inputs, or convert in memory to verify",
+        )
+        return verification
     original = state.source if isinstance(state.source, torch.nn.Module) else None
     reference = hook(state.policy, "reference") if state.policy is not None else "program"
     with timed("verify"):
         result = verify_stage(
             state.lowered.exported,  # type: ignore[union-attr]
-            state.ep,
+            state.captured,
             state.log,
             reference,
             state.device,

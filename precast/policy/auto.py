@@ -2,7 +2,7 @@
 costs on the target device (as TensorRT picks per layer the fastest allowed precision).
 
 Input: per candidate op node, its measured latencies (``OpLatency``: fp32, low precision, and the casts the
-low choice forces on its activation inputs and its output; ``precast.pipeline.latency`` measures them with
+low choice forces on its activation inputs and its output; ``precast.numerics.latency`` measures them with
 the op's real shapes, cached per device). Output: decisions. An op runs low only when that pays even with
 the casts its choice forces (a cast between two low ops is not paid); every other candidate stays fp32.
 The accuracy rules (patterns, ``data_max``, ``exclude_ops``, ``tolerance``...) apply as under ``"rules"``: auto
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.fx
@@ -26,11 +26,13 @@ from precast.dtypes import dtype_name
 from precast.ir.op_families import ATTENTION_OPS, CONV_OPS, MATMUL_OPS
 from precast.ir.program import Program
 from precast.policy.base import Decision
-from precast.policy.rules.measures import Calibration
 from precast.policy.rules.options import RuleOptions
 from precast.policy.rules.policy import RulesDecider, RulesPolicy
 from precast.policy.rules.table import Rule, RuleCall, keep_rules, rule
 from precast.policy.rules.taxonomy import op_kind, op_name
+
+if TYPE_CHECKING:
+    from precast.numerics.calibration import Calibration
 
 # the families auto measures (precast.ir.op_families); other ops follow their inputs
 MEASURED_OPS = MATMUL_OPS | CONV_OPS | ATTENTION_OPS
@@ -179,26 +181,16 @@ class AutoPolicy(RulesPolicy):
         program: Program,
         opts: RuleOptions,
         calibration: Calibration | None = None,
-        fallback: dict[str, float] | None = None,
-        device_fp32: dict[str, str] | None = None,
         latencies: Mapping[str, Any] | None = None,
-        all_fp32: str | None = None,
+        **found: Any,
     ) -> AutoDecider:
-        """``latencies``: the measured table (node -> OpLatency); ``all_fp32``: a reason to keep every measured
-        op fp32 (the end-to-end confirmation found the converted program slower)."""
+        """``RulesPolicy.bind``, with ``latencies``: the measured table (node -> OpLatency; None: the table given
+        to the policy). The other keywords are ``AutoDecider``'s."""
         if latencies is None:  # the table given to the policy
             table = {k: replace(OpLatency.of(v), origin="given") for k, v in (self.latencies or {}).items()}
         else:
             table = {k: OpLatency.of(v) for k, v in latencies.items()}
-        return AutoDecider(
-            program,
-            opts,
-            calibration,
-            fallback=fallback,
-            device_fp32=device_fp32,
-            latencies=table,
-            all_fp32=all_fp32,
-        )
+        return super().bind(program, opts, calibration, latencies=table, **found)
 
 
 class AutoDecider(RulesDecider):
@@ -212,12 +204,14 @@ class AutoDecider(RulesDecider):
         program: Program,
         opts: RuleOptions,
         calibration: Calibration | None = None,
-        fallback: dict[str, float] | None = None,
-        device_fp32: dict[str, str] | None = None,
+        *,
         latencies: Mapping[str, OpLatency] | None = None,
         all_fp32: str | None = None,
+        **found: Any,
     ):
-        super().__init__(program, opts, calibration, fallback=fallback, device_fp32=device_fp32)
+        """``RulesDecider``'s keywords (``found``), and ``latencies`` (node -> OpLatency), ``all_fp32`` (a reason to
+        keep every measured op fp32: the end-to-end confirmation found the converted program slower)."""
+        super().__init__(program, opts, calibration, **found)
         # the rules of policy "rules" but its default, then auto's own: the measured choice, else follow
         self.keep: tuple[Rule, ...] = keep_rules(opts)
         self.rules = (*self.keep, *AUTO_RULES)
@@ -332,3 +326,6 @@ def _auto(call: RuleCall, dtype, rule_name, reason, measured=None, limit=None) -
 
 
 AUTO_RULES = (auto_measured, auto_follow)
+
+
+AutoPolicy.decider = AutoDecider

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from precast.ir.program import Program
 from precast.policy.base import Decision, Policy
-from precast.policy.rules.measures import Calibration
-from precast.policy.rules.tolerance_search import ToleranceResult
+
+if TYPE_CHECKING:
+    from precast.numerics.calibration import Calibration
+    from precast.numerics.tolerance_search import ToleranceResult
 
 
 class PolicyHooks:
@@ -71,9 +73,6 @@ class PolicyHooks:
         return decision.source == self.name  # type: ignore[attr-defined]
 
 
-REFERENCES = ("autocast", "measured")
-
-
 def hook(policy: Policy, name: str) -> Any:
     """The policy's hook ``name``, or ``PolicyHooks``' default bound to the policy."""
     if hasattr(policy, name):
@@ -96,7 +95,7 @@ class Binding:
     calibration: Calibration | None = None
     search: ToleranceResult | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. auto's latency table
-    latency_run: Any = None  # precast.pipeline.latency.LatencyRun when the latency step measured
+    latency_run: Any = None  # precast.numerics.latency.LatencyRun when the latency step measured
 
     @property
     def tolerance_fp32(self) -> dict[str, float] | None:

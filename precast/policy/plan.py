@@ -29,7 +29,7 @@ import torch
 import torch.fx
 
 from precast.dtypes import dtype_name, parse_low_dtype
-from precast.errors import PrecastError, module_path
+from precast.errors import PrecastError, module_path, name_list
 from precast.ir.graph import CAST_META
 from precast.policy.rules.taxonomy import op_name
 
@@ -90,7 +90,7 @@ class Plan:
         why = why or {}
         missing = [n for n in names if n not in keys]
         if missing:
-            raise PrecastError(f"plan: no op named {', '.join(missing[:5])} in the program")
+            raise PrecastError(f"plan: no op named {name_list(missing)} in the program")
         entries = [PlanEntry(*keys[n], why=why.get(n, "")) for n in names]
         return cls(dtype_name(parse_low_dtype(dtype)), entries, source=source)
 

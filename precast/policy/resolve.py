@@ -55,8 +55,8 @@ def resolve_policy(
             )
         if policy not in ("rules", "auto") and given:
             raise PrecastError(
-                f"{', '.join(given)}: these options belong to policy='rules' (or 'auto'); pass policy='rules' "
-                "to use them"
+                f"{', '.join(given)}: these options belong to policy='rules' (or 'auto'), so they need "
+                "policy='rules' to apply"
             )
         if policy == "rules":
             return RulesPolicy(dtype=low, **options), low

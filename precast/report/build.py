@@ -22,10 +22,10 @@ from precast.ir import diagnostics
 from precast.ir.diagnostics import Diagnostic
 from precast.ir.graph import constant_bytes, is_cast
 from precast.ir.program import META_KEY, Program
+from precast.numerics.calibration import Calibration
+from precast.numerics.tolerance import tolerance_check
+from precast.passes.runner import timed
 from precast.pipeline.conversion import Conversion
-from precast.pipeline.runner import timed
-from precast.pipeline.tolerance import tolerance_check
-from precast.policy.rules.measures import Calibration
 from precast.policy.rules.options import RuleOptions
 from precast.report.model import CastRecord, NodeRecord, Report, json_finite
 

@@ -1,13 +1,15 @@
 """The one-way architecture, enforced: a module imports only its own layer or lower (read with ``ast``, imports
 inside functions included), and no two modules import each other, directly or in a cycle.
 
-Layers, lowest first (docs/architecture.md): base (errors, dtypes, codes, metrics, io, progress, examples, threads) ->
-ir -> policy -> pipeline -> report -> api -> backends -> bench -> cli (and the ``precast`` facade).
+Layers, lowest first (docs/architecture.md): base (errors, dtypes, codes, metrics, io, progress, examples, threads, cpu) ->
+ir -> policy -> passes -> numerics, weights -> pipeline -> report -> api -> backends -> bench -> cli (and the
+``precast`` facade).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -15,13 +17,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "precast"
 
 LAYERS = (
-    ("base", ("errors", "dtypes", "codes", "metrics", "io", "progress", "examples", "threads")),
+    ("base", ("errors", "dtypes", "codes", "metrics", "io", "progress", "examples", "threads", "cpu")),
     ("ir", ("ir",)),
     ("policy", ("policy",)),
+    ("passes", ("passes",)),
+    ("numerics", ("numerics", "weights")),  # one layer: neither needs the other's code
     ("pipeline", ("pipeline",)),
     ("report", ("report",)),
     ("api", ("api", "guard", "explain")),
-    ("backends", ("backends", "__init__")),  # the precast facade re-exports api and backends
+    ("backends", ("backends", "llm", "__init__")),  # the precast facade re-exports api and backends
     ("bench", ("bench",)),
     ("cli", ("cli", "__main__")),
 )
@@ -44,10 +48,29 @@ def layer_of(module: str) -> int:
     return RANK[parts[1]]
 
 
+def type_only(tree: ast.AST) -> set[ast.AST]:
+    """The statements under ``if TYPE_CHECKING:``: names for annotations, never imported when the code runs
+    (import-linter's ``exclude_type_checking_imports``). A lower layer may name a higher one's value type in an
+    annotation (the policy's ``calibration: Calibration``), never call it."""
+    out: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.If)
+            and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+        ):
+            out |= {n for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 def imports_of(source: str, module: str, is_package: bool) -> list[tuple[str, int]]:
-    """(imported precast module, line) for every import statement, at any depth."""
+    """(imported precast module, line) for every import statement, at any depth (not those under
+    ``if TYPE_CHECKING:``, which never run)."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    skip = type_only(tree)
+    for node in ast.walk(tree):
+        if node in skip:
+            continue
         if isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "precast"]
         elif isinstance(node, ast.ImportFrom):
@@ -132,8 +155,8 @@ def test_no_import_cycles():
     [
         (
             "precast.ir.program",
-            "from precast.pipeline.classify import classify\n",
-            "layer ir may not import layer pipeline",
+            "from precast.passes.classify import classify\n",
+            "layer ir may not import layer passes",
         ),
         (
             "precast.policy.base",
@@ -141,9 +164,9 @@ def test_no_import_cycles():
             "layer policy may not import layer api",
         ),
         (
-            "precast.pipeline.fold",
+            "precast.passes.fold",
             "from ..report import build\n",
-            "layer pipeline may not import layer report",
+            "layer passes may not import layer report",
         ),
         ("precast.ir.graph", "from precast import api\n", "layer ir may not import layer api"),
     ],
@@ -154,19 +177,37 @@ def test_an_upward_import_is_caught(module, source, expected):
     assert expected in problem and module in problem
 
 
+def test_type_only_imports_are_not_dependencies():
+    """An import under ``if TYPE_CHECKING:`` names a type for annotations; one outside it is checked."""
+    source = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from precast.api import ConvertResult\n"
+    )
+    assert not upward_imports({"precast.policy.base": (source, False)})
+    (problem,) = upward_imports(
+        {"precast.policy.base": (source.replace("if TYPE_CHECKING:\n    ", ""), False)}
+    )
+    assert "layer policy may not import layer api" in problem
+
+
 def test_downward_and_same_layer_imports_pass():
     assert not upward_imports(
-        {"precast.api": ("from precast.pipeline import classify\nfrom precast import errors\n", False)}
+        {"precast.api": ("from precast.pipeline import checks\nfrom precast import errors\n", False)}
     )
     assert not upward_imports(
-        {"precast.pipeline.fold": ("from precast.pipeline.rewrite import insert_casts\n", False)}
+        {"precast.passes.fold": ("from precast.passes.rewrite import insert_casts\n", False)}
     )
+
+
+MAX_LINES = 400
+# not split yet: other branches are still changing them; held to the bound they had before (430)
+UNSPLIT = {"precast.backends.aoti": 430, "precast.numerics.sensitivity": 430}
 
 
 def test_module_size():
-    """No module over ~400 lines (the issue's bound; a little slack for docstrings)."""
-    big = {m: len(src.splitlines()) for m, (src, _) in package_files().items() if len(src.splitlines()) > 430}
-    assert not big, f"modules over 430 lines: {big}"
+    """No module over 400 lines (the issue's bound), except the two in ``UNSPLIT`` (at most 430)."""
+    sizes = {m: len(src.splitlines()) for m, (src, _) in package_files().items()}
+    big = {m: n for m, n in sizes.items() if n > UNSPLIT.get(m, MAX_LINES)}
+    assert not big, f"modules over {MAX_LINES} lines: {big}"
 
 
 def test_every_package_folder_is_a_regular_package():
@@ -178,14 +219,14 @@ def test_every_package_folder_is_a_regular_package():
 
 
 def test_stages_run_in_the_documented_order():
-    """``precast.pipeline.STAGES`` is what a conversion runs, in that order: observed on a real conversion
+    """``precast.passes.STAGES`` is what a conversion runs, in that order: observed on a real conversion
     (policy auto with a tolerance: every optional stage runs), each stage name is documented and the first
     appearances follow the list."""
     import torch
 
     import precast
-    from precast.pipeline import STAGES
-    from precast.pipeline.runner import observe
+    from precast.passes import STAGES
+    from precast.passes.runner import observe
     from tests import models as zoo
 
     seen: list[str] = []
@@ -229,15 +270,47 @@ def test_no_private_names_imported_across_modules():
 
 
 def test_driver_and_pipeline_never_ask_a_policy_its_class():
-    """api.py and pipeline/ reach policies through hooks (precast.policy.hooks), never ``isinstance`` on a
+    """api.py and the driver, passes, numerics and weights reach policies through hooks (precast.policy.hooks), never ``isinstance`` on a
     policy or decider class, so a policy of the user's gets what the built-in ones get."""
     classes = {"TorchPolicy", "RulesPolicy", "AutoPolicy", "RulesDecider", "AutoDecider"}
     found = []
     for module, (source, _) in package_files().items():
-        if module != "precast.api" and not module.startswith("precast.pipeline"):
+        if module != "precast.api" and not module.startswith(
+            ("precast.pipeline", "precast.passes", "precast.numerics", "precast.weights")
+        ):
             continue
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
                 names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
                 found += [f"{module}:{node.lineno}" for _ in names & classes]
+    assert not found, found
+
+
+def test_the_package_never_names_the_source_checkout():
+    """``precast/`` is self-contained: no import of, and no string naming, ``benchmarks`` (a wheel has none; the
+    benchmark scripts use the package's harness, never the reverse)."""
+    found = []
+    for module, (source, _) in package_files().items():
+        for node in ast.walk(ast.parse(source)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = re.findall(r"\bbenchmarks[./]\w+", node.value)
+            found += [f"{module}:{node.lineno}: {n}" for n in names if re.match(r"benchmarks\b", n)]
+    assert not found, found
+
+
+def test_no_locals_in_the_package():
+    """Options are passed by name, never picked out of ``locals()`` (renaming a keyword would drop it)."""
+    found = [
+        f"{module}:{node.lineno}"
+        for module, (source, _) in package_files().items()
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) in ("locals", "vars")
+        and not node.args
+    ]
     assert not found, found

@@ -215,8 +215,8 @@ def test_load_weights_reports_every_mismatch_and_keeps_old_weights(converted_a, 
     print(msg)
     assert "\n" not in msg
     for part in (
-        "missing ['layers.1.bias']",
-        "unexpected ['layers.9.weight']",
+        "missing 1: layers.1.bias",
+        "unexpected 1: layers.9.weight",
         "layers.0.weight has shape (64, 32)",
         "head.bias has dtype torch.float16",
     ):
@@ -309,7 +309,7 @@ def test_dynamic_batch_never_returns_a_program_pinned_to_the_traced_size():
     warn that the batch stays static (no compile needed to see it)."""
     import warnings
 
-    from precast.backends.signature import batch_symbols, dynamic_batch
+    from precast.backends.exported import batch_symbols, dynamic_batch
 
     class FixedBatch(torch.nn.Module):
         def __init__(self):

@@ -182,12 +182,12 @@ def test_a_malformed_weights_layout_is_a_miss_not_a_crash(layout):
     assert weights_layout_ok({"external": True, "every": ["w"], "unread": []})
 
 
-def test_cli_weights_with_o_is_refused_before_loading(tmp_path, capsys):
+def test_cli_weights_with_o_checks_the_weights_before_loading(tmp_path, capsys):
     from precast.cli import main
 
     out = tmp_path / "pkg.pt2"
     assert main(["compile", str(tmp_path / "absent.pt2"), "-o", str(out), "--weights", str(tmp_path)]) == 2
-    assert "streamed" in capsys.readouterr().err and not out.exists()
+    assert "no .safetensors files" in capsys.readouterr().err and not out.exists()
     code = main(
         [
             "compile",
@@ -201,3 +201,142 @@ def test_cli_weights_with_o_is_refused_before_loading(tmp_path, capsys):
         ]
     )
     assert code == 2 and "--weights applies to --backend aoti only" in capsys.readouterr().err
+
+
+# ---- issue 33 item 11: a streamed conversion becomes a self-contained package ----------------------------------
+LOAD_PACKAGE = """
+import sys, torch
+inputs = torch.load(sys.argv[2])
+torch.save(torch._inductor.aoti_load_package(sys.argv[1])(*inputs), sys.argv[3])
+"""
+
+
+@pytest.mark.aoti
+def test_cli_compile_weights_and_o_writes_a_package_that_runs_alone(streamed, converted_a, tmp_path, capsys):
+    from precast.cli import main
+    from tests.conftest import run_python
+
+    _, inputs, _ = converted_a
+    ep, folder, cm = streamed
+    src = tmp_path / "converted.pt2"
+    torch.export.save(ep, src)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    pkg = tmp_path / "pkg.pt2"
+    cache = str(cm.package_path.parents[2])
+    argv = ["compile", str(src), "--weights", str(folder), "-o", str(pkg), "--cache-dir", cache]
+    assert main(argv) == 0, capsys.readouterr().err
+    torch.save(inputs, tmp_path / "inputs.pt")
+    r = run_python(LOAD_PACKAGE, str(pkg), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"))
+    assert r.returncode == 0, r.stderr
+    got = torch.load(tmp_path / "out.pt")
+    assert torch.equal(got, cm(*inputs))  # a fresh process, the package alone: precast.compile's outputs
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    # -o inside the weights folder, or naming one of its files: refused, nothing written
+    for bad in (folder / "pkg.pt2", next(folder.glob("*.safetensors"))):
+        assert (
+            main(["compile", str(src), "--weights", str(folder), "-o", str(bad), "--cache-dir", cache]) == 2
+        )
+        assert "input weights" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+# ---- issue 33 item 4: load_weights refuses tensors without data -------------------------------------------------
+LOAD_FAKE = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import precast
+from torch._subclasses.fake_tensor import FakeTensorMode
+from tests.conftest import small_model
+model, inputs = small_model(0)
+res = precast.convert(model, inputs)
+cm = precast.compile(res.program, cache_dir=sys.argv[2], progress=False)
+before = cm(*inputs)
+sd = dict(model.state_dict())
+with FakeTensorMode() as mode:
+    sd["layers.0.weight"] = mode.from_tensor(sd["layers.0.weight"])
+try:
+    cm.load_weights(sd)
+    print("ACCEPTED")
+except precast.PrecastError as exc:
+    print("REFUSED", exc)
+print("SAME" if torch.equal(cm(*inputs), before) else "CHANGED")
+"""
+
+
+@pytest.mark.aoti
+def test_load_weights_refuses_a_fake_tensor_in_one_line_not_a_crash(compiled_a, aoti_cache):
+    from tests.conftest import ROOT, run_python
+
+    r = run_python(LOAD_FAKE, str(ROOT), str(aoti_cache))  # before: SIGSEGV on the next call
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith("REFUSED") and "a FakeTensor (layers.0.weight)" in lines[0], lines
+    assert lines[-1] == "SAME"
+
+
+@pytest.mark.aoti
+def test_load_weights_refuses_meta_and_sparse_tensors_and_keeps_its_weights(
+    converted_a, compiled_a, aoti_cache
+):
+    import copy
+
+    model, inputs, res = converted_a
+    cm = precast.compile(copy.deepcopy(res.program), cache_dir=aoti_cache, progress=False)
+    before = cm(*inputs)
+    good = dict(model.state_dict())
+    for name, value, why in (
+        ("layers.0.weight", torch.empty(64, 64, device="meta"), "a meta tensor"),
+        ("layers.1.bias", good["layers.1.bias"].to_sparse(), "a sparse_coo tensor"),
+    ):
+        with pytest.raises(PrecastError) as info:
+            cm.load_weights({**good, name: value})
+        msg = str(info.value)
+        assert (
+            "\n" not in msg and f"{why} ({name})" in msg and msg.index("pass the original") < msg.index(why)
+        )
+        assert torch.equal(cm(*inputs), before)
+    # a non-contiguous tensor (a transposed view) is copied contiguous, not refused: the same outputs
+    strided = {**good, "layers.0.weight": good["layers.0.weight"].t().contiguous().t()}
+    assert not strided["layers.0.weight"].is_contiguous()
+    cm.load_weights(strided)
+    assert torch.equal(cm(*inputs), before)
+
+
+@pytest.mark.aoti
+def test_load_weights_casts_as_the_conversion_does(converted_a, compiled_a, aoti_cache):
+    """A value beyond the stored dtype's range is clamped as fold and the streamed writer clamp it (bf16: the
+    largest finite bf16, not inf); inf stays inf."""
+    import copy
+
+    from precast.passes.fold import cast_constant
+
+    model, inputs, res = converted_a
+    cm = precast.compile(copy.deepcopy(res.program), cache_dir=aoti_cache, progress=False)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["layers.0.weight"][0, :2] = torch.tensor([3.4e38, float("inf")])
+    cm.load_weights(sd)
+    (stored,) = [
+        st.source.stored
+        for st in cm._stored.values()
+        if st.source.original == "layers.0.weight" and st.source.dtype == torch.bfloat16
+    ]
+    held = cm._constants[stored]
+    assert torch.equal(held, cast_constant(sd["layers.0.weight"], torch.bfloat16)[0])
+    assert held[0, :2].tolist() == [torch.finfo(torch.bfloat16).max, float("inf")]
+
+
+# ---- issue 33 item 9: bounded, hint-first lines -----------------------------------------------------------------
+@pytest.mark.aoti
+def test_another_models_weights_are_said_so_first_and_the_line_is_bounded(streamed, tmp_path):
+    ep, _folder, cm = streamed
+    other = {f"blocks.{i}.weight": torch.zeros(2) for i in range(150)}
+    write_shards(other, tmp_path / "other")
+    with pytest.raises(PrecastError) as info:
+        precast.compile(ep, weights=tmp_path / "other", cache_dir=cm.package_path.parents[2], progress=False)
+    msg = str(info.value)
+    assert "\n" not in msg and len(msg) < 700, msg
+    assert msg.index("belong to another model") < msg.index("missing") and "(150 in all)" in msg
+    with pytest.raises(PrecastError) as info:
+        cm.load_weights(other)
+    msg = str(info.value)
+    assert "\n" not in msg and len(msg) < 700 and msg.index("another model") < msg.index("unexpected"), msg

@@ -22,9 +22,9 @@ pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip instal
 import onnx  # noqa: E402
 
 import precast  # noqa: E402
+from precast.backends.exported import dynamic_batch  # noqa: E402
 from precast.backends.onnx import export_onnx, inspect_onnx
 from precast.backends.onnx_runtime import ort_can_run, ort_session, run_onnx
-from precast.backends.signature import dynamic_batch  # noqa: E402
 from precast.errors import PrecastError  # noqa: E402
 from tests import models as zoo  # noqa: E402
 

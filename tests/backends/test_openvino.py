@@ -26,13 +26,11 @@ pytest.importorskip("openvino", reason="openvino not installed (pip install 'pre
 
 import precast  # noqa: E402
 from precast.backends.executorch import program_constants  # noqa: E402
+from precast.backends.exported import dynamic_batch  # noqa: E402
 from precast.backends.openvino import AUTO_NOTE, compile_openvino, weight_bytes  # noqa: E402
 from precast.backends.openvino_plan import PlanOverrideWarning  # noqa: E402
 from precast.backends.openvino_precision import native_bf16, native_fp16, prepare  # noqa: E402
-from precast.backends.signature import (
-    ProgramSignature,  # noqa: E402
-    dynamic_batch,  # noqa: E402
-)
+from precast.backends.signature import ProgramSignature  # noqa: E402
 from precast.errors import PrecastError  # noqa: E402
 from tests import models as zoo  # noqa: E402
 
@@ -202,7 +200,7 @@ def test_inputs_checked_as_aoti_checks_them_before_openvino_runs():
 def test_auto_fp32_plan_runs_fp32_and_an_override_is_caught(monkeypatch, tmp_path):
     """Auto keeps every Linear fp32 here (bf16 timed slower): with the f32 hint OpenVINO runs them fp32 and the
     check finds nothing; with OpenVINO's default (bf16 on this CPU) it lowers them, and the check names each."""
-    from precast.pipeline import latency
+    from precast.numerics import latency
     from precast.policy.auto import AutoPolicy, OpLatency
 
     monkeypatch.setenv("PRECAST_CACHE_DIR", str(tmp_path))
@@ -421,25 +419,182 @@ def test_ir_files_get_the_umask_permissions(tmp_path):
         assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~umask
 
 
-def test_a_program_that_writes_state_is_refused(tmp_path):
-    """OpenVINO (and an ONNX Runtime session) would not carry a written buffer from call to call: each call would
-    start from the exported values (a decoder's next step wrong), so both refuse with one line."""
+# ---- state: a KV cache carried between calls ---------------------------------------------------------------------
+class TinyCache(torch.nn.Module):
+    """A KV cache's pattern: a buffer written by ``index_copy_`` at positions from an input and read whole, and a
+    length overwritten from the input on every call, then advanced (transformers' ``cumulative_length``)."""
 
-    class Counter(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.register_buffer("cache", torch.zeros(2, 4))
+    def __init__(self, start: torch.Tensor | None = None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(8, 4) if start is None else start)
+        self.register_buffer("length", torch.tensor(0))
 
-        def forward(self, x, pos):
-            self.cache.index_copy_(0, pos, x)
-            return self.cache.sum(0)
+    def forward(self, x, pos):
+        self.length.copy_(pos[0])
+        self.length.add_(x.shape[0])
+        self.cache.index_copy_(0, pos, self.proj(x))
+        return self.cache.sum(0, keepdim=True) * self.length
 
-    ep = torch.export.export(Counter(), (torch.ones(1, 4), torch.tensor([0])))
-    with pytest.raises(PrecastError, match=r"writes 1 buffer\(s\) .*\(cache: .*does not carry") as info:
+
+STEPS = [(torch.randn(1, 4, generator=torch.Generator().manual_seed(i)), torch.tensor([i])) for i in range(5)]
+
+
+def eager_steps(module: torch.nn.Module) -> list[torch.Tensor]:
+    m = copy.deepcopy(module)
+    with torch.no_grad():
+        return [m(*step) for step in STEPS]
+
+
+def fresh_process_steps(xml: Path, tmp_path: Path, feeds: list[dict], hint: str = "f32") -> list:
+    """Run the IR in a new Python process that never imports precast (plain OpenVINO, ``hint``): one infer
+    request, ``feeds`` in order; each step's first output as numpy (bf16 as its uint16 bits, with its type)."""
+    import pickle
+    import subprocess
+
+    import numpy as np
+
+    (tmp_path / "feeds.pkl").write_bytes(
+        pickle.dumps([{k: np.asarray(v) for k, v in f.items()} for f in feeds])
+    )
+    script = f"""
+import pickle, sys
+import numpy as np
+import openvino as ov
+request = ov.Core().compile_model({str(xml)!r}, "CPU", {{"INFERENCE_PRECISION_HINT": {hint!r}}}).create_infer_request()
+outs = []
+for feed in pickle.loads(open({str(tmp_path / "feeds.pkl")!r}, "rb").read()):
+    request.infer(feed)
+    t = request.get_output_tensor(0)
+    outs.append((t.element_type.get_type_name(), t.data.copy()))
+assert not any(m == "precast" or m.startswith("precast.") for m in sys.modules)
+open({str(tmp_path / "outs.pkl")!r}, "wb").write(pickle.dumps(outs))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    outs = pickle.loads((tmp_path / "outs.pkl").read_bytes())
+    return [torch.from_numpy(a).view(BF16) if kind == "bf16" else torch.from_numpy(a) for kind, a in outs]
+
+
+def test_a_cache_is_carried_as_openvino_state(tmp_path):
+    """The cache is an OpenVINO variable (named after the buffer, in its dtype), the length a constant: every
+    call continues from the last, as eager does; reset() starts again from the program's buffer; two compiled
+    models (and the IR reloaded in a process that never imports precast) each hold their own."""
+    start = torch.randn(
+        8, 4, generator=torch.Generator().manual_seed(9)
+    )  # not zeros: the IR must start from it
+    module = TinyCache(start)
+    ep = torch.export.export(module, STEPS[0])
+    want = eager_steps(module)
+    first, _ = compile_quiet(ep)
+    assert first.state_names == ("cache",)
+    assert [s.get_variable_id() for s in first.ov_model.get_sinks()] == ["cache"]
+    assert [p.get_friendly_name() for p in first.ov_model.get_parameters()] == ["x", "pos"]
+    assert torch.equal(first.state()["cache"], start)  # started from the program's buffer
+    got = [first(*step) for step in STEPS]
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, rel=1e-6)
+    assert not torch.equal(first.state()["cache"], start)
+    # a second model holds its own state: the first's calls left it at the start, and its own call (another
+    # value into slot 2) leaves the first's cache alone (slot 4 rewritten with the same value: the same output)
+    second, _ = compile_quiet(ep)
+    other = (torch.full((1, 4), 3.0), torch.tensor([2]))
+    assert_close(second(*other), copy.deepcopy(module)(*other), rel=1e-6)
+    assert torch.equal(first(*STEPS[4]), got[4])
+    first.reset()
+    assert torch.equal(first.state()["cache"], start)
+    assert all(torch.equal(first(*step), g) for step, g in zip(STEPS, got, strict=True))
+    assert torch.equal(dict(ep.named_buffers())["cache"], start)  # the program's own buffer never written
+    first.save(tmp_path / "cache.xml")
+    feeds = [{"x": x.numpy(), "pos": p.numpy()} for x, p in STEPS]
+    reloaded = fresh_process_steps(tmp_path / "cache.xml", tmp_path, feeds)
+    assert all(torch.equal(r, g) for r, g in zip(reloaded, got, strict=True))
+
+
+def test_a_zero_cache_starts_at_openvinos_default():
+    """A cache exported as zeros (transformers' recipe) is a variable with no initial value: OpenVINO starts it,
+    and resets it, at zeros, and the IR carries no copy of it."""
+    import openvino as ov
+
+    module = TinyCache()
+    ep = torch.export.export(module, STEPS[0])
+    model, _ = compile_quiet(ep)
+    reads = [op for op in model.ov_model.get_ordered_ops() if op.get_type_name() == "ReadValue"]
+    assert len(reads) == 1 and reads[0].get_input_size() == 0
+    assert torch.equal(model.state()["cache"], torch.zeros(8, 4))
+    got = [model(*step) for step in STEPS]
+    for g, w in zip(got, eager_steps(module), strict=True):
+        assert_close(g, w, rel=1e-6)
+    model.reset()
+    assert torch.equal(model.state()["cache"], torch.zeros(8, 4))
+    assert isinstance(model.ov_model, ov.Model)
+
+
+def test_a_bf16_cache_is_held_in_bf16():
+    """cache_dtype=bf16: the variable is bf16 (no f32 copy of the cache), and the calls match the converted
+    program run step by step (under the f32 hint: the graph's own dtypes)."""
+    module = TinyCache()
+    res = precast.convert(module, STEPS[0], policy="torch", dtype=BF16, cache_dtype=BF16)
+    model, _ = compile_quiet(res.program, precision_hint="f32")
+    (read,) = [op for op in model.ov_model.get_ordered_ops() if op.get_type_name() == "ReadValue"]
+    assert read.get_output_element_type(0).get_type_name() == "bf16"
+    program = copy.deepcopy(res.program).module()
+    for step in STEPS:
+        assert_close(model(*step), program(*step))
+    assert model.state()["cache"].dtype == BF16
+    assert torch.equal(model.state()["cache"], dict(program.named_buffers())["cache"])
+
+
+class RunningMean(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x):
+        self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x - self.mean
+
+
+class Steps(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return x * self.steps
+
+
+@pytest.mark.parametrize("module", [RunningMean(), Steps()], ids=["running-mean", "step-counter"])
+def test_state_that_is_not_a_cache_is_refused(module):
+    """A buffer updated from its own value (a running statistic, a step counter) is not a cache: one line."""
+    ep = torch.export.export(module, (torch.ones(2, 4),))
+    with pytest.raises(
+        PrecastError, match=r"is state, not a cache: .* updates it from its own value"
+    ) as info:
         precast.compile(ep, backend="openvino")
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(info.value) and "AOTInductor" in str(info.value)
+    assert info.value.code == "cache-not-owned"
+
+
+def test_onnx_still_refuses_a_program_that_writes_state(tmp_path):
+    """An ONNX Runtime session would not carry a written buffer from call to call (each call would start from
+    the exported values: a decoder's next step wrong): one line, no file."""
     from precast.backends.onnx import export_onnx
 
+    ep = torch.export.export(TinyCache(), STEPS[0])
     with pytest.raises(PrecastError, match="ONNX Runtime session does not carry"):
         export_onnx(ep, tmp_path / "m.onnx")
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_cli_refuses_state_that_is_not_a_cache(tmp_path, capsys):
+    torch.export.save(torch.export.export(RunningMean(), (torch.ones(2, 4),)), tmp_path / "stat.pt2")
+    out = tmp_path / "stat.xml"
+    code, err = run_cli(capsys, str(tmp_path / "stat.pt2"), "--backend", "openvino", "-o", str(out))
+    assert code == 2
+    assert "mean is state, not a cache" in one_line_error(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stat.pt2"]

@@ -25,7 +25,8 @@ import torch
 pytest.importorskip("openvino", reason="openvino not installed (pip install 'precast[openvino]')")
 
 import precast  # noqa: E402
-from precast.backends.openvino import compile_openvino, convert  # noqa: E402
+from precast.backends.openvino import compile_openvino  # noqa: E402
+from precast.backends.openvino_convert import convert  # noqa: E402
 from precast.backends.openvino_plan import PlanOverrideWarning  # noqa: E402
 from precast.backends.openvino_precision import (  # noqa: E402
     SPLIT_LIMIT,
@@ -70,8 +71,8 @@ def raw_f32_hint(ep, x: torch.Tensor) -> torch.Tensor:
     it into an element-wise Subgraph, which rounds correctly."""
     import openvino as ov
 
+    from precast.backends.exported import dynamic_batch
     from precast.backends.openvino import _to_torch
-    from precast.backends.signature import dynamic_batch
 
     model, _ = convert(dynamic_batch(ep))
     compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})

@@ -95,3 +95,37 @@ def test_compound_size_is_checked():
     sig.check((torch.randn(4, 2), torch.randn(8, 2)), {})
     with pytest.raises(PrecastError, match="'b'.*must be 2"):
         sig.check((torch.randn(4, 2), torch.randn(7, 2)), {})
+
+
+class _Renamed(torch.nn.Module):
+    """A cache written at positions computed from an input with no telling name (``where + 0``), and a
+    second input the write does not index: the cache's length is read from the graph, not from names."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("kv", torch.zeros(2, 5, 3))
+
+    def forward(self, tokens: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        self.kv.index_copy_(1, where + 0, tokens.float().unsqueeze(-1).expand(2, -1, 3))
+        return self.kv.sum(1) + tokens.float().sum()
+
+
+def test_cache_positions_read_from_the_graph():
+    from precast.backends.signature import cache_positions
+
+    ep = torch.export.export(_Renamed(), (torch.ones(2, 1, dtype=torch.long), torch.tensor([0])))
+    assert cache_positions(ep) == {"where": 5}
+    sig = ProgramSignature.from_program(ep)
+    assert ProgramSignature.from_dict(sig.to_dict()).positions == {"where": 5}
+    ok = (torch.ones(2, 1, dtype=torch.long), torch.tensor([4]))
+    assert len(sig.check(ok, {})) == 2
+    with pytest.raises(
+        PrecastError, match=r"'where' \(args\[1\]\): cache position 5 outside the cache, which holds 5"
+    ):
+        sig.check((ok[0], torch.tensor([5])), {})
+    # a program without a cache has no positions; an older manifest without the key reads as none
+    plain = torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
+    assert cache_positions(plain) == {}
+    data = ProgramSignature.from_program(ep).to_dict()
+    del data["positions"]
+    assert ProgramSignature.from_dict(data).positions == {}

@@ -224,19 +224,19 @@ def test_pt2_with_a_pickle_is_refused_and_runs_nothing(saved, tmp_path, capsys):
     assert "--trust-pickle" in err and "sample_inputs" in err
     assert not marker.exists()
     with pytest.raises(PrecastError, match="trust_pickle=True"):
-        from precast.pipeline.capture import load_program
+        from precast.pipeline.load import load_program
 
         load_program(evil)
     assert not marker.exists()
     # the user's explicit trust: loaded as torch would (this payload merely touches a file)
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     load_program(evil, trust_pickle=True)
     assert marker.exists()
 
 
 def test_plain_program_loads_without_trust(saved):
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     _, good = saved
     ep = load_program(good)
@@ -336,7 +336,7 @@ def test_signal_during_a_write_leaves_no_file(saved, tmp_path, sig, status, how)
 
 # ---- 7. threads -------------------------------------------------------------------------------------------------------
 def test_convert_and_load_from_threads(saved, tmp_path):
-    from precast.pipeline.capture import load_program
+    from precast.pipeline.load import load_program
 
     _, good = saved
     models = [small_model(seed) for seed in range(4)]
@@ -435,7 +435,7 @@ def test_malformed_manifest_is_a_miss_not_a_crash(tmp_path, text):
     ["[]", '{"version": 1, "entries": []}', '{"version": 1, "entries": {"k": 3}}', "[" * 100000, "nope"],
 )
 def test_malformed_latency_cache_is_a_miss_with_a_warning(tmp_path, text):
-    from precast.pipeline import latency
+    from precast.numerics import latency
 
     path = tmp_path / "latency.json"
     path.write_text(text.replace('"version": 1', f'"version": {latency.CACHE_VERSION}'))
@@ -504,3 +504,34 @@ def test_bench_work_dir_is_private_and_removed(monkeypatch):
     variants.run_bench(["mlp"], [1], variants=("eager_fp32",), measure_rss=False)
     assert str(os.getpid()) not in seen["work"].name and seen["mode"] == 0o700
     assert not seen["work"].exists()
+
+
+def test_load_names_an_output_type_not_registered_with_pytree(tmp_path):
+    """torch.export.load logs the real cause (an output type pytree does not know in this process) and raises
+    "We ran into an error when deserializing"; precast names the type and the fix, not "save it with
+    torch.export.save" (docs/streaming.md's first export returned transformers' CausalLMOutputWithPast)."""
+    import dataclasses
+
+    from torch.utils import _pytree as pytree
+
+    from precast.pipeline.load import load_program
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return Out(x * 2)
+
+    pytree.register_dataclass(Out, serialized_type_name="tests.backends.test_trust.Out")
+    try:
+        ep = torch.export.export(Model(), (torch.ones(2),))
+        torch.export.save(ep, tmp_path / "out.pt2")
+    finally:
+        pytree._deregister_pytree_node(Out)
+    with pytest.raises(PrecastError) as err:
+        load_program(tmp_path / "out.pt2")
+    text = str(err.value)
+    assert "tests.backends.test_trust.Out, a type not registered with torch's pytree" in text
+    assert "precast.LogitsOnly" in text and "save it with torch.export.save" not in text and "\n" not in text

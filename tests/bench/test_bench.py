@@ -7,10 +7,9 @@ import json
 import pytest
 import torch
 
-from benchmarks.models import MLP
 from precast import bench
 from precast.bench import factories
-from precast.errors import PrecastError
+from precast.bench.models import MLP
 from tests import models
 
 
@@ -54,11 +53,11 @@ def test_resize_batch_keeps_kinds():
 
 
 def test_specs_short_names_and_factories():
-    model, (x,) = bench.build("mlp", 3)  # benchmarks.models:mlp(batch=3)
+    model, (x,) = bench.build("mlp", 3)  # precast.bench.models:mlp(batch=3)
     assert isinstance(model, MLP) and x.shape == (3, 1024)
     model, (x,) = bench.build("precast.examples:seed_model", 5)  # no batch parameter: inputs resized
     assert type(model).__name__ == "SeedModel" and x.shape == (5, 128)
-    assert bench.default_models() == ["mlp"]  # a source checkout
+    assert bench.default_models() == ["mlp"]
 
 
 @pytest.mark.parametrize(
@@ -75,15 +74,6 @@ def test_bad_model_is_one_line_error(capsys, spec, message):
     assert main(["bench", "--model", spec]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
-
-
-def test_short_names_outside_a_source_checkout(monkeypatch):
-    monkeypatch.setattr(factories, "SHORT_MODULE", "no_such_package_precast.models")
-    assert factories.short_names() is None
-    assert bench.default_models() == [factories.DEMO_SPEC]
-    with pytest.raises(PrecastError) as info:
-        factories.check_specs(["mlp"])
-    assert "source checkout" in str(info.value) and "module:factory" in str(info.value)
 
 
 def test_eager_harness_smoke(tmp_path):

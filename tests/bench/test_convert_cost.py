@@ -10,7 +10,7 @@ import pytest
 
 import precast
 from precast import bench
-from precast.pipeline.runner import observe
+from precast.passes.runner import observe
 
 N = 8
 
@@ -103,7 +103,7 @@ def test_linearity_ratio():
 
 
 def test_missing_library_is_skipped_with_reason(monkeypatch):
-    from benchmarks import convert_models
+    from precast.bench import convert_models
 
     monkeypatch.setitem(convert_models.CONVERT_MODELS, "fake", ("no_such_library_precast", lambda: None))
     said = []

@@ -284,13 +284,13 @@ EARLY = {
 def test_options_rejected_before_loading(name, files, capfd, monkeypatch):
     """A bad option is one line and status 2 before any program is loaded or factory imported (loading a
     real model takes seconds); no message points at warnings the CLI hides."""
-    import precast.pipeline.capture
+    import precast.pipeline.load
 
     def no_load(*args, **kwargs):
         raise AssertionError("loaded before the options were checked")
 
     for fn in ("load_program", "load_factory", "load_saved"):
-        monkeypatch.setattr(precast.pipeline.capture, fn, no_load)
+        monkeypatch.setattr(precast.pipeline.load, fn, no_load)
     argv, needle = EARLY[name]
     with (
         pytest.raises(SystemExit)

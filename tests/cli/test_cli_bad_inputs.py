@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from benchmarks.cli_bad_inputs import CASES, make_fixtures, run_case
+from benchmarks.cli_bad_inputs import API_CASES, CASES, make_fixtures, run_api_case, run_case
 
 
 @pytest.fixture(scope="module")
@@ -30,4 +30,12 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(fixture_dir, name, arg
     assert outcome.status == 2, outcome
     assert len(lines) == 1 and "Traceback" not in outcome.stderr, outcome.stderr
     assert lines[0].startswith("precast"), lines[0]
+    assert outcome.changed == [], f"files changed: {outcome.changed}"
+
+
+@pytest.mark.parametrize("name, code", API_CASES, ids=[name for name, _ in API_CASES])
+def test_bad_input_through_the_api_is_one_line_and_changes_nothing(fixture_dir, name, code):
+    outcome = run_api_case(fixture_dir, name, code)
+    assert outcome.status == 2, outcome  # a PrecastError, not another exception, not accepted
+    assert "\n" not in outcome.stderr and len(outcome.stderr) < 600, outcome.stderr
     assert outcome.changed == [], f"files changed: {outcome.changed}"

@@ -18,14 +18,14 @@ from torch import nn
 from torch.export import Dim
 
 import precast
-import precast.ir.fake as fake_mod
+import precast.ir.fake_run as fake_run_mod
 from precast.errors import PrecastError
 from precast.ir.fake import fake_state
 from precast.ir.fake_update import changed_nodes, check_pass, refresh_vals, update_vals
 from precast.ir.program import Program
-from precast.pipeline.classify import classify
-from precast.pipeline.regions import inline_regions
-from precast.pipeline.rewrite import insert_casts
+from precast.passes.classify import classify
+from precast.passes.regions import inline_regions
+from precast.passes.rewrite import insert_casts
 from precast.policy.torch_policy import TorchPolicy
 from tests.helpers import assert_bitwise
 
@@ -100,7 +100,7 @@ def test_dynamic_batch_survives_conversion(policy):
 def test_specialization_is_detected_naming_the_node(monkeypatch):
     """Without the Python dispatcher, fake ``aten.pad`` reads concrete sizes and fixes the batch to 2: that
     must stop the conversion at the node, not return a narrowed program."""
-    monkeypatch.setattr(fake_mod, "enable_python_dispatcher", contextlib.nullcontext)
+    monkeypatch.setattr(fake_run_mod, "enable_python_dispatcher", contextlib.nullcontext)
     model, ep = _windows_program()
     env_before = _env_state(_shape_env(ep))
     # the conversion either stops at the node or returns a program that still runs at every batch size

@@ -267,7 +267,7 @@ def test_round_trip_cleanup_keeps_the_graph_valid():
 
 def test_internal_pass_failure_names_the_pass():
     from precast.ir.program import Program
-    from precast.pipeline.runner import run_stage
+    from precast.passes.runner import run_stage
 
     model, inputs = zoo.small_mlp(4)
     program = Program(torch.export.export(model, inputs))
@@ -453,7 +453,7 @@ def test_reference_failure_is_reported_not_raised():
 def test_unchanged_ops_reuse_their_recorded_values(monkeypatch):
     """Conversion cost: under policy None an op outside every region sees the values export recorded and reuses
     its own recorded value instead of running again on fake tensors (issue 15: ≤ 1 ms per node)."""
-    import precast.pipeline.classify as classify_mod
+    import precast.passes.classify as classify_mod
 
     class MostlyFp32(nn.Module):
         def __init__(self):

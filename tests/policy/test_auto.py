@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import precast
-from precast.pipeline import latency
+from precast.numerics import latency
 from precast.policy.auto import AutoPolicy, OpLatency, choose
 from tests import models as zoo
 from tests.helpers import assert_bitwise
@@ -165,7 +165,7 @@ def test_cli_policy_auto(tmp_path, monkeypatch, capsys):
 
 
 def test_bench_fp32_program_and_note():
-    from benchmarks.models import mlp
+    from precast.bench.models import mlp
     from precast.bench.variants import VARIANTS, auto_note, fp32_program
 
     assert {"aoti_fp32", "auto_aoti"} <= set(VARIANTS)

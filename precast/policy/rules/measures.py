@@ -1,6 +1,6 @@
 """What the rules measure on an op: reduction depth (how many values an output sums), scalars beyond the low
 dtype's range; the per-op value statistics calibration collects (``NodeStats``, ``Calibration``) are in
-``precast.policy.rules.calibration`` and re-exported here.
+``precast.numerics.calibration``.
 
 Input: an op node with its (fake) arguments, or observed tensors. Output: numbers a rule compares with a limit.
 """
@@ -14,13 +14,6 @@ import torch
 
 from precast.ir.graph import tensor_args
 from precast.ir.op_families import CONV_OPS
-from precast.policy.rules.calibration import (  # re-exported: their home before the merge and files
-    COUNTS,
-    TOLERANCE_BATCHES,
-    Calibration,
-    NodeStats,
-    smallest_subnormal,
-)
 from precast.policy.rules.taxonomy import MATMUL_INNER, NORM_OPS, REDUCE_DIM_OPS, op_name
 
 
@@ -119,11 +112,6 @@ def scalar_beyond(
 
 
 __all__ = [
-    "COUNTS",
-    "TOLERANCE_BATCHES",
-    "Calibration",
-    "NodeStats",
     "reduction_depth",
     "scalar_beyond",
-    "smallest_subnormal",
 ]

@@ -65,7 +65,6 @@ VECTOR_NORMS = frozenset({"norm", "linalg_vector_norm", "frobenius_norm"})
 REDUCTIONS = SUM_MEAN | VARIANCE | VECTOR_NORMS
 ROOTS = frozenset({"sqrt", "rsqrt", "reciprocal"})
 GUARDS = frozenset({"add", "clamp", "clamp_min", "maximum"})
-APPLIES = frozenset({"mul", "div"})
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.fx
@@ -35,10 +35,12 @@ from precast.errors import module_path
 from precast.ir.program import Program
 from precast.policy.base import Decision
 from precast.policy.rules import patterns as sensitive
-from precast.policy.rules.measures import Calibration
 from precast.policy.rules.options import RuleOptions
 from precast.policy.rules.table import Rule, RuleCall, is_default, rules_table
 from precast.policy.rules.taxonomy import op_kind
+
+if TYPE_CHECKING:
+    from precast.numerics.calibration import Calibration
 
 # a custom rule: (node, context) -> reason to keep the node in fp32, or None
 CustomRule = Callable[[torch.fx.Node, "RuleContext"], "str | None"]
@@ -86,6 +88,7 @@ class RulesPolicy:
     reference: ClassVar[str] = "measured"
     prepare_steps: ClassVar[tuple[str, ...]] = ("calibrate", "tolerance")
     after_lowering: ClassVar[tuple[str, ...]] = ("device_fallback",)
+    decider: ClassVar[type[RulesDecider]]  # what bind returns (set below, once RulesDecider exists)
 
     def tolerance_candidate(self, decision: Decision) -> bool:
         """The tolerance search may keep fp32 the ops no rule but the default put low."""
@@ -107,17 +110,13 @@ class RulesPolicy:
         return RuleOptions.build(low, **given)
 
     def bind(
-        self,
-        program: Program,
-        opts: RuleOptions,
-        calibration: Calibration | None = None,
-        fallback: dict[str, float] | None = None,
-        device_fp32: dict[str, str] | None = None,
+        self, program: Program, opts: RuleOptions, calibration: Calibration | None = None, **found: Any
     ) -> RulesDecider:
-        """The decider classify asks for one program: options, calibration statistics, the ops the
-        tolerance search keeps in fp32 (``fallback``: node -> error score), and the ops that have no
-        low-precision kernel on the device (``device_fp32``: node -> what failed)."""
-        return RulesDecider(program, opts, calibration, fallback=fallback, device_fp32=device_fp32)
+        """The decider classify asks for one program (``precast.policy.hooks.PolicyHooks.bind``): ``found`` is
+        what the conversion found before this lowering, handed to the decider as it is: ``fallback`` (the
+        tolerance search's fp32 ops), ``device_fp32`` (the device check's), a subclass's own (auto's
+        ``latencies``, ``all_fp32``). The keywords are the decider's (``decider``), defined there only."""
+        return self.decider(program, opts, calibration, **found)
 
 
 class RulesDecider:
@@ -240,3 +239,6 @@ class RulesDecider:
             input_stats={a.name: stats[a.name] for a in node.all_input_nodes if a.name in stats},
             constants=call.constants,
         )
+
+
+RulesPolicy.decider = RulesDecider

@@ -15,16 +15,19 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.fx
 
 from precast.dtypes import dtype_name
 from precast.policy.base import Decision
-from precast.policy.rules.measures import Calibration, reduction_depth, scalar_beyond
+from precast.policy.rules.measures import reduction_depth, scalar_beyond
 from precast.policy.rules.options import RuleOptions, match_node, matches_op
 from precast.policy.rules.taxonomy import FP32_KERNEL_OPS, casts_for, op_name
+
+if TYPE_CHECKING:
+    from precast.numerics.calibration import Calibration
 
 
 class Asker(Protocol):

@@ -1,0 +1,168 @@
+"""The options of one conversion, as one frozen record checked in one place.
+
+``ConvertOptions`` holds what ``precast.convert`` and ``precast convert`` take besides the source and its inputs:
+the policy (a name or an object), the rules keywords (``rules``: by the names ``RulesPolicy`` declares,
+``precast.policy.resolve.RULE_OPTIONS``), and the conversion's own options. ``check()`` is where every refusal of
+a bad option or a bad mix comes from, one line each, before anything is captured or run: the policy and its
+keywords (``policy/resolve.py``), a plan over them (``policy/plan.py``), the low and cache dtypes, keep_io_types,
+the diagnostic codes allowed, streamed weights and what they cannot serve. It returns the policy object and a
+``CheckedOptions`` (the values the driver uses: dtypes parsed, weight files opened).
+
+Input: the user's options. Output: (policy object or None, ``CheckedOptions``), or a one-line ``PrecastError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from precast.dtypes import parse_low_dtype
+from precast.errors import PrecastError
+from precast.ir.diagnostics import parse_allow
+from precast.numerics.calibrate import is_given
+from precast.numerics.tolerance_search import parse_tolerance
+from precast.policy.base import Policy
+from precast.policy.hooks import binds, hook
+from precast.policy.pinned import Pinned
+from precast.policy.plan import with_plan
+from precast.policy.resolve import RULE_OPTIONS, resolve_policy, rule_options
+from precast.weights.files import WeightFiles
+from precast.weights.streamed import check_weights_out
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Every option of a conversion (``precast.convert``'s keywords, the CLI's flags), unchecked until
+    ``check()``. ``rules``: the rules keywords given, by ``RulesPolicy``'s field names."""
+
+    policy: Any = None
+    dtype: torch.dtype | str | None = None
+    device_type: str | None = None
+    rules: Mapping[str, Any] = field(default_factory=dict)
+    keep_io_types: bool | None = None
+    dynamic_shapes: Any = None
+    verify: bool = True
+    allow: Iterable[str] = ()
+    plan: Any = None
+    cache_dtype: torch.dtype | str | None = None
+    weights: str | os.PathLike | None = None
+    weights_out: str | os.PathLike | None = None
+
+    @classmethod
+    def from_keywords(cls, given: Mapping[str, Any]) -> ConvertOptions:
+        """The record from ``convert``'s keywords (a mapping of name -> value, bound by convert's declared
+        signature): the rules keywords picked by ``RulesPolicy``'s field names, the rest by this record's; a
+        name that is neither is an error here, never silently dropped."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"rules"}
+        unknown = set(given) - own - set(RULE_OPTIONS)
+        if unknown:
+            raise TypeError(f"ConvertOptions has no option {', '.join(sorted(unknown))}")
+        rules = {k: v for k, v in given.items() if k in RULE_OPTIONS}
+        return cls(rules=rules, **{k: v for k, v in given.items() if k in own})
+
+    def check(self, source: Any = None) -> tuple[Policy | None, CheckedOptions]:
+        """Every refusal, one line each; ``source``: what is converted, when known (weights= needs a program)."""
+        parse_low_dtype(self.dtype)  # a bad dtype is said first, before any mix of options
+        if self.device_type not in (None, "cpu", "cuda"):
+            raise PrecastError(
+                f"device_type={self.device_type!r}: precast has autocast tables for 'cpu' and 'cuda'"
+            )
+        cache = cache_dtype_of(self.cache_dtype)
+        if self.keep_io_types is not None and not isinstance(self.keep_io_types, bool):
+            raise PrecastError(
+                f"keep_io_types={self.keep_io_types!r}: give True, False or None (the policy's default)"
+            )
+        allowed = parse_allow(self.allow)
+        files = self.streamed_files(source)
+        rules = rule_options(self.rules)
+        policy, custom_rules, dtype, pins = with_plan(
+            self.plan, self.policy, rules["custom_rules"], self.dtype
+        )
+        chosen, low = resolve_policy(policy, dtype, self.device_type, {**rules, "custom_rules": custom_rules})
+        if pins is not None:  # a plan over policy torch or the program's regions: its ops pinned to fp32
+            chosen = Pinned(chosen, pins, rule="custom:plan")
+        if binds(
+            chosen
+        ):  # the policy's own options (regexes, ops, limits, tolerance), refused before capture
+            hook(chosen, "options")(low or torch.bfloat16)
+            searches = "tolerance" in hook(chosen, "prepare_steps")
+            if (
+                searches
+                and parse_tolerance(hook(chosen, "tolerance")) is not None
+                and hook(chosen, "calibration") is None
+            ):
+                raise PrecastError(
+                    "tolerance= needs data to measure the error on: pass calibration=[inputs, ...]"
+                )
+        return chosen, CheckedOptions(self, low, cache, allowed, files)
+
+    def streamed_files(self, source: Any) -> WeightFiles | None:
+        """``weights=``: the files, once the options they cannot serve are refused (one line each)."""
+        if self.weights is None:
+            if self.weights_out is not None:
+                raise PrecastError(
+                    "weights_out= is where streamed weights go: give weights= (their source) as well"
+                )
+            return None
+        if source is not None and not isinstance(source, ExportedProgram):
+            raise PrecastError(
+                "weights= streams the weights of an ExportedProgram (exported with fake or meta weights, "
+                "docs/streaming.md); a module holds its weights already: convert it without weights="
+            )
+        if self.weights_out is None:
+            raise PrecastError("weights= needs weights_out=: the folder the converted weights are written to")
+        calibration = self.rules.get("calibration")
+        if calibration is not None and not is_given(calibration):
+            raise PrecastError(
+                "calibration= batches run the program, which streamed weights cannot (no values in memory); "
+                "pass statistics measured beforehand (precast.calibrate, docs/distributed.md), or convert in "
+                "memory"
+            )
+        if self.rules.get("tolerance") is not None:
+            raise PrecastError(
+                "tolerance= runs the converted program on data, which streamed weights cannot (no values in "
+                "memory); convert in memory, or leave it out"
+            )
+        if self.policy == "auto" or type(self.policy).__name__ == "AutoPolicy":
+            raise PrecastError(
+                "policy='auto' times the converted program, which streamed weights cannot run; use 'torch', "
+                "'rules' or a plan"
+            )
+        files = WeightFiles(self.weights)
+        check_weights_out(files, self.weights_out)  # before the conversion, not after it
+        return files
+
+
+@dataclass(frozen=True)
+class CheckedOptions:
+    """What ``ConvertOptions.check`` returns besides the policy: the record as given, and its values parsed."""
+
+    given: ConvertOptions
+    low: torch.dtype | None = None  # the low dtype (None: the device's autocast dtype)
+    cache_dtype: torch.dtype | None = None  # cache_dtype=: the caches held in this dtype
+    allowed: list[str] = field(default_factory=list)  # the diagnostic codes whose errors become warnings
+    files: WeightFiles | None = None  # weights=: the files the value-less constants come from
+
+    @classmethod
+    def of(cls, low: torch.dtype | None = None, **given: Any) -> CheckedOptions:
+        """For a driver that resolves its policy itself (``precast.calibrate``, ``precast.sensitivity``): the
+        options it takes (``device_type``, ``dynamic_shapes``), with the low dtype it resolved."""
+        return cls(ConvertOptions(**given), low)
+
+
+def cache_dtype_of(value: torch.dtype | str | None) -> torch.dtype | None:
+    """``cache_dtype=`` as a dtype: bf16/fp16 names or dtypes, float32 for "as the program gives it"."""
+    if value is None:
+        return None
+    if value in (torch.float32, "fp32", "float32"):
+        return torch.float32
+    try:
+        return parse_low_dtype(value)
+    except PrecastError as exc:
+        raise PrecastError(f"cache_dtype={value!r}: give 'bf16', 'fp16', 'fp32' or a torch dtype") from exc

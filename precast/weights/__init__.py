@@ -1,0 +1,4 @@
+"""Weights outside memory: safetensors files read one tensor at a time (``files``), the converted weights written
+shard by shard (``streamed``), exporting a model without its weights (``weightless``), and the source a compiled
+model's weights are loaded from (``sources``).
+"""
