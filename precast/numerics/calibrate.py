@@ -45,10 +45,10 @@ from precast.numerics.calibration import (
     NodeStats,
     check_calibration,
     check_coverage,
-    load_calibration,
     measured_nodes,
     new_part,
 )
+from precast.numerics.calibration_files import load_calibration
 from precast.numerics.distributed import rank_and_size, reduce_calibration
 from precast.progress import ProgressBar
 

@@ -244,17 +244,9 @@ class Estimator:
             readers |= {n.name for n in ref.graph.nodes if roles.get(n.name) == "follow" and _computes(n)}
         readers.add(ref.graph.output_node().name)
         if self.given is not None or self.data is not None:  # the energies come from elsewhere
-            # given energies: which reads and op ranges a measurement here records (their keys only), to check
-            # the given ones against
-            given = self.given is not None
-            interp = Ranging(
-                ref.gm,
-                readers if given else set(),
-                set(self.candidates) if given else set(),
-                torch.finfo(self.low).tiny,
-                grad=False,
-                keep=False,
-            )
+            given = self.given is not None  # given energies: checked against the reads a measurement records
+            watch = (readers, set(self.candidates)) if given else (set(), set())
+            interp = Ranging(ref.gm, *watch, torch.finfo(self.low).tiny, grad=False, keep=False)
             with torch.no_grad():
                 self.forwards += 1
                 outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
