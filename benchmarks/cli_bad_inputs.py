@@ -177,6 +177,52 @@ CASES: list[tuple[str, list[str]]] = [
         ]
         + ["--calibration-stats", "{d}/other.json"],
     ),
+    # statistics and energies files crafted or damaged (issue 33): each refused before it decides anything
+    *[
+        (
+            f"convert: --calibration-stats {what}",
+            ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--policy", "rules"]
+            + ["--calibration-stats", f"{{d}}/stats/{name}.json"],
+        )
+        for what, name in (
+            ("with a NaN range", "nan"),
+            ("with min > max", "unordered"),
+            ("with a count of 1e400", "huge"),
+            ("with a negative count", "negative"),
+            ("nested 100000 deep", "deep"),
+            ('with "stats": {}', "empty"),
+            ("of a node the program lacks", "extra"),
+            ("missing a node", "missing"),
+            ("with a negative kept-batch shape", "shape"),
+            ("with an unregistered type in a spec", "spec"),
+        )
+    ],
+    (
+        "convert: --calibration-stats one file twice (keep=0)",
+        ["convert", "{d}/good.pt2", "-o", "{d}/out.pt2", "--policy", "rules"]
+        + ["--calibration-stats", "{d}/stats/good.json", "{d}/stats/good.json"],
+    ),
+    *[
+        (
+            f"sensitivity: --energies {what}",
+            [
+                "sensitivity",
+                "{d}/good.pt2",
+                "--inputs",
+                "{d}/stats/x.pt",
+                "--energies",
+                f"{{d}}/stats/{name}.json",
+            ]
+            + ["--write-energies", "{d}/e_out.json"],
+        )
+        for what, name in (
+            ("with a NaN energy", "e_nan"),
+            ("with a negative count", "e_negative"),
+            ("nested 100000 deep", "e_deep"),
+            ("naming a read the program lacks", "e_foreign"),
+            ("missing a read", "e_missing"),
+        )
+    ],
     # streamed weights (issue 33): the input weights never written, only regular files read, bounded lines
     (
         "convert: --weights-out through a missing folder and .. is the input",
@@ -372,6 +418,7 @@ def make_fixtures(d: Path) -> None:
     precast.calibrate(torch.nn.Linear(4, 4), [(torch.randn(2, 4),)], (torch.randn(2, 4),)).save(
         d / "other.json"
     )
+    stats_fixtures(d / "stats", good, inputs)
     _weights_fixtures(d)
     (d / "bad_input_factories.py").write_text(FACTORIES)
     (d / "bad_input_broken.py").write_text(BROKEN_IMPORT)
@@ -380,6 +427,71 @@ def make_fixtures(d: Path) -> None:
     (d / "theirs").mkdir(mode=0o700)
     if hasattr(os, "getuid") and os.getuid() == 0:
         os.chown(d / "theirs", 12345, 12345)
+
+
+def stats_fixtures(d: Path, good: Path, inputs: tuple) -> None:
+    """A calibration (keep=0), a kept-batch one and energies of ``good``'s program, and damaged or crafted copies
+    (the JSON edited; a sample file's sha256 rewritten to pass its check)."""
+    import json
+    import struct
+
+    import precast
+
+    d.mkdir()
+    ep = torch.export.load(str(good))
+    torch.save(inputs, d / "x.pt")
+    precast.calibrate(ep, [inputs], keep=0).save(d / "good.json")
+    precast.calibrate(ep, [inputs], keep=1).save(d / "kept.json")
+    from precast.cli import main
+
+    argv = ["sensitivity", str(good), "--inputs", str(d / "x.pt"), "--write-energies", str(d / "e.json")]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv) == 0
+    doc = json.loads((d / "good.json").read_text())
+    node = next(k for k, v in doc["stats"].items() if v["count"])
+
+    def crafted(name: str, edit, src: str = "good.json") -> None:
+        x = json.loads((d / src).read_text())
+        edit(x)
+        (d / f"{name}.json").write_text(json.dumps(x))
+
+    crafted("nan", lambda x: x["stats"][node].update(min=float("nan")))
+    crafted("unordered", lambda x: x["stats"][node].update(min=x["stats"][node]["max"] + 1))
+    crafted("huge", lambda x: x["stats"][node].update(count=987654321987))
+    (d / "huge.json").write_text((d / "huge.json").read_text().replace("987654321987", "1e400"))
+    crafted("negative", lambda x: x["stats"][node].update(nonfinite=-4))
+    (d / "deep.json").write_text(
+        '{"format": "precast-calibration", "stats": ' + "[" * 100000 + "]" * 100000 + "}"
+    )
+    crafted("empty", lambda x: x.update(stats={}))
+    crafted("extra", lambda x: x["stats"].update(linear_99=x["stats"][node]))
+    crafted("missing", lambda x: x["stats"].pop(node))
+    # the kept batch's safetensors header with a negative shape (the same element count), its sha256 rewritten
+    kept = json.loads((d / "kept.json").read_text())
+    blob = (d / "kept.sample.safetensors").read_bytes()
+    (size,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + size])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [-header[name]["shape"][0], -header[name]["shape"][1], *header[name]["shape"][2:]]
+    raw = json.dumps(header).encode()
+    bad = struct.pack("<Q", len(raw)) + raw + blob[8 + size :]
+    (d / "shape.sample.safetensors").write_bytes(bad)
+    kept["sample"].update(file="shape.sample.safetensors", sha256=hashlib.sha256(bad).hexdigest())
+    (d / "shape.json").write_text(json.dumps(kept))
+    spec = json.loads((d / "kept.json").read_text())
+    tree = json.loads(spec["sample"]["batches"][0]["spec"])
+    tree[1]["type"] = "no.such.Module"
+    spec["sample"]["batches"][0]["spec"] = json.dumps(tree)
+    (d / "spec.json").write_text(json.dumps(spec))
+    e = json.loads((d / "e.json").read_text())
+    crafted("e_nan", lambda x: x["energy"][0].__setitem__(2, float("nan")), "e.json")
+    crafted("e_negative", lambda x: next(iter(x["ranges"].values())).__setitem__(3, -5), "e.json")
+    (d / "e_deep.json").write_text(
+        '{"format": "precast-energies", "energy": ' + "[" * 100000 + "]" * 100000 + "}"
+    )
+    crafted("e_foreign", lambda x: x["energy"][0].__setitem__(0, "no_such_node"), "e.json")
+    crafted("e_missing", lambda x: x["energy"].pop(), "e.json")
+    assert e["energy"], "the fixture's energies hold no read"
 
 
 def _weights_fixtures(d: Path) -> None:

@@ -21,7 +21,8 @@ from precast.explain import Sensitivity, sensitivity  # noqa: E402
 from precast.guard import guard_module  # noqa: E402
 from precast.ir.program import constant_sources  # noqa: E402
 from precast.llm import GenerationResult, LogitsOnly, generate  # noqa: E402
-from precast.numerics.calibration import Calibration, load_calibration  # noqa: E402
+from precast.numerics.calibration import Calibration  # noqa: E402
+from precast.numerics.calibration_files import load_calibration  # noqa: E402
 from precast.numerics.energies import Energies, load_energies  # noqa: E402
 from precast.policy.auto import AutoPolicy  # noqa: E402
 from precast.policy.plan import Plan, load_plan  # noqa: E402

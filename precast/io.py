@@ -23,6 +23,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -31,6 +32,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -257,6 +259,33 @@ def file_lock(path: str | Path, what: str, timeout: float | None = None) -> Iter
         lock.release()
 
 
+MAX_DEPTH = 32  # nesting of a JSON text precast reads (a file, a header, a pytree spec): its own nest <= 6
+
+
+def too_deep(text: str, limit: int = MAX_DEPTH) -> bool:
+    """Whether ``text``'s JSON brackets nest deeper than ``limit`` (strings skipped): checked before
+    ``json.loads``, whose recursion a deeply nested file would exhaust (RecursionError)."""
+    depth = 0
+    for m in _BRACKETS.finditer(_JSON_STRINGS.sub('""', text)):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
+_JSON_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def loads_bounded(text: str | bytes, limit: int = MAX_DEPTH) -> Any:
+    """``json.loads`` of untrusted text, its nesting first checked against ``limit`` (ValueError beyond)."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        text = bytes(text).decode("utf-8")
+    if too_deep(text, limit):
+        raise ValueError(f"JSON nested more than {limit} deep (precast's own files nest a few levels)")
+    return json.loads(text)
+
+
 # the safetensors format: an 8-byte little-endian header size, a JSON header (name -> dtype, shape, byte offsets
 # into the data; "__metadata__": str -> str), then the tensors' bytes, little-endian, back to back
 SAFETENSORS_DTYPES = {
@@ -323,11 +352,15 @@ def read_tensors(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], 
         (size,) = struct.unpack("<Q", data[:8])
         if size > min(HEADER_LIMIT, len(data) - 8):
             raise ValueError("header size")
-        header = json.loads(data[8 : 8 + size])
+        header = loads_bounded(data[8 : 8 + size])  # nesting bounded before json recurses
         metadata = header.pop("__metadata__", {}) or {}
         body, out, end = memoryview(data)[8 + size :], {}, 0
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             dtype, shape, (b, e) = SAFETENSORS_DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+            if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 1 << 62 for d in shape):
+                raise ValueError(f"shape of {name} is not a list of non-negative integers")
+            if not all(type(x) is int and x >= 0 for x in (b, e)):
+                raise ValueError(f"offsets of {name}")
             count = 1
             for d in shape:
                 count *= int(d)
@@ -340,6 +373,6 @@ def read_tensors(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], 
             out[name] = flat.reshape(shape)
         if end != len(body) or not all(isinstance(v, str) for v in metadata.values()):
             raise ValueError("trailing bytes")
-    except (ValueError, KeyError, TypeError, struct.error) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
         raise PrecastError(f"{bad} ({exc}); write it again") from exc
     return out, metadata

@@ -39,6 +39,10 @@ STEPS = (
     "batch_norm",
     "batch_norm_buffers",
     "read_state",
+    "region_linear",
+    "ema_buffer",
+    "ema_buffer_inplace",
+    "einsum_buffer",
 )
 
 
@@ -71,7 +75,7 @@ class StatefulSpec:
             "import torch\nimport torch.nn.functional as F\nfrom torch import nn\n\n\n"
             "class Stateful(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
             + "".join(f"        {line}\n" for line in init)
-            + "\n    def forward(self, x):\n        h = x\n"
+            + "\n    def forward(self, x):\n        h = x\n        y = x\n"
             + "".join(f"        {line}\n" for line in body)
             + "        return h\n"
         )
@@ -110,6 +114,14 @@ _STEP_SOURCE = {
     "batch_norm": "h = F.batch_norm(h, self.running_mean, self.var_param, self.bn_w, self.bn_b, training=False)",
     "batch_norm_buffers": "h = F.batch_norm(h, self.running_mean, self.running_var, training=False)",
     "read_state": "h = h + self.running_mean + self.table[0] * self.running_var",
+    # a Linear in the program's own fp16 region (nested in the ambient autocast), read on as its .float() copy
+    "region_linear": 'with torch.autocast("cpu", dtype=torch.float16):\n    y = F.linear(h, self.w)\nh = y.float()',
+    # a running mean from the last region linear's output (its mean, detached): read by the next call's reads
+    "ema_buffer": "self.running_mean.copy_(self.running_mean * 0.75 + y.mean().detach())",
+    "ema_buffer_inplace": "self.running_mean.mul_(0.75).add_(y.mean().detach())",
+    # the written buffer read by a low-precision op (cast to the autocast dtype at each read, before and after
+    # its writes)
+    "einsum_buffer": 'h = torch.einsum("bi,i->bi", h, self.running_mean)',
 }
 
 

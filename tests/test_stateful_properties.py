@@ -34,6 +34,21 @@ FOUND: list[tuple[StatefulSpec, str]] = [
     (StatefulSpec(("linear", "einsum_param"), dim=8, batch=2, seed=0), "bf16"),
     (StatefulSpec(("linear", "einsum_param"), dim=8, batch=2, seed=0), "fp16"),
     (StatefulSpec(("linear", "copy_mean", "batch_norm", "running_param", "einsum_nested"), 8, 4, 1), "fp16"),
+    # issue 33 item 13: a Linear in an fp16 region, einsums of its .float(), a batch norm reading the buffer and a
+    # Parameter, then the buffer updated from buffer * 0.75 + the linear's mean (reported different on call 2)
+    (
+        StatefulSpec(
+            ("region_linear", "einsum_nested", "einsum_nested", "batch_norm", "ema_buffer"), 8, 4, 1
+        ),
+        "fp16",
+    ),
+    (StatefulSpec(("region_linear", "einsum_nested", "batch_norm", "ema_buffer_inplace"), 16, 5, 2), "fp16"),
+    (
+        StatefulSpec(
+            ("region_linear", "einsum_nested", "batch_norm", "ema_buffer", "einsum_buffer"), 8, 4, 0
+        ),
+        "bf16",
+    ),
 ]
 
 
@@ -148,6 +163,7 @@ _SEED = os.environ.get("PRECAST_PROPERTY_SEED")  # set: random examples from thi
 @seed(int(_SEED or 0))
 @given(spec=stateful_specs(), low=st.sampled_from(sorted(LOW)))
 @example(spec=FOUND[0][0], low=FOUND[0][1])
+@example(spec=FOUND[3][0], low=FOUND[3][1])
 def test_stateful_policy_torch_is_bitwise_eager_autocast(spec, low):
     check(spec, low)
 
@@ -159,3 +175,63 @@ def test_stateful_regression(spec, low):
     """Each case the property found (or the issue reported), as a plain test."""
     assert _eager_runs(spec, LOW[low])
     assert _failure(spec, low) is None
+
+
+class RegionLinearBatchNorm(torch.nn.Module):
+    """Issue 33 item 13, as reported: an nn.Linear inside an fp16 autocast region, a chain of einsums of its
+    ``.float()`` output, ``F.batch_norm`` reading a buffer as running mean and a Parameter as running var
+    (``training=False``), then the buffer updated in place from ``buffer * 0.75 + linear_out.mean().detach()``."""
+
+    def __init__(self, d: int = 8, inplace: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.lin = torch.nn.Linear(d, d)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(d, d, generator=g) * d**-0.5)
+            self.lin.bias.copy_(torch.randn(d, generator=g) * 0.1)
+        self.register_buffer("running_mean", torch.randn(d, generator=g) * 0.1)
+        self.running_var = torch.nn.Parameter(torch.rand(d, generator=g) + 0.5)
+        self.inplace = inplace
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = self.lin(x)
+        z = y.float()
+        h = torch.einsum("bi,bj->bij", z, z)
+        h = torch.einsum("bij,bj->bi", h, z) * 0.35
+        h = torch.einsum("bi,bi->bi", h, z)
+        h = torch.nn.functional.batch_norm(h, self.running_mean, self.running_var, training=False)
+        if self.inplace:
+            self.running_mean.mul_(0.75).add_(y.mean().detach())
+        else:
+            self.running_mean.copy_(self.running_mean * 0.75 + y.mean().detach())
+        return h
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("low", ["fp16", "bf16", None])
+def test_region_linear_batch_norm_running_buffer_three_calls(low, inplace):
+    """Bitwise eager autocast (policy torch; ``low=None``: policy None against the module as written) over three
+    calls: each call's output and the buffer after it, the module's state never touched."""
+    dtype = LOW.get(low)
+    model = RegionLinearBatchNorm(inplace=inplace)
+    ref = copy.deepcopy(model)
+    before = _state(model)
+    inputs = [(torch.randn(4, 8, generator=torch.Generator().manual_seed(40 + i)),) for i in range(CALLS)]
+    if dtype is None:
+        res = precast.convert(model, inputs[0])
+    else:
+        res = precast.convert(model, inputs[0], policy="torch", dtype=dtype)
+    converted = res.program.module()
+    for call, x in enumerate(inputs):
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.float16, enabled=dtype is not None):
+            want = ref(*x)
+        with torch.no_grad():
+            got = converted(*x)
+        assert got.dtype == want.dtype and _same(got, want), (
+            call,
+            (got.double() - want.double()).abs().max(),
+        )
+        buf = dict(converted.named_buffers())["running_mean"]
+        assert buf.dtype == torch.float32 and _same(buf, ref.running_mean), call
+    assert all(_same(v, before[k]) for k, v in _state(model).items())

@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     if args.calibration:
         rules["calibration"] = _load_calibration(args.calibration)  # small and quick: before the program
     if stats:
-        from precast.numerics.calibration import load_calibration
+        from precast.numerics.calibration_files import load_calibration
 
         # a corrupt file or a bad merge is said before the program loads; convert checks each file against it
         cals = [load_calibration(f) for f in stats]

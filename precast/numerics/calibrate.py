@@ -44,8 +44,11 @@ from precast.numerics.calibration import (
     Calibration,
     NodeStats,
     check_calibration,
-    load_calibration,
+    check_coverage,
+    measured_nodes,
+    new_part,
 )
+from precast.numerics.calibration_files import load_calibration
 from precast.numerics.distributed import rank_and_size, reduce_calibration
 from precast.progress import ProgressBar
 
@@ -107,7 +110,9 @@ def calibrate(
     rank, world = shard if shard is not None else (0, 1)
     if not (isinstance(rank, int) and isinstance(world, int) and 0 <= rank < world):
         raise PrecastError(f"shard={shard!r}: give (rank, world) with 0 <= rank < world")
-    cal = Calibration(source=source, keep=keep, key=graph_key(program.graph), dtype=dtype_name(low))
+    cal = Calibration(
+        source=source, keep=keep, key=graph_key(program.graph), dtype=dtype_name(low), parts=(new_part(),)
+    )
     interp = _StatsInterpreter(program.gm, cal.stats, low)
     total = len(data) if hasattr(data, "__len__") else None
     with ProgressBar(f"calibrating on {source}", total, progress) as bar, torch.no_grad():
@@ -137,15 +142,19 @@ def is_given(data: Any) -> bool:
 
 
 def given_calibration(data: Any, program: Program, low: torch.dtype | None) -> Calibration:
-    """The given statistics (files loaded, several merged), checked against ``program`` and ``low``."""
+    """The given statistics (files loaded, several merged), checked against ``program`` and ``low``: measured
+    on it for ``low``, of its measured nodes only, and (merged) of every one of them."""
     items = list(data) if isinstance(data, (list, tuple)) else [data]
     cals = []
+    names = measured_nodes(program.graph)
     for d in items:
         c = d if isinstance(d, Calibration) else load_calibration(Path(d))
         where = f"calibration {d}" if not isinstance(d, Calibration) else "calibration"
-        check_calibration(c, graph_key(program.graph), low, where)
+        check_calibration(c, graph_key(program.graph), low, where, names)
         cals.append(c)
     cal = cals[0].merge(*cals[1:])
+    one = "calibration" if isinstance(items[0], Calibration) else f"calibration {items[0]}"
+    check_coverage(cal, names, one if len(cals) == 1 else f"the {len(cals)} calibrations merged")
     if cal.batches == 0:
         raise PrecastError("calibration: the given statistics cover no batch; calibrate on at least one")
     return cal

@@ -11,6 +11,14 @@ Files: JSON (format ``precast-calibration``) for the statistics; the sample's te
 beside it (``<stem>.sample.safetensors``, named and hashed in the JSON). Nothing is unpickled: a batch's
 structure is a pytree spec in JSON, its tensors safetensors, its other leaves JSON values.
 
+Files are untrusted input (``load_calibration``): the JSON's nesting is bounded before it is parsed, every
+number checked (ranges finite and ordered, ``absmax`` the larger magnitude of the range; counts integers in
+``[0, MAX_COUNT]`` and consistent with each other), the sample's safetensors header checked before torch reads
+it, and the statistics must cover exactly the program's measured nodes (``check_calibration``,
+``check_coverage``). Each measurement gets an identity (``parts``: a random id, or a file's sha256 for files
+written before ids): merging two values that share a part (a file merged with itself, whatever ``keep``) is
+refused, as is merging two that hold the same kept batch.
+
 Input: batches' outputs (``NodeStats.update``), calibrations, files. Output: merged values, files, one-line
 PrecastErrors for a foreign or corrupt file.
 """
@@ -20,22 +28,32 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx
 import torch.utils._pytree as pytree
 
 from precast.dtypes import dtype_name
 from precast.errors import PrecastError
-from precast.io import read_tensors, write_bytes, write_tensors
+from precast.io import write_bytes, write_tensors
 
 FORMAT, VERSION = "precast-calibration", 1
 
 
 # batches kept from the single pass over the calibration data for the tolerance search (several forwards each)
 TOLERANCE_BATCHES = 8
+MAX_COUNT = (
+    2**62
+)  # counts in a file: integers in [0, MAX_COUNT] (int64 after a distributed sum of a few ranks)
+
+
+def new_part() -> str:
+    """A fresh measurement id (``Calibration.parts``)."""
+    return uuid.uuid4().hex
 
 
 @dataclass
@@ -126,6 +144,9 @@ class Calibration:
     keep: int = 0  # how many batches the sample keeps at most
     key: str = ""  # the program's graph the statistics are keyed by ("" : not recorded)
     dtype: str | None = None  # the low dtype of the subnormal counts (None: not counted)
+    # the measurements merged into this value: a random id each (a file written before ids: its sha256); two
+    # values sharing one would count the same batches twice
+    parts: tuple[str, ...] = ()
 
     def merge(self, *others: Calibration) -> Calibration:
         """One calibration of this one's batches and ``others``': statistics merged node by node, the sample the
@@ -140,6 +161,7 @@ class Calibration:
             self.keep,
             self.key,
             self.dtype,
+            tuple(self.parts),
         )
         for o in others:
             for what, mine, theirs in (("program", out.key, o.key), ("low dtype", out.dtype, o.dtype)):
@@ -148,6 +170,13 @@ class Calibration:
                         f"cannot merge calibrations of another {what} ({mine or 'none'} and {theirs or 'none'}): "
                         "calibrate every shard on the same program with the same dtype"
                     )
+            same = sorted(set(out.parts) & set(o.parts))
+            if same:
+                raise PrecastError(
+                    f"cannot merge calibrations that both hold measurement {same[0][:12]} ({len(same)} shared): "
+                    "the same statistics given twice (a file merged with itself, or with a merge that holds it) "
+                    "would count their batches twice; merge each shard once"
+                )
             for k, v in o.stats.items():
                 out.stats[k] = out.stats[k].merge(v) if k in out.stats else NodeStats().merge(v)
             out.batches += o.batches
@@ -163,6 +192,7 @@ class Calibration:
                 zip(out.sample_index + o.sample_index, out.sample + o.sample, strict=True), key=lambda p: p[0]
             )[: out.keep]
             out.sample_index, out.sample = [i for i, _ in pairs], [b for _, b in pairs]
+            out.parts = (*out.parts, *o.parts)
         return out
 
     def save(self, path: str | Path) -> None:
@@ -173,14 +203,6 @@ class Calibration:
 
 def _num(x: float) -> float | str:
     return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
-
-
-def _float(x: Any) -> float:
-    if isinstance(x, str) and x in ("inf", "-inf"):
-        return float(x)
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise ValueError(f"{x!r} is not a number")
-    return float(x)
 
 
 def sample_path(path: Path) -> Path:
@@ -198,6 +220,7 @@ def save_calibration(cal: Calibration, path: str | Path) -> None:
         "batches": cal.batches,
         "source": cal.source,
         "keep": cal.keep,
+        "parts": list(cal.parts),
         "stats": {
             k: {
                 "absmax": s.absmax,
@@ -233,66 +256,44 @@ def save_calibration(cal: Calibration, path: str | Path) -> None:
     write_bytes(path, json.dumps(doc, indent=1).encode())
 
 
-def read_json_file(path: Path, what: str, fmt: str, hint: str, version: int = VERSION) -> dict:
-    """A JSON file of format ``fmt`` and ``version``, or one line saying what it is not (``hint``: what to do)."""
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as exc:
-        raise PrecastError(f"{what} {path}: cannot read it ({exc.strerror})") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PrecastError(f"{what} {path}: not JSON ({exc}); {hint}") from exc
-    if not isinstance(doc, dict) or doc.get("format") != fmt:
-        raise PrecastError(f'{what} {path}: not a {fmt} file (no "format": "{fmt}"); {hint}')
-    if doc.get("version") != version:
+def measured_nodes(graph: torch.fx.Graph) -> list[str]:
+    """The nodes calibration measures, in graph order: every placeholder and op but export's dtype asserts."""
+    return [
+        n.name
+        for n in graph.nodes
+        if n.op in ("placeholder", "call_function")
+        and n.target is not torch.ops.aten._assert_tensor_metadata.default
+    ]
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def check_coverage(cal: Calibration, names: list[str], where: str) -> None:
+    """One line unless ``cal`` has statistics of exactly ``names`` (``measured_nodes``): a node the program lacks
+    would be ignored, a missing one decided without data; a calibration of no batch (a shard with no data) may
+    hold none."""
+    want = set(names)
+    extra = sorted(set(cal.stats) - want)
+    if extra:
         raise PrecastError(
-            f"{what} {path}: version {doc.get('version')!r}; this precast reads version {version}"
+            f"{where}: statistics of {len(extra)} node(s) the program does not have ({_few(extra)}); "
+            "calibrate this program (precast.calibrate on the same program or module and inputs)"
         )
-    return doc
-
-
-def load_calibration(path: str | Path) -> Calibration:
-    """A calibration saved by ``Calibration.save`` (its sample read from the safetensors file beside it)."""
-    path = Path(path)
-    what, hint = "calibration", "write it with precast.calibrate(...).save(path)"
-    doc = read_json_file(path, what, FORMAT, hint)
-    try:
-        stats = {
-            str(k): NodeStats(
-                absmax=_float(v["absmax"]),
-                min=_float(v["min"]),
-                max=_float(v["max"]),
-                **{c: int(v[c]) for c in COUNTS},
-            )
-            for k, v in doc["stats"].items()
-        }
-        cal = Calibration(
-            stats,
-            int(doc["batches"]),
-            str(doc["source"]),
-            keep=int(doc["keep"]),
-            key=str(doc["program"]),
-            dtype=None if doc["dtype"] is None else str(doc["dtype"]),
+    missing = [n for n in names if n not in cal.stats]
+    if missing and cal.batches:
+        raise PrecastError(
+            f"{where}: no statistics for {len(missing)} of the program's {len(names)} measured node(s) "
+            f"({_few(missing)}); calibrate this program again (a calibration measures every node)"
         )
-        sample = doc["sample"]
-        if sample is not None:
-            name = str(sample["file"])
-            if Path(name).name != name:
-                raise ValueError(f"sample file {name!r} is not a file name beside it")
-            side = path.with_name(name)
-            if side.is_file() and hashlib.sha256(side.read_bytes()).hexdigest() != sample["sha256"]:
-                raise ValueError(f"{name} does not match its sha256 (written by another save)")
-            tensors, _ = read_tensors(side, what)
-            for b in sample["batches"]:
-                leaves = [tensors[x["tensor"]] if "tensor" in x else x["value"] for x in b["leaves"]]
-                cal.sample.append(pytree.tree_unflatten(leaves, pytree.treespec_loads(b["spec"])))
-                cal.sample_index.append(int(b["index"]))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise PrecastError(f"{what} {path}: malformed ({type(exc).__name__}: {exc}); {hint}") from exc
-    return cal
 
 
-def check_calibration(cal: Calibration, key: str, low: torch.dtype | None, where: str) -> None:
-    """One line if ``cal`` was measured on another program or for another low dtype."""
+def check_calibration(
+    cal: Calibration, key: str, low: torch.dtype | None, where: str, names: list[str] | None = None
+) -> None:
+    """One line if ``cal`` was measured on another program or for another low dtype, or (``names``: the
+    program's ``measured_nodes``) holds statistics of nodes the program does not have."""
     if cal.key != key:
         raise PrecastError(
             f"{where}: measured on another program (graph key {cal.key or 'none'}, this program's is {key}); "
@@ -303,3 +304,7 @@ def check_calibration(cal: Calibration, key: str, low: torch.dtype | None, where
         raise PrecastError(
             f"{where}: measured for {cal.dtype}, this conversion lowers to {want}; calibrate with dtype={want!r}"
         )
+    if names is not None:
+        extra = sorted(set(cal.stats) - set(names))
+        if extra:
+            check_coverage(cal, names, where)

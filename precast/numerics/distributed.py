@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from precast.errors import PrecastError
 from precast.ir.inputs import user_input_nodes
 from precast.ir.program import Program
-from precast.numerics.calibration import COUNTS, Calibration, NodeStats
+from precast.numerics.calibration import COUNTS, Calibration, NodeStats, measured_nodes
 from precast.numerics.energies import Energies
 
 
@@ -81,7 +81,7 @@ def reduce_calibration(cal: Calibration, program: Program, ep: Any, group: Any) 
     global batch indices)."""
     check_same_key(f"{cal.key}{cal.dtype}", group, "calibration")
     ReduceOp = torch.distributed.ReduceOp
-    names = [n.name for n in program.graph.nodes if n.op in ("placeholder", "call_function")]
+    names = measured_nodes(program.graph)  # what one process records (export's dtype asserts are not run)
     stats = [cal.stats.get(k, NodeStats()) for k in names]
     ranges = _all_reduce(
         torch.tensor([[s.absmax, s.max, -s.min] for s in stats], dtype=torch.float64), ReduceOp.MAX, group
@@ -92,7 +92,12 @@ def reduce_calibration(cal: Calibration, program: Program, ep: Any, group: Any) 
         group,
     ).tolist()
     out = Calibration(
-        source=cal.source, keep=cal.keep, key=cal.key, dtype=cal.dtype, batches=int(counts[-1][0])
+        source=cal.source,
+        keep=cal.keep,
+        key=cal.key,
+        dtype=cal.dtype,
+        batches=int(counts[-1][0]),
+        parts=(_shared_id(cal, group),),
     )
     if out.batches:  # one pass over any batch records every placeholder and op
         for k, (absmax, hi, neg_lo), c in zip(names, ranges, counts, strict=False):
@@ -101,6 +106,16 @@ def reduce_calibration(cal: Calibration, program: Program, ep: Any, group: Any) 
             )
     out.sample_index, out.sample = _share_sample(cal, program, ep, group)
     return out
+
+
+def _shared_id(cal: Calibration, group: Any) -> str:
+    """One measurement id for the reduced statistics, the same on every rank (rank 0's id, broadcast): files two
+    ranks save of the one reduction share it, so merging them (counting every batch twice) is refused."""
+    mine = bytes.fromhex(cal.parts[0]) if cal.parts else bytes(16)
+    t = torch.tensor(list(mine[:16].ljust(16, b"\0")), dtype=torch.int64).to(_device(group))
+    src = torch.distributed.get_global_rank(group, 0) if group is not torch.distributed.group.WORLD else 0
+    torch.distributed.broadcast(t, src, group=group)
+    return bytes(t.cpu().tolist()).hex()
 
 
 def _share_sample(cal: Calibration, program: Program, ep: Any, group: Any) -> tuple[list[int], list]:

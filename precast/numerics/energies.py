@@ -22,7 +22,7 @@ from typing import Any
 
 from precast.errors import PrecastError
 from precast.io import write_bytes
-from precast.numerics.calibration import read_json_file
+from precast.numerics.calibration_files import count, read_json_file
 
 FORMAT, VERSION = "precast-energies", 1
 # "underflow" when more than this share of an op's nonzero values are below the low dtype's normals
@@ -104,29 +104,72 @@ class Energies:
 
     @classmethod
     def from_dict(cls, d: dict) -> Energies:
+        """Energies from a saved dict, every value checked (ValueError / TypeError / KeyError): energies finite and
+        non-negative, ranges a non-negative absmax (infinite where a value was) with the smallest nonzero magnitude in (0, absmax] (or
+        None when nothing is nonzero), counts integers in [0, MAX_COUNT] with the small ones among the nonzero."""
+        if not isinstance(d["energy"], list) or not isinstance(d["ranges"], dict):
+            raise TypeError("energy must be a list of [value, reader, energy] and ranges an object")
         energy = {}
-        for v, r, e in d["energy"]:
-            e = float(e)
-            if not math.isfinite(e) or e < 0:
-                raise ValueError(f"energy {e!r} of {v}->{r}")
-            energy[(str(v), str(r))] = e
-        ranges = {
-            str(k): (float(a), None if m is None else float(m), int(s), int(z))
-            for k, (a, m, s, z) in d["ranges"].items()
-        }
+        for item in d["energy"]:
+            if not (isinstance(item, list) and len(item) == 3 and all(isinstance(x, str) for x in item[:2])):
+                raise ValueError(f"energy entry {str(item)[:80]} is not [value, reader, energy]")
+            v, r, e = item
+            e = _finite(e, f"energy of {v}->{r}")
+            if (v, r) in energy:
+                raise ValueError(f"energy of {v}->{r} given twice")
+            energy[(v, r)] = e
+        ranges = {}
+        for k, rng in d["ranges"].items():
+            if not (isinstance(rng, list) and len(rng) == 4):
+                raise ValueError(f"range of {k} is not [absmax, smallest nonzero, small, nonzero]")
+            a, m, small, nonzero = rng
+            a = _finite(a, f"absmax of {k}", inf=True)
+            small, nonzero = count(small, f"small values of {k}"), count(nonzero, f"nonzero values of {k}")
+            if m is not None:
+                m = _finite(m, f"smallest nonzero of {k}", inf=True)
+                if not 0 < m <= a:
+                    raise ValueError(f"range of {k}: smallest nonzero {m} is not in (0, absmax {a}]")
+            elif nonzero:
+                raise ValueError(f"range of {k}: {nonzero} nonzero values but no smallest nonzero")
+            if small > nonzero:
+                raise ValueError(f"range of {k}: {small} small values of {nonzero} nonzero")
+            ranges[str(k)] = (a, m, small, nonzero)
+        for f in ("key", "dtype", "metric", "ranked_by"):
+            if not isinstance(d[f], str):
+                raise TypeError(f"{f} is not a string")
         return cls(
-            str(d["key"]),
-            str(d["dtype"]),
-            str(d["metric"]),
-            int(d["batches"]),
-            energy,
-            ranges,
-            str(d["ranked_by"]),
+            d["key"], d["dtype"], d["metric"], count(d["batches"], "batches"), energy, ranges, d["ranked_by"]
         )
+
+    def check_covers(self, reads: set[tuple[str, str]], ops: set[str], where: str) -> None:
+        """One line unless these energies are of exactly ``reads`` and their ranges of exactly ``ops`` (what a
+        measurement on this program records): a read the program lacks has no meaning, a missing one would rank
+        as free."""
+        for what, have, want in (("read", set(self.energy), reads), ("op range", set(self.ranges), ops)):
+            extra, missing = sorted(have - want), sorted(want - have)
+            if extra or missing:
+                bad = extra or missing
+                names = ", ".join("->".join(x) if isinstance(x, tuple) else x for x in bad[:3])
+                more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+                raise PrecastError(
+                    f"{where}: {'energies of' if extra else 'no energies for'} {len(bad)} {what}(s) "
+                    f"{'the program does not have' if extra else 'of the program'} ({names}{more}); measure "
+                    "them on this program (precast.sensitivity(..., data=...).energies)"
+                )
 
     def save(self, path: str | Path) -> None:
         """As JSON (format ``precast-energies``), written whole; read back with ``precast.load_energies``."""
         write_bytes(path, json.dumps(self.to_dict(), indent=1).encode())
+
+
+def _finite(x: Any, what: str, inf: bool = False) -> float:
+    """A non-negative number of a file: finite (``inf``: or +infinity, a range reaching an infinite value)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{what} is {x!r}, not a number")
+    x = float(x)
+    if not ((math.isfinite(x) or (inf and x == math.inf)) and x >= 0):
+        raise ValueError(f"{what} is {x!r}, not {'a number' if inf else 'finite and'} >= 0")
+    return x
 
 
 def load_energies(source: Any) -> Energies:
@@ -140,7 +183,7 @@ def load_energies(source: Any) -> Energies:
     doc = read_json_file(path, "energies", FORMAT, hint, VERSION)
     try:
         return Energies.from_dict(doc)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise PrecastError(f"energies {path}: malformed ({type(exc).__name__}: {exc}); {hint}") from exc
 
 

@@ -114,10 +114,12 @@ class Tapping(torch.fx.Interpreter):
     requires grad: bitwise the same value, and a backward pass gives d outputs / d (that use of t); a value no
     op of this forward computed (a weight, an input) is read through a detached alias that is the leaf itself."""
 
-    def __init__(self, gm: torch.fx.GraphModule, readers: set[str], grad: bool = True):
+    def __init__(self, gm: torch.fx.GraphModule, readers: set[str], grad: bool = True, keep: bool = True):
         super().__init__(gm)
-        self.readers, self.grad = readers, grad
+        self.readers, self.grad, self.keep = readers, grad, keep
+        # the tapped values with ``keep``; every tapped read's key in ``reads`` either way
         self.taps: dict[tuple[str, str], torch.Tensor] = {}
+        self.reads: set[tuple[str, str]] = set()
         self.leaves: dict[tuple[str, str], torch.Tensor] = {}
         self.constant_reads: set[tuple[str, str]] = set()  # reads of a value no op computed (weights, inputs)
 
@@ -139,6 +141,10 @@ class Tapping(torch.fx.Interpreter):
                 value = self.env[a]
                 if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
                     key = (a.name, n.name)
+                    self.reads.add(key)
+                    if not self.keep:
+                        tapped[a] = value
+                        return value
                     self.taps[key] = value.detach()
                     if self.grad and value.grad_fn is None:
                         # nothing this forward computed makes it (a weight, an input): an alias of the value is
@@ -249,9 +255,15 @@ class Ranging(Tapping):
     """The tapping forward, also keeping each watched op's output range."""
 
     def __init__(
-        self, gm: torch.fx.GraphModule, readers: set[str], watch: set[str], tiny: float, grad: bool = True
+        self,
+        gm: torch.fx.GraphModule,
+        readers: set[str],
+        watch: set[str],
+        tiny: float,
+        grad: bool = True,
+        keep: bool = True,
     ):
-        super().__init__(gm, readers, grad)
+        super().__init__(gm, readers, grad, keep)
         self.watch, self.tiny = watch, tiny
         self.ranges: dict[str, tuple] = {}
 

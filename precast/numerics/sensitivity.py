@@ -244,7 +244,9 @@ class Estimator:
             readers |= {n.name for n in ref.graph.nodes if roles.get(n.name) == "follow" and _computes(n)}
         readers.add(ref.graph.output_node().name)
         if self.given is not None or self.data is not None:  # the energies come from elsewhere
-            interp = Ranging(ref.gm, set(), set(), 0.0, grad=False)
+            given = self.given is not None  # given energies: checked against the reads a measurement records
+            watch = (readers, set(self.candidates)) if given else (set(), set())
+            interp = Ranging(ref.gm, *watch, torch.finfo(self.low).tiny, grad=False, keep=False)
             with torch.no_grad():
                 self.forwards += 1
                 outs = user_outputs(ref, interp.run(*placeholder_values(ref, self.user)))
@@ -254,6 +256,7 @@ class Estimator:
             self.energies.ranked_by = ranked_by
         if self.given is not None:
             self.energies = self.energies.merge(*self.given) if self.given else self.energies
+            self.energies.check_covers(interp.reads, set(interp.ranges), "energies")
         elif self.data is not None:
             rank, world = rank_and_size(self.group) if self.group is not None else (0, 1)
             for i, batch in enumerate(self.data):

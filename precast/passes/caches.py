@@ -50,7 +50,8 @@ FUNCTIONAL_STORES = frozenset(
 
 @dataclass
 class HeldCaches:
-    """The caches ``hold_caches`` stored in ``dtype``: FQN -> (dtype the program gave it, bytes before, after)."""
+    """The caches ``hold_caches`` stored in ``dtype``, by the program's name for each (its placeholder, the name
+    every node reason uses: ``b_static_cache_layers_0_keys``): (dtype the program gave it, bytes before, after)."""
 
     dtype: torch.dtype | None = None
     caches: dict[str, tuple[torch.dtype, int, int]] = field(default_factory=dict)
@@ -64,9 +65,19 @@ class HeldCaches:
         return sum(a for _, _, a in self.caches.values())
 
     def to_json(self) -> dict:
+        """The report's ``cache``: the held dtype, each cache's name and dtypes and bytes before / after holding."""
         return {
             "dtype": dtype_name(self.dtype),
-            "caches": {k: dtype_name(d) for k, (d, _, _) in self.caches.items()},
+            "caches": [
+                {
+                    "name": name,
+                    "dtype_before": dtype_name(before),
+                    "dtype_after": dtype_name(self.dtype),
+                    "bytes_before": b,
+                    "bytes_after": a,
+                }
+                for name, (before, b, a) in self.caches.items()
+            ],
             "bytes_before": self.bytes_before,
             "bytes_after": self.bytes_after,
         }
@@ -104,7 +115,9 @@ def hold_caches(program: Program, dtype: torch.dtype) -> HeldCaches:
             "leave cache_dtype unset"
         )
     for node, target, value in found:
-        if value.dtype == dtype:
+        if value.dtype == dtype:  # already held so: said in the report, nothing to change
+            n = value.numel() * value.element_size()
+            held.caches[node.name] = (value.dtype, n, n)
             continue
         low = value.detach().to(dtype)
         for store in (program.state_dict, program.constants):
@@ -114,7 +127,7 @@ def hold_caches(program: Program, dtype: torch.dtype) -> HeldCaches:
         fake = node.meta.get("val")
         if isinstance(fake, torch.Tensor):
             node.meta["val"] = fake.to(dtype)
-        held.caches[target] = (
+        held.caches[node.name] = (
             value.dtype,
             value.numel() * value.element_size(),
             low.numel() * low.element_size(),
@@ -241,10 +254,16 @@ def cache_reads(
 
 def _held(arg: torch.fx.Node, program: Program, alias: AliasInfo) -> torch.dtype | None:
     """The dtype the program gave the held cache ``arg`` is (a view of, or a functional store's next value of)."""
+    cache = held_cache(arg, program, alias)
+    return program.retyped[cache] if cache is not None else None
+
+
+def held_cache(arg: torch.fx.Node, program: Program, alias: AliasInfo) -> torch.fx.Node | None:
+    """The placeholder of the held cache ``arg`` is (a view of, or a functional store's next value of), or None."""
     while True:
         root = alias.root_of(arg)
         if root in program.retyped:
-            return program.retyped[root]
+            return root
         name = _name(root)
         first = _first_tensor(root)
         if name in FUNCTIONAL_STORES | SAME_DTYPE_WRITES and isinstance(first, torch.fx.Node):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.fx
@@ -33,7 +34,7 @@ from precast.ir.fake_run import MISSING, arg_name, fake_run_error, remember_run,
 from precast.ir.graph import ASSERT_METADATA, tensor_args
 from precast.ir.mutation import analyze
 from precast.ir.program import Program
-from precast.passes.caches import cache_reads
+from precast.passes.caches import cache_reads, held_cache
 from precast.passes.decompose import (
     TRACED_META,
     should_decompose,
@@ -42,7 +43,7 @@ from precast.passes.decompose import (
 )
 from precast.policy.base import Decision, Policy, apply_decision
 from precast.policy.compose import decide
-from precast.policy.writes import WRITE_CAST_META, cast_written_values
+from precast.policy.writes import WRITE_CAST_META, arg_at, cast_written_values
 
 # Ops whose eager kernels require every floating tensor argument to have one dtype (no type promotion).
 # FakeTensor does not check this, so a low-precision activation meeting an fp32 weight would only fail at run
@@ -102,7 +103,9 @@ def classify(
             # nodes traced under autocast already hold eager's casts: deciding again would cast twice
             decision = copy.copy(traced) if traced is not None else decide(node, args, kwargs, policy)
             if restore:
-                decision = _with_cache_reads(decision, restore, program)
+                decision = _with_cache_reads(
+                    decision, restore, program, cache_names(node, restore, program, alias)
+                )
             # a value written into a tensor arrives in its dtype (a KV cache's index_copy_): precast/policy/writes.py
             decision, write = cast_written_values(node, args, kwargs, decision, program.retyped)
             if write is not None:
@@ -147,11 +150,22 @@ def classify(
     return result
 
 
-def _with_cache_reads(decision: Decision | None, restore: dict, program: Program) -> Decision:
+def cache_names(node: torch.fx.Node, restore: dict, program: Program, alias: Any) -> list[torch.fx.Node]:
+    """The placeholders of the held caches ``node`` reads through the arguments in ``restore``, once each."""
+    found = (held_cache(arg_at(node, path), program, alias) for path in restore)
+    return list(dict.fromkeys(c for c in found if c is not None))
+
+
+def _with_cache_reads(
+    decision: Decision | None, restore: dict, program: Program, caches: list[torch.fx.Node]
+) -> Decision:
     """The decision with the held caches' reads cast back to the program's dtype first (the decision's own cast
-    of the same argument, to the dtype it computes in, replaces that cast: one cast from the cache)."""
-    note = (
-        f"reads the cache held in {dtype_name(next(iter(program.retyped.values())))} as the program gave it"
+    of the same argument, to the dtype it computes in, replaces that cast: one cast from the cache). Its reason
+    names each cache and the dtype it is held in after conversion, and the one the program gave it."""
+    note = "; ".join(
+        f"reads cache {c.name}, held in {dtype_name(getattr(c.meta.get('val'), 'dtype', None))} (the program gave it "
+        f"{dtype_name(program.retyped[c])})"
+        for c in caches
     )
     if decision is None:
         return Decision(None, "none", "cache-read", note, casts=dict(restore))

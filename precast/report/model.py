@@ -60,7 +60,8 @@ class Report(DiagnosticLog):
     constants_created: list[str] = field(default_factory=list)
     constants_dropped: list[str] = field(default_factory=list)
     decomposed: list[str] = field(default_factory=list)
-    # cache_dtype=: {"dtype", "caches": {FQN: dtype the program gave it}, "bytes_before", "bytes_after"}
+    # cache_dtype=: {"dtype" (held in), "caches": [{"name" (the program's placeholder), "dtype_before",
+    # "dtype_after", "bytes_before", "bytes_after"}], "bytes_before", "bytes_after"} (docs/report.md)
     cache: dict = field(default_factory=dict)
     # weights=: {"source", "output", "files", "tensors", "bytes_read", "bytes_written", "clamped", "seconds"}
     weights: dict = field(default_factory=dict)

@@ -115,8 +115,10 @@ def test_refusals(setup, tmp_path):
         precast.convert(other, calibration=one, **CONVERT)
     with pytest.raises(PrecastError, match="measured for fp16, this conversion lowers to bf16"):
         precast.convert(ep, calibration=tmp_path / "cal.json", policy="rules", dtype="bf16")
-    with pytest.raises(PrecastError, match="both hold batch 0"):
+    with pytest.raises(PrecastError, match="both hold measurement"):  # the same value twice, whatever keep
         one.merge(one)
+    with pytest.raises(PrecastError, match="both hold batch 0"):  # two measurements of overlapping shards
+        one.merge(precast.calibrate(ep, batches[:2], dtype="fp16"))
     bf16 = precast.calibrate(ep, batches[:1], dtype="bf16")
     with pytest.raises(PrecastError, match="another low dtype"):
         one.merge(bf16)

@@ -173,7 +173,10 @@ def test_cache_dtype_holds_the_caches_low():
     assert consts["key_cache"].dtype == BF16 and consts["value_cache"].dtype == BF16
     assert consts["rot"].dtype == torch.float32  # read-only: not a cache
     cache = res.report.cache
-    assert cache["dtype"] == "bf16" and set(cache["caches"]) == {"key_cache", "value_cache"}
+    assert cache["dtype"] == "bf16" and [c["name"] for c in cache["caches"]] == [
+        "b_key_cache",
+        "b_value_cache",
+    ]
     assert cache["bytes_after"] * 2 == cache["bytes_before"] == 2 * HEADS * MAX * DIM * 4
     assert "caches held in bf16: 2" in res.report.summary()
     # every reader of the cache here computes in bf16 under autocast: holding it bf16 loses nothing
@@ -189,6 +192,55 @@ def test_cache_dtype_holds_the_caches_low():
     # saved and loaded, the report still states the caches
     rebuilt = precast.report(res.program)
     assert rebuilt.cache["bytes_after"] == cache["bytes_after"]
+
+
+@pytest.mark.parametrize("policy,dtype", [("torch", BF16), (None, None), ("rules", FP16)])
+def test_report_cache_section_says_one_thing(policy, dtype):
+    """The report's cache section (issue 33 item 12): one set of names (the program's placeholders, which the node
+    reasons use), dtypes labelled before and after, and every reason of an op reading a held cache says the dtype it
+    is held in after conversion, never the one the program gave it; saved and loaded, the same."""
+    ep = export(decoder())
+    res = precast.convert(ep, policy=policy, dtype=dtype, cache_dtype="bf16")
+    placeholders = {
+        s.arg.name: s.target
+        for s in res.program.graph_signature.input_specs
+        if s.target in ("key_cache", "value_cache")
+    }
+    per_cache = HEADS * MAX * DIM
+    want = [
+        {
+            "name": n,
+            "dtype_before": "fp32",
+            "dtype_after": "bf16",
+            "bytes_before": per_cache * 4,
+            "bytes_after": per_cache * 2,
+        }
+        for n in ("b_key_cache", "b_value_cache")
+    ]
+    assert res.report.cache == {
+        "dtype": "bf16",
+        "caches": want,
+        "bytes_before": 2 * per_cache * 4,
+        "bytes_after": 2 * per_cache * 2,
+    }
+    assert set(placeholders) == {"b_key_cache", "b_value_cache"}
+    consts = {**res.program.state_dict, **res.program.constants}
+    assert {consts[t].dtype for t in placeholders.values()} == {BF16}
+    assert "caches held in bf16: 2" in res.report.summary()
+    readers = [n for n in res.report.nodes if "cache" in n.reason and n.op != "aten.index_copy_.default"]
+    assert readers, [(n.name, n.reason) for n in res.report.nodes]
+    for n in readers:
+        assert "as the program gave it" not in n.reason and "held in fp32" not in n.reason, n.reason
+        named = [
+            c for c in placeholders if f"reads cache {c}, held in bf16 (the program gave it fp32)" in n.reason
+        ]
+        assert named, n.reason
+    # the attention reads both caches
+    (sdpa,) = [n for n in res.report.nodes if "scaled_dot_product" in n.op]
+    assert all(f"reads cache {c}, held in bf16" in sdpa.reason for c in placeholders), sdpa.reason
+    rebuilt = precast.report(res.program)
+    assert rebuilt.cache == res.report.cache
+    assert [n.reason for n in rebuilt.nodes] == [n.reason for n in res.report.nodes]
 
 
 @pytest.mark.parametrize("policy,dtype", [(None, None), ("rules", FP16)])

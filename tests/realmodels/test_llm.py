@@ -325,10 +325,19 @@ def test_low_precision_cache_stored_low(llms, family, case_id):
     assert after * 2 == before, (before, after)
     # the report states the caches and their bytes before and after
     rep = res.report.cache
-    assert sorted(rep["caches"]) == names and rep["bytes_before"] == before and rep["bytes_after"] == after, (
-        rep
+    # named as the program names them (their placeholders, as the node reasons do), dtypes before and after
+    placeholders = sorted(
+        s.arg.name
+        for s in res.program.graph_signature.input_specs
+        if s.kind == InputKind.BUFFER and s.target in names
     )
-    assert "caches held in" in res.report.summary()
+    assert sorted(c["name"] for c in rep["caches"]) == placeholders, rep
+    assert {(c["dtype_before"], c["dtype_after"]) for c in rep["caches"]} == {("fp32", "bf16")}, rep
+    assert rep["bytes_before"] == before and rep["bytes_after"] == after, rep
+    assert "caches held in bf16" in res.report.summary()
+    readers = [n for n in res.report.nodes if "reads cache" in n.reason]
+    assert readers and all("held in bf16 (the program gave it fp32)" in n.reason for n in readers)
+    assert not any("as the program gave it" in n.reason for n in res.report.nodes)
 
 
 # ---- invariants of every converted program ---------------------------------------------------------------------
