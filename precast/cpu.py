@@ -4,7 +4,8 @@ torch's capability level, and what they imply for low precision.
 Every reader goes through here: the latency cache's device key and auto's "native bf16" note
 (``numerics/latency.py``), the compile cache's ISA key (``backends/cache.py``: inductor builds with
 ``-march=native``), ``precast bench``'s machine record (``bench/measure.py``), and any choice that depends on the
-CPU (a compile form, a test's expectation): ask ``has_native(dtype)``, ``flags()``, ``capability()``.
+CPU (the compile form, ``backends/forms.py``; a test's expectation): ask ``has_native(dtype)``, ``flags()``,
+``capability()``, ``capabilities()`` (torch's own report, AMX usable or not).
 
 Input: nothing (the machine). Output: strings and sets; None where the platform does not say.
 """
@@ -15,6 +16,7 @@ import functools
 import hashlib
 import platform
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,3 +76,12 @@ def identity() -> str:
     """The CPU model and its flags (what -march=native reads), hashed."""
     text = f"{model_name()}|{cpu_info('flags') or ''}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def capabilities() -> dict[str, Any]:
+    """The CPU's reported capabilities (``torch.cpu.get_capabilities()``), with ``amx_tile`` false when the OS
+    does not let this process use AMX tiles (``torch.cpu._init_amx()``)."""
+    caps = dict(torch.cpu.get_capabilities())
+    if caps.get("amx_tile") and not torch.cpu._init_amx():
+        caps["amx_tile"] = False
+    return caps

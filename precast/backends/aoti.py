@@ -232,7 +232,7 @@ def _form(ep: ExportedProgram, mode: str, device: str, fake: bool) -> Form:
 
 
 def _caps() -> dict[str, Any]:
-    from precast.backends.forms import cpu_capabilities
+    from precast.cpu import capabilities as cpu_capabilities
 
     return cpu_capabilities()
 

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from precast.cpu import capabilities as cpu_capabilities
+
 # form -> the inductor configs it compiles with (precast adds its constant layout: aoti.compile_configs)
 FORM_CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
@@ -53,15 +55,6 @@ class Form:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "why": self.why}
-
-
-def cpu_capabilities() -> dict[str, Any]:
-    """The CPU's reported capabilities (``torch.cpu.get_capabilities()``), with ``amx_tile`` false when the OS
-    does not let this process use AMX tiles (``torch.cpu._init_amx()``)."""
-    caps = dict(torch.cpu.get_capabilities())
-    if caps.get("amx_tile") and not torch.cpu._init_amx():
-        caps["amx_tile"] = False
-    return caps
 
 
 def matmul_weight_bytes(ep: ExportedProgram) -> dict[torch.dtype, int]:

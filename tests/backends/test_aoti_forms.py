@@ -16,8 +16,9 @@ import torch
 
 import precast
 from precast.backends.cache import MANIFEST, cache_key
-from precast.backends.forms import choose_form, cpu_capabilities, matmul_weight_bytes
+from precast.backends.forms import choose_form, matmul_weight_bytes
 from precast.backends.packed import match_folded, recipe_sources, replay, same_bits
+from precast.cpu import capabilities as cpu_capabilities
 from tests.conftest import small_model
 
 NO_AMX = {"avx512_bf16": True, "avx512_fp16": True, "amx_tile": False, "amx_bf16": False}
