@@ -91,15 +91,8 @@ class ConvertOptions:
             chosen
         ):  # the policy's own options (regexes, ops, limits, tolerance), refused before capture
             hook(chosen, "options")(low or torch.bfloat16)
-            searches = "tolerance" in hook(chosen, "prepare_steps")
-            if (
-                searches
-                and parse_tolerance(hook(chosen, "tolerance")) is not None
-                and hook(chosen, "calibration") is None
-            ):
-                raise PrecastError(
-                    "tolerance= needs data to measure the error on: pass calibration=[inputs, ...]"
-                )
+            # a tolerance without calibration= measures on the example inputs (prepare says when there are none)
+            parse_tolerance(hook(chosen, "tolerance"))
         return chosen, CheckedOptions(self, low, cache, allowed, files)
 
     def streamed_files(self, source: Any) -> WeightFiles | None:

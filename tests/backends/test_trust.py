@@ -399,12 +399,15 @@ def test_compile_gives_up_on_a_stuck_lock(converted_a, tmp_path):
     from filelock import FileLock
 
     cache = resolve_cache_dir(tmp_path / "cache")
-    key = cache_key(converted_a[2].program, compile_configs(), True)
+    # the key precast.compile uses for mode="default" (its configs and the form's name)
+    key = cache_key(converted_a[2].program, {**compile_configs(), "precast.form": "default"}, True)
     holder = FileLock(str(cache / "locks" / f"{key}.lock"))
     holder.acquire()
     try:
         with pytest.raises(PrecastError, match="still locked"):
-            precast.compile(converted_a[2].program, cache_dir=cache, progress=False, lock_timeout=1.0)
+            precast.compile(
+                converted_a[2].program, cache_dir=cache, progress=False, lock_timeout=1.0, mode="default"
+            )
     finally:
         holder.release()
 

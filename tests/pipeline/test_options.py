@@ -78,7 +78,7 @@ def test_keywords_are_picked_by_name():
         ({"allow": ["nope"]}, "unknown diagnostic code"),
         ({"policy": "torch", "data_max": 3.0}, "belong to policy='rules'"),
         ({"policy": "rules", "exclude_nodes": ["("]}, "not a valid regular expression"),
-        ({"policy": "rules", "tolerance": {"cosine": 0.99}}, "needs data to measure"),
+        ({"policy": "rules", "tolerance": {"nope": 1}}, "unknown bound 'nope'"),
         ({"weights_out": "somewhere"}, "give weights="),
         ({"policy": "fastest"}, "policy='fastest'"),
     ],
