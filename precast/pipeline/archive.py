@@ -138,17 +138,25 @@ def _restricted_load(blob: bytes, what: str) -> str | None:
     return None
 
 
-_UNREGISTERED = re.compile(r"Deserializing (\S+) in pytree is not registered")
+# torch 2.13: "Deserializing X in pytree is not registered."; torch 2.15: "Deserializing X in pytree failed
+# because the serialized type is not registered in this process. ..."
+_UNREGISTERED = re.compile(
+    r"Deserializing (\S+) in pytree (?:is not registered|failed because the serialized type is not registered)"
+)
 
 
 def load_failure(p: Path, exc: BaseException, logged: list[BaseException]) -> str:
     """Why ``torch.export.load`` failed: it logs the deserializer's exception and raises a generic one ("We ran
     into an error when deserializing"), so the logged cause is named first."""
-    for cause in logged:
+    chain = [*logged, exc]
+    while chain[-1].__cause__ is not None and len(chain) < 16:  # the cause torch raised from, if it kept it
+        chain.append(chain[-1].__cause__)
+    for cause in chain:
         found = _UNREGISTERED.search(str(cause))
         if found:
+            kind = found.group(1).rstrip(".")
             return (
-                f"{p}: the program's inputs or outputs hold a {found.group(1)}, a type not registered with torch's "
+                f"{p}: the program's inputs or outputs hold a {kind}, a type not registered with torch's "
                 "pytree in this process, which torch.export.load needs; export a wrapper that returns tensors "
                 "(precast.LogitsOnly(model) for a causal LM's logits), or load it in Python after importing the "
                 "library that registers the type"
