@@ -34,7 +34,9 @@ from precast.numerics.calibrate import batches_of
 from precast.numerics.distributed import process_group
 from precast.numerics.energies import Energies, load_energies
 from precast.numerics.nonfinite import is_nonfinite, op_inputs, op_subgraph, run_watching
-from precast.numerics.sensitivity import METRICS, Estimate, Estimator, ablate, estimate
+from precast.numerics.sensitivity import ablate, estimate
+from precast.numerics.sensitivity_estimator import Estimator
+from precast.numerics.sensitivity_results import METRICS, Estimate
 from precast.pipeline.conversion import begin
 from precast.pipeline.options import CheckedOptions
 from precast.pipeline.prepare import prepare
