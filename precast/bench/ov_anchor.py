@@ -17,6 +17,7 @@ static cache of the torch forms reads all ``cache_len`` slots: the anchor reads 
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -78,6 +79,7 @@ def main() -> int:
                     },
                 )
                 _run(model, spec, 1)
+                gc.collect()  # as the in-process forms' fresh processes do before their reading
                 reply = {
                     "export_s": export_s,
                     "rss_mb": round(_rss_mb() - before, 1),

@@ -1,0 +1,159 @@
+"""Where precast -> OpenVINO's decode step spends its time next to OpenVINO's own export (issue 34).
+
+Compiles precast's converted program (``precast.compile(backend="openvino", precision_hint="bf16")``) and the
+anchor's IR (optimum-intel's export, ``<model_dir>-ov/openvino_model.xml`` as ``benchmarks/llm_decode.py`` leaves
+it) in this process with ``PERF_COUNT``, at one thread, the bf16 hint and a bf16 KV cache; prefills the seeded
+prompt, then times ``steps`` decode steps of each, alternating ``repeats`` times (medians, load average printed),
+and prints each model's last decode step by OpenVINO layer type and implementation (``profiling_info``) and
+the runtime graph's attention ops.
+
+    PYTHONPATH=. python benchmarks/ov_decode_profile.py PROGRAM.pt2 ANCHOR_IR_DIR [--steps 16] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import openvino as ov
+import torch
+
+import precast
+import precast.backends.openvino as ov_backend
+
+
+def _perf_compile(core: Any, model: Any, hint: str | None, threads: int | None) -> Any:
+    config: dict[str, Any] = {"PERF_COUNT": "YES"}
+    if hint is not None:
+        config["INFERENCE_PRECISION_HINT"] = hint
+    if threads is not None:
+        config["INFERENCE_NUM_THREADS"] = threads
+    return core.compile_model(model, "CPU", config)
+
+
+def by_layer_type(request: Any) -> dict[tuple[str, str], tuple[float, int]]:
+    """The last inference's executed layers: (layer type, implementation) -> (ms, count)."""
+    out: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for p in request.profiling_info:
+        if p.status == p.Status.EXECUTED:
+            out[(p.node_type, p.exec_type)][0] += p.real_time.total_seconds() * 1e3
+            out[(p.node_type, p.exec_type)][1] += 1
+    return {k: (v[0], int(v[1])) for k, v in out.items()}
+
+
+def attention_ops(compiled: Any, limit: int = 8) -> list[str]:
+    """The runtime graph's ops of layer 0's attention and cache (type, implementation, input shapes)."""
+    lines = []
+    wanted = ("ScaledDotProductAttention", "ScatterElementsUpdate", "Broadcast", "Subgraph", "Transpose")
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        kind = str(info["layerType"].astype(str))
+        if kind.startswith(wanted) and "[" in str(op.output(0).get_partial_shape()):
+            shapes = [str(op.input(i).get_partial_shape()) for i in range(min(op.get_input_size(), 4))]
+            lines.append(
+                f"{kind} {info['primitiveType'].astype(str)} {shapes} -> {op.output(0).get_partial_shape()}"
+            )
+        if len(lines) >= limit:
+            break
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("program")
+    parser.add_argument("anchor_dir")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=32000)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ctx, steps = args.context, args.steps
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, args.vocab, (1, ctx), generator=g)
+    tokens = [torch.randint(0, args.vocab, (1, 1), generator=g) for _ in range(steps)]
+
+    core = ov.Core()
+    config = {"INFERENCE_PRECISION_HINT": "bf16", "KV_CACHE_PRECISION": "bf16", "INFERENCE_NUM_THREADS": "1"}
+    anchor = core.compile_model(
+        core.read_model(os.path.join(args.anchor_dir, "openvino_model.xml")),
+        "CPU",
+        {**config, "PERF_COUNT": "YES"},
+    )
+    anchor_request = anchor.create_infer_request()
+    ov_backend._compile = _perf_compile  # this benchmark only: the same compile, with per-layer counters
+    ours = precast.compile(
+        torch.export.load(args.program), backend="openvino", precision_hint="bf16", threads=1
+    )
+
+    def run_anchor() -> float:
+        anchor_request.reset_state()
+        beam = np.zeros(1, np.int32)
+        anchor_request.infer(
+            {
+                "input_ids": prompt.numpy(),
+                "attention_mask": np.ones((1, ctx), np.int64),
+                "position_ids": np.arange(ctx)[None],
+                "beam_idx": beam,
+            }
+        )
+        started = time.perf_counter()
+        for i in range(steps):
+            anchor_request.infer(
+                {
+                    "input_ids": tokens[i].numpy(),
+                    "attention_mask": np.ones((1, ctx + i + 1), np.int64),
+                    "position_ids": np.array([[ctx + i]]),
+                    "beam_idx": beam,
+                }
+            )
+        return (time.perf_counter() - started) * 1e3 / steps
+
+    def run_ours() -> float:
+        ours.reset()
+        ours(input_ids=prompt, cache_position=torch.arange(ctx))
+        started = time.perf_counter()
+        for i in range(steps):
+            ours(input_ids=tokens[i], cache_position=torch.tensor([ctx + i]))
+        return (time.perf_counter() - started) * 1e3 / steps
+
+    forms: dict[str, Callable[[], float]] = {"openvino_anchor": run_anchor, "precast_openvino": run_ours}
+    samples: dict[str, list[float]] = {name: [] for name in forms}
+    for r in range(args.repeats):
+        for name, run in forms.items():
+            samples[name].append(run())
+        print(
+            f"repeat {r}: "
+            + ", ".join(f"{n} {s[-1]:.2f} ms" for n, s in samples.items())
+            + f"; load {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
+    med = {n: statistics.median(s) for n, s in samples.items()}
+    print(
+        f"median ms/token (1 thread): {med}; precast/anchor tokens/s "
+        f"{med['openvino_anchor'] / med['precast_openvino']:.3f}"
+    )
+    for name, request, compiled in (
+        ("openvino_anchor", anchor_request, anchor),
+        ("precast_openvino", ours._request, ours.compiled),
+    ):
+        table = by_layer_type(request)
+        total = sum(t for t, _ in table.values())
+        print(
+            f"== {name}: last decode step, {sum(n for _, n in table.values())} layers executed, "
+            f"profiled total {total:.2f}"
+        )
+        for (kind, impl), (t, n) in sorted(table.items(), key=lambda kv: -kv[1][0])[:12]:
+            print(f"  {kind:38s} {impl:22s} n={n:4d} {t:8.3f} ({100 * t / total:4.1f}%)")
+        for line in attention_ops(compiled):
+            print("  runtime:", line)
+
+
+if __name__ == "__main__":
+    main()
