@@ -28,8 +28,12 @@ import precast
 import precast.backends.openvino as ov_backend
 
 
-def _perf_compile(core: Any, model: Any, hint: str | None, threads: int | None) -> Any:
+def _perf_compile(
+    core: Any, model: Any, hint: str | None, threads: int | None, kv_precision: str | None = None
+) -> Any:
     config: dict[str, Any] = {"PERF_COUNT": "YES"}
+    if kv_precision is not None:
+        config["KV_CACHE_PRECISION"] = kv_precision
     if hint is not None:
         config["INFERENCE_PRECISION_HINT"] = hint
     if threads is not None:

@@ -40,7 +40,8 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from precast.backends.exported import batch_symbols, dynamic_batch, exported_program
-from precast.backends.openvino_convert import convert, ov_message, require_openvino
+from precast.backends.openvino_convert import convert, ov_message, require_openvino, shared_tensors
+from precast.backends.openvino_kv import Growing
 from precast.backends.openvino_plan import (
     PlanCheck,
     check_plan,
@@ -50,6 +51,7 @@ from precast.backends.openvino_plan import (
 )
 from precast.backends.openvino_precision import HINTS, hints_to_try, prepare
 from precast.backends.openvino_state import (
+    GrowingState,
     carried,
     initial_values,
     state_values,
@@ -81,15 +83,18 @@ class OpenVINOModel:
         program: ExportedProgram,
         plan: PlanCheck,
         *,
+        weights: tuple[torch.Tensor, ...] = (),
+        growing: Growing | None = None,
         precision_hint: str | None,
         threads: int | None,
         compile_seconds: float,
     ):
         self.ov_model = ov_model  # the openvino.Model (what ``save`` writes)
         self.compiled = compiled  # the openvino.CompiledModel
-        # the program itself is not kept: OpenVINO holds its own copy of every weight, and a model that held the
-        # program would keep its torch weights resident too (the 0.246 B decoder of benchmarks/llm_decode.py:
-        # +444 MiB in a fresh process). What calls need from it, its signature and output structure, is kept.
+        # the program itself is not kept (what calls need from it, its signature and output structure, is), only
+        # the weights OpenVINO reads in place from torch's memory (openvino_convert.shared_tensors): OpenVINO does
+        # not keep those alive itself, and a caller who dropped the program would leave it reading freed memory
+        self._weights = weights
         self.plan = plan
         self.precision_hint = precision_hint
         self.threads = threads
@@ -105,13 +110,33 @@ class OpenVINOModel:
         self._initial = initial_values(ov_model) if self.state_names else {}
         # whether a call ran since creation or reset (OpenVINO evaluates the variables' initial values then)
         self._started = False
+        # caches in OpenVINO's growing form (openvino_kv): the live positions, checked before every call
+        self.growing = growing if growing is not None and growing.grown else None
+        self.cache_form = (
+            ""
+            if growing is None
+            else "growing along the sequence, attention fused by OpenVINO; the IR takes beam_idx (int32 [batch]: "
+            "arange(batch))"
+            if self.growing
+            else f"static ({growing.reason})"
+        )
+        self._growing = None
+        if self.growing is not None:
+            where = [s.name for s in self.signature.inputs].index(self.growing.positions)
+            self._growing = GrowingState(self.growing, where, self._initial)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self.signature.check(args, kwargs)
         feeds = [_to_openvino(t) for t in flat if isinstance(t, torch.Tensor)]
         with self._lock:
+            grow = self._growing
+            if grow is not None:
+                live = grow.begin(self._request, flat[grow.position_index])
+                feeds.append(grow.beam)
             self._request.infer(feeds, share_inputs=True)
             self._started = True
+            if grow is not None:
+                grow.live = live
             outs = [_to_torch(self._request.get_output_tensor(i)) for i in range(len(self.compiled.outputs))]
         return pytree.tree_unflatten(outs, self._out_spec) if self._out_spec is not None else outs
 
@@ -125,10 +150,14 @@ class OpenVINOModel:
         with self._lock:
             self._request.reset_state()
             self._started = False
+            if self._growing is not None:
+                self._growing.live = 0
 
     def state(self) -> dict[str, torch.Tensor]:
         """The caches as OpenVINO holds them now, by buffer name (copies, in the dtype precast stored them)."""
         with self._lock:
+            if self._growing is not None:  # the live positions, zeros past them (the program's buffers)
+                return self._growing.static_view(self._request, self._started)
             if not self._started:  # OpenVINO reports zeros until a call evaluates the initial values
                 return {k: v.clone() for k, v in self._initial.items()}
             return state_values(self._request)
@@ -177,14 +206,18 @@ def compile_openvino(
     started = time.perf_counter()
     if dynamic and not state and not batch_symbols(ep):
         ep = dynamic_batch(ep)  # warns when the graph fixes the batch size (a cache's shape fixes it: kept)
-    ov_model, graph_module = convert(ep, state)
+    ov_model, graph_module, growing = convert(ep, state)
+    weights = shared_tensors(ov_model, graph_module)  # what OpenVINO reads from torch's memory: kept alive
+    kv_precision = _kv_precision(ov_model) if growing is not None and growing.grown else None
+    if kv_precision is not None:  # carried by the IR too: plain OpenVINO's default for this cache is u8
+        ov_model.set_rt_info(kv_precision, ["runtime_options", "KV_CACHE_PRECISION"])
     core = ov.Core()
     planned = {dtype for dtype, _ in planned_dtypes(graph_module).values()}
     hints = hints_to_try(precision_hint, planned, core)
     fallback = ""
     for hint in hints:
-        prepared, form = prepare(ov_model, hint)
-        compiled = _compile(core, prepared, hint, threads)
+        prepared, form = prepare(ov_model, hint, fused_cache=kv_precision is not None)
+        compiled = _compile(core, prepared, hint, threads, kv_precision)
         plan = check_plan(compiled, graph_module)
         plan.form = form
         if not plan.overridden or hint == hints[-1]:
@@ -205,14 +238,31 @@ def compile_openvino(
         compiled,
         ep,
         plan,
+        weights=weights,
+        growing=growing,
         precision_hint=hint,
         threads=threads,
         compile_seconds=time.perf_counter() - started,
     )
 
 
-def _compile(core: Any, model: Any, hint: str | None, threads: int | None) -> Any:
+def _kv_precision(ov_model: Any) -> str:
+    """The dtype precast stored the caches in (``cache_dtype``), as OpenVINO's ``KV_CACHE_PRECISION``: its fused
+    attention keeps the cache in that precision, not the variable's (its default on x86 is u8, quantised)."""
+    kinds = {
+        op.get_output_element_type(0).get_type_name()
+        for op in ov_model.get_ordered_ops()
+        if op.get_type_name() == "ReadValue"
+    }
+    return kinds.pop() if len(kinds) == 1 else "f32"  # caches of several dtypes: none rounded further
+
+
+def _compile(
+    core: Any, model: Any, hint: str | None, threads: int | None, kv_precision: str | None = None
+) -> Any:
     config: dict[str, Any] = {}
+    if kv_precision is not None:
+        config["KV_CACHE_PRECISION"] = kv_precision
     if hint is not None:
         config["INFERENCE_PRECISION_HINT"] = hint
     if threads is not None:

@@ -9,6 +9,7 @@ one-line PrecastError naming the op OpenVINO cannot convert.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from precast.backends.openvino_kv import Growing, grow_caches
 from precast.backends.openvino_precision import exact_attention_scales
 from precast.backends.openvino_state import make_stateful, stateful_module
 from precast.errors import PrecastError, first_line
@@ -34,12 +36,16 @@ def require_openvino() -> Any:
     return openvino
 
 
-def convert(ep: ExportedProgram, state: dict[str, str] | None = None) -> tuple[Any, torch.fx.GraphModule]:
-    """``openvino.convert_model`` of ``ep``, and the decomposed GraphModule it translated (whose node names the
-    OpenVINO ops carry, and whose nodes carry precast's decisions: ``openvino_plan`` reads both).
+def convert(
+    ep: ExportedProgram, state: dict[str, str] | None = None
+) -> tuple[Any, torch.fx.GraphModule, Growing | None]:
+    """``openvino.convert_model`` of ``ep``, the decomposed GraphModule it translated (whose node names the
+    OpenVINO ops carry, and whose nodes carry precast's decisions: ``openvino_plan`` reads both), and how the
+    caches are held (None: no state).
 
     Each user input keeps its static sizes; a symbolic size is a dynamic OpenVINO dimension. ``state`` (from
-    ``openvino_state.carried``): the caches become OpenVINO variables (``openvino_state``)."""
+    ``openvino_state.carried``): the caches become OpenVINO variables (``openvino_state``), in the growing form
+    OpenVINO fuses with attention where the program fits it (``openvino_kv``)."""
     ov = require_openvino()
     from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
 
@@ -60,10 +66,24 @@ def convert(ep: ExportedProgram, state: dict[str, str] | None = None) -> tuple[A
         shapes.append(ov.PartialShape(dims))
         dtypes.append(val.dtype)
     names: list[str] = []
+    growing = None
     try:
         with _quiet(), torch.no_grad():
             if state:
                 module, names = stateful_module(_decomposed(ep), state)
+                initial = {n: ep.state_dict[n] if n in ep.state_dict else ep.constants[n] for n in names}
+                growing = grow_caches(module, names, initial)
+                if growing.grown:  # beam_idx after the user inputs; each cache grows along dim 2
+                    users = len(shapes) - len(names)
+                    shapes = (
+                        shapes[:users]
+                        + [ov.PartialShape([-1])]
+                        + [
+                            ov.PartialShape([d if i != 2 else -1 for i, d in enumerate(growing.shapes[n])])
+                            for n in names
+                        ]
+                    )
+                    dtypes = dtypes[:users] + [torch.int32] + dtypes[users:]
                 # each input's type stated: the frontend would read a held cache's (cache_dtype) from the
                 # tensor metadata export wrote before precast retyped it
                 decoder = TorchFXPythonDecoder(
@@ -85,9 +105,10 @@ def convert(ep: ExportedProgram, state: dict[str, str] | None = None) -> tuple[A
         ) from exc
     if names:
         initial = {n: ep.state_dict[n] if n in ep.state_dict else ep.constants[n] for n in names}
-        model = make_stateful(model, names, initial, len(ep.graph_signature.user_outputs))
+        users = len(ep.graph_signature.user_outputs)
+        model = make_stateful(model, names, initial, users, growing=bool(growing and growing.grown))
     exact_attention_scales(model, decoder.pt_module)
-    return model, decoder.pt_module
+    return model, decoder.pt_module, growing
 
 
 def _decomposed(ep: ExportedProgram) -> ExportedProgram:
@@ -141,3 +162,29 @@ def _quiet() -> Iterator[None]:
         yield
     finally:
         logging.disable(before)
+
+
+def shared_tensors(ov_model: Any, module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    """The tensors of ``module`` (the GraphModule OpenVINO converted) whose memory ``ov_model``'s constants
+    point into: OpenVINO's frontend shares a weight's memory with torch instead of copying it, and neither the
+    ``openvino.Model`` nor the compiled model keeps the tensor alive. The compiled model holds these, and only
+    these (a weight OpenVINO copied is not held twice): without them, a caller who drops the program leaves
+    OpenVINO reading freed memory (a segmentation fault on the next call)."""
+    pointers = []
+    for op in ov_model.get_ordered_ops():
+        # (sub-byte types, u4/nf4..., have no numpy view and are never torch's memory)
+        if op.get_type_name() == "Constant" and op.get_byte_size() and op.get_element_type().bitwidth >= 8:
+            pointers.append(op.get_tensor_view().data.ctypes.data)
+    pointers.sort()
+    held = []
+    seen: set[int] = set()
+    for t in [*module.parameters(), *module.buffers()]:
+        start = t.data_ptr()
+        if start in seen or not t.numel():
+            continue
+        end = start + t.numel() * t.element_size()
+        i = bisect.bisect_left(pointers, start)
+        if i < len(pointers) and pointers[i] < end:
+            held.append(t)
+            seen.add(start)
+    return tuple(held)

@@ -102,9 +102,12 @@ def stateful_module(ep: ExportedProgram, state: dict[str, str]) -> tuple[torch.f
     return torch.fx.GraphModule(root, graph), names
 
 
-def make_stateful(model: Any, names: list[str], initial: dict[str, torch.Tensor], users: int) -> Any:
+def make_stateful(
+    model: Any, names: list[str], initial: dict[str, torch.Tensor], users: int, *, growing: bool = False
+) -> Any:
     """``model`` (converted from ``stateful_module``: ``users`` user outputs, then one per cache) with each
-    cache's Parameter/Result pair made one variable named after the cache, started from ``initial[name]``."""
+    cache's Parameter/Result pair made one variable named after the cache, started from ``initial[name]``.
+    ``growing`` (``openvino_kv``): the caches grow along dim 2 and start empty (the ``beam_idx`` input stays)."""
     import openvino as ov
     from openvino.op.util import Variable, VariableInfo
 
@@ -124,7 +127,12 @@ def make_stateful(model: Any, names: list[str], initial: dict[str, torch.Tensor]
         info.data_shape = param.get_partial_shape()
         variable = Variable(info)
         start = initial[name]
-        if bool((start == 0).all()):
+        if growing:  # empty along the sequence: the live positions are all the variable holds
+            shape = list(start.shape)
+            shape[2] = 0
+            init = ov.op.Constant(_ov_tensor(torch.zeros(shape, dtype=start.dtype)))
+            read = ov.op.read_value(init, variable)
+        elif bool((start == 0).all()):
             read = ov.op.read_value(
                 variable
             )  # OpenVINO starts (and resets) an uninitialised variable at zeros
@@ -191,3 +199,62 @@ def to_torch(tensor: Any) -> torch.Tensor:
     if str(tensor.element_type.get_type_name()) == "bf16":  # returned as 2-byte values: reinterpret the bits
         out = out.view(torch.bfloat16)
     return out
+
+
+class GrowingState:
+    """The live positions of caches held in OpenVINO's growing form (``openvino_kv``), and the contract the
+    program's static cache had: a call's positions (``cache_position``) are consecutive and start at the live
+    length (continue), at 0 (a new conversation) or in between (the cache is cut back there); a gap past the live
+    length is refused in one line, before OpenVINO runs."""
+
+    def __init__(self, growing: Any, position_index: int, initial: dict[str, torch.Tensor]):
+        import openvino as ov
+
+        self.growing = growing
+        self.dtypes = {name: t.dtype for name, t in initial.items()}  # each variable's (empty at the start)
+        self.position_index = position_index  # in the program's flat user inputs
+        self.beam = ov.Tensor(torch.arange(growing.batch, dtype=torch.int32).numpy())
+        self.live = 0
+
+    def begin(self, request: Any, positions: Any) -> int:
+        """Check ``positions``, bring the variables to their start; returns the live length after the call."""
+        values = positions.reshape(-1).tolist()
+        start = values[0]
+        if values != list(range(start, start + len(values))):
+            raise PrecastError(
+                f"compiled program: input {self.growing.positions!r}: positions {values[:6]}"
+                f"{'...' if len(values) > 6 else ''} are not consecutive; OpenVINO holds this cache as a growing "
+                "one (its fused attention), written at consecutive positions: pass cache_position[0] + "
+                "arange(seq)"
+            )
+        if start > self.live:
+            raise PrecastError(
+                f"compiled program: input {self.growing.positions!r}: position {start} leaves a gap after the "
+                f"{self.live} position(s) the cache holds; continue at {self.live}, or start over at an earlier "
+                "position (0, or reset(), for a new conversation)"
+            )
+        if start == 0 and self.live:
+            request.reset_state()
+        elif start < self.live:
+            self.cut(request, start)
+        return start + len(values)
+
+    def cut(self, request: Any, length: int) -> None:
+        """Keep the first ``length`` positions of every cache."""
+        import openvino as ov
+
+        for s in request.query_state():
+            held = s.state
+            data = held.data[:, :, :length].copy()
+            s.state = ov.Tensor(data, list(data.shape), held.element_type)
+
+    def static_view(self, request: Any, started: bool) -> dict[str, torch.Tensor]:
+        """The caches as the program's static buffers: the live positions, zeros past them."""
+        out = {}
+        held = state_values(request) if started and self.live else {}
+        for name, shape in self.growing.shapes.items():
+            full = torch.zeros(shape, dtype=self.dtypes[name])
+            if name in held:
+                full[:, :, : held[name].shape[2]] = held[name]
+            out[name] = full
+        return out

@@ -149,7 +149,7 @@ def _run_export(args: argparse.Namespace, backend: str) -> int:
         weights = ", ".join(f"{k} {v / 2**20:.2f} MB" for k, v in files["weights"].items())
         batch = "dynamic batch" if _dynamic(model) else "static shapes"
         if model.state_names:  # a KV cache held as OpenVINO variables
-            batch += f", {len(model.state_names)} cache(s) held as state between calls"
+            batch += f", {len(model.state_names)} cache(s) held as state between calls ({model.cache_form})"
         detail = f"{files['bin']} beside it, weights {weights}, {batch}; plan: {model.plan.summary()}"
     elif backend == "onnx":
         info = export(program, args.output, dynamic_batch=not args.static)

@@ -74,7 +74,7 @@ def raw_f32_hint(ep, x: torch.Tensor) -> torch.Tensor:
     from precast.backends.exported import dynamic_batch
     from precast.backends.openvino import _to_torch
 
-    model, _ = convert(dynamic_batch(ep))
+    model, _, _ = convert(dynamic_batch(ep))
     compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     types = [
         str(op.get_rt_info()["layerType"].astype(str))
@@ -255,7 +255,7 @@ def test_attention_scale_kept_exact():
     import openvino as ov
 
     program, _, _ = attention_program()
-    model, _ = convert(program)
+    model, _, _ = convert(program)
     (sdpa,) = [op for op in model.get_ordered_ops() if op.get_type_name() == "ScaledDotProductAttention"]
     cast = sdpa.input_value(4).get_node()
     assert cast.get_type_name() == "Convert" and cast.get_output_element_type(0) == ov.Type.bf16
