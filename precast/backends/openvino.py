@@ -18,6 +18,10 @@ CPU has fp16 kernels (OpenVINO lists ``FP16`` in its capabilities: AVX512-FP16 o
 every layer where OpenVINO runs another precision than precast decided. ``save`` writes the model as converted
 (no hint-specific form: ``openvino_precision.prepare`` makes one from a model read back).
 
+A program that writes a KV cache keeps it as OpenVINO state (``openvino_state``), in the growing form OpenVINO fuses
+with its attention where that is the same computation (``openvino_kv``; ``model.cache_form`` says which), the
+cache held in the dtype precast stored it in (``KV_CACHE_PRECISION``, in the compile and the IR).
+
 Dynamic batch: a program whose dim 0 is static is re-exported with a dynamic one (``exported.dynamic_batch``, as
 ``precast.compile`` does); every other dimension keeps its size. Needs ``pip install 'precast[openvino]'``.
 

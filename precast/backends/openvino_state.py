@@ -19,6 +19,9 @@ cache write would be lost and every call would restart from the exported cache. 
    (a ``Constant``), so the IR saved and reloaded in plain OpenVINO starts from the program's cache too, and
    ``infer_request.reset_state()`` returns to it.
 
+4. ``GrowingState``: where ``openvino_kv`` rewrote the caches into OpenVINO's fused growing form, the live positions
+   and the static cache's contract, checked before every call; the state read back as the static buffers.
+
 Input: an ExportedProgram decomposed with OpenVINO's table. Output: the GraphModule to convert and the state
 names; then the stateful ``openvino.Model``.
 """

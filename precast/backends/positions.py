@@ -64,7 +64,7 @@ def cache_positions(ep: ExportedProgram) -> dict[str, int]:
         for dim, index in pairs:
             if not isinstance(dim, int) or not isinstance(index, torch.fx.Node):
                 continue
-            sources = _value_sources(index) & users
+            sources = value_sources(index) & users
             if len(sources) != 1:
                 continue
             size = val.shape[dim]
@@ -85,7 +85,7 @@ def _storage_root(node: Any) -> Any:
     return node
 
 
-def _value_sources(node: torch.fx.Node) -> set[str]:
+def value_sources(node: torch.fx.Node) -> set[str]:
     """Placeholders whose values flow into ``node`` (a size read, ``sym_size``, is metadata, not a value)."""
     seen: set[torch.fx.Node] = set()
     out: set[str] = set()
