@@ -168,11 +168,11 @@ def _anchor_in_process(
 ) -> tuple[Callable[..., Any], str]:
     """The anchor's IR in this process: one infer request per thread count (bf16 hint and KV cache, as the anchor's
     own process), fed as optimum-intel feeds it; the state reset where a call starts at position 0."""
+    if anchor is None or anchor.anchors is None or not (folder / "openvino_model.xml").exists():
+        raise RuntimeError("needs openvino_anchor in the same run (its export of the weights)")
     import numpy as np
     import openvino as ov
 
-    if anchor is None or anchor.anchors is None or not (folder / "openvino_model.xml").exists():
-        raise RuntimeError("needs openvino_anchor in the same run (its export of the weights)")
     theirs = anchor.anchors[threads[0]].info.get("versions", {}).get("openvino")
     if theirs != ov.__version__:
         raise RuntimeError(f"OpenVINO here is {ov.__version__}, the anchor's {theirs}: not the same runtime")

@@ -29,6 +29,21 @@ def test_llm_decode_quick_eager(tmp_path):
     assert "decode ms/token" in text and payload["machine"]["cpu"] in text
 
 
+def test_the_in_process_anchor_needs_the_anchor_in_the_same_run(tmp_path):
+    """openvino_anchor_inprocess runs the IR openvino_anchor exported: alone, it is a row error, and the other
+    variants still run."""
+    from benchmarks import llm_decode
+
+    argv = ["--quick", "--variant", "eager_fp32", "openvino_anchor_inprocess", "--threads", "1"]
+    argv += ["--repeats", "1", "--steps", "1", "--no-rss", "--out", str(tmp_path)]
+    assert llm_decode.main(argv) == 0
+    payload = json.loads((tmp_path / "llm_decode.json").read_text())
+    assert set(payload["runs"]["1"]) == {"eager_fp32"}
+    assert (
+        "needs openvino_anchor in the same run" in payload["variants"]["openvino_anchor_inprocess"]["error"]
+    )
+
+
 def test_interleaved_samples_every_form_in_turn_and_reports_failures():
     from precast.bench import decode
 
