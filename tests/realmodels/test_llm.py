@@ -555,6 +555,25 @@ def test_openvino_reset_and_two_models_keep_their_own_state(llms, openvino_model
         assert torch.equal(a, first_run.logits[step]), step
 
 
+def test_openvino_cut_back_a_bf16_cache_is_a_fresh_start_there(llms):
+    """The fused (growing) bf16 cache cut back to an earlier position computes what a fresh run to that position
+    does, bitwise: the static cache's overwrite-and-mask, on OpenVINO's own cache layout."""
+    res = llms.convert("llama", "torch-bf16-cache").result
+    model = precast.compile(res.program, backend="openvino", precision_hint="f32", warn=False)
+    assert model.growing is not None
+    tokens = llms.model("llama").tokens
+    model(input_ids=tokens[:, : llm.PROMPT], cache_position=torch.arange(llm.PROMPT))
+    for i in range(llm.PROMPT, llm.PROMPT + 3):
+        model(input_ids=tokens[:, i : i + 1], cache_position=torch.tensor([i]))
+    back = llm.PROMPT - 2
+    other = (tokens[:, -2:] + 1) % llm.VOCAB  # two tokens the first run never saw at those positions
+    cut = model(input_ids=other, cache_position=torch.arange(back, back + 2))
+    model.reset()
+    model(input_ids=tokens[:, :back], cache_position=torch.arange(back))
+    fresh = model(input_ids=other, cache_position=torch.arange(back, back + 2))
+    assert cut.dtype == fresh.dtype and torch.equal(cut, fresh)
+
+
 @pytest.mark.parametrize("case_id", OPENVINO_CASES)
 def test_openvino_ir_decodes_in_a_process_without_precast(llms, openvino_models, tmp_path, case_id):
     """``precast compile --backend openvino -o model.xml`` of the saved converted program writes a stateful IR;
