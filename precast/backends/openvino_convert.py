@@ -178,7 +178,10 @@ def shared_tensors(ov_model: Any, module: torch.nn.Module) -> tuple[torch.Tensor
     pointers.sort()
     held = []
     seen: set[int] = set()
-    for t in [*module.parameters(), *module.buffers()]:
+    # parameters, buffers, and the plain tensor attributes an unlifted program's constants become
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [v for m in module.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
         start = t.data_ptr()
         if start in seen or not t.numel():
             continue
