@@ -66,6 +66,7 @@ def convert(
         shapes.append(ov.PartialShape(dims))
         dtypes.append(val.dtype)
     names: list[str] = []
+    initial: dict[str, torch.Tensor] = {}
     growing = None
     try:
         with _quiet(), torch.no_grad():
@@ -104,7 +105,6 @@ def convert(
             f"precast.compile(backend='openvino'): openvino.convert_model failed: {cause}; {route}"
         ) from exc
     if names:
-        initial = {n: ep.state_dict[n] if n in ep.state_dict else ep.constants[n] for n in names}
         users = len(ep.graph_signature.user_outputs)
         model = make_stateful(model, names, initial, users, growing=bool(growing and growing.grown))
     exact_attention_scales(model, decoder.pt_module)

@@ -305,9 +305,10 @@ def _rewrite(module: torch.fx.GraphModule, plan: _Plan) -> None:
             cat = graph.call_function(aten.cat.default, ([past, new], 2))
         cat.meta = {k: v for k, v in write.meta.items() if k != "val"}
         grown[write] = cat
+    shapes = dict(zip(plan.writes, plan.growing.shapes.values(), strict=True))  # names' order, both
     for write, n_rep, sdpa, arg in plan.chains:
         cat = grown[write]
-        B, H, _, D = plan.growing.shapes[_cache_name(plan, write)]
+        B, H, _, D = shapes[write]
         read = cat
         if n_rep > 1:
             with graph.inserting_before(sdpa):
@@ -353,7 +354,3 @@ def _additive(graph: torch.fx.Graph, mask: torch.fx.Node, dtype: torch.dtype) ->
     ones = graph.call_function(aten._to_copy.default, (mask,), {"dtype": dtype})
     hidden = graph.call_function(aten.sub.Tensor, (ones, 1.0))  # 0 seen, -1 hidden
     return graph.call_function(aten.mul.Tensor, (hidden, -low))
-
-
-def _cache_name(plan: _Plan, write: torch.fx.Node) -> str:
-    return list(plan.growing.shapes)[plan.writes.index(write)]
