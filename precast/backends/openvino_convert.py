@@ -1,6 +1,7 @@
 """``openvino.convert_model`` of a program: the OpenVINO model and the decomposed GraphModule it translated (whose
 node names the OpenVINO ops carry and whose nodes carry precast's decisions), the caches as OpenVINO variables
-where the program writes them (``openvino_state``), attention scales kept exact (``openvino_precision``); and
+where the program writes them (``openvino_state``), attention scales kept exact (``openvino_precision``), the
+rotary embedding in the form OpenVINO fuses (``openvino_fusions``); and
 OpenVINO's messages cut to the line that names the cause. Compiling and running is ``openvino.py``.
 
 Input: an ExportedProgram (checked by ``compile_openvino``). Output: (openvino.Model, torch.fx.GraphModule), or a
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from precast.backends.openvino_fusions import fold_scalar_casts, rotation_reads_promoted
 from precast.backends.openvino_kv import Growing, grow_caches
 from precast.backends.openvino_precision import exact_attention_scales
 from precast.backends.openvino_state import make_stateful, stateful_module
@@ -87,12 +89,16 @@ def convert(
                     dtypes = dtypes[:users] + [torch.int32] + dtypes[users:]
                 # each input's type stated: the frontend would read a held cache's (cache_dtype) from the
                 # tensor metadata export wrote before precast retyped it
+                rotation_reads_promoted(module)
                 decoder = TorchFXPythonDecoder(
                     module, input_shapes=shapes, input_types=dtypes, dynamic_shapes=True
                 )
-            else:
-                decoder = TorchFXPythonDecoder.from_exported_program(ep)
+            else:  # what TorchFXPythonDecoder.from_exported_program does, the rotations rewritten between
+                module = _decomposed(ep).module()
+                rotation_reads_promoted(module)
+                decoder = TorchFXPythonDecoder(module, dynamic_shapes=True)
             model = ov.convert_model(decoder, input=shapes)
+            fold_scalar_casts(model)
     except Exception as exc:  # noqa: BLE001 - the frontend raises OpConversionFailure, RuntimeError, ...
         cause = ov_message(exc)
         route = (

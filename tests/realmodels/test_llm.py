@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import platform
 import time
 from dataclasses import dataclass, field
 
@@ -459,6 +460,7 @@ OPENVINO_MIN_COSINE = {"none": 0.999999, "torch-bf16-cache": 0.997}
 # (precast/backends/openvino_kv.py); gemma2 attends through matmuls with logit soft-capping (eager attention), not
 # scaled_dot_product_attention, so its cache stays static (correct, slower)
 OPENVINO_GROWS = {"llama", "qwen2", "qwen3", "phi3", "olmo2"}
+X86 = platform.machine().lower() in ("x86_64", "amd64")  # where OpenVINO's CPU plugin fuses RoPE
 
 
 @pytest.fixture(scope="session")
@@ -515,6 +517,9 @@ def test_openvino_decode_matches_converted_program(llms, openvino_models, family
     if model.growing is not None:  # one fused attention per layer, over the live positions only
         assert layers.count("ScaledDotProductAttention") == len(model.state_names) // 2
         assert "ScatterUpdate" not in layers and "ScatterElementsUpdate" not in layers
+    # the rotary embedding fused: one RoPE per query and key projection (backends/openvino_fusions.py)
+    if X86:
+        assert layers.count("RoPE") == len(model.state_names), layers.count("RoPE")
     names = llm.cache_names(dict(llms.model(family).module.named_buffers()))
     assert sorted(model.state_names) == names
     want_dtype = CASES[case_id].cache_dtype or torch.float32

@@ -1,0 +1,190 @@
+"""The program in the forms OpenVINO's CPU plugin fuses, where the rewrite computes the same values.
+
+OpenVINO's CPU plugin fuses a rotary embedding ``x * cos + rotate_half(x) * sin`` into one ``RoPE`` layer
+(``RoPEFusionGPTNEOX``) when its pattern matches: one ``x`` read by both products, ``rotate_half`` as
+``Concat(Multiply(Slice(x, h:), -1.0), Slice(x, :h))`` on the last axis. A precast program misses that pattern in
+two ways, each fixed here without changing a value:
+
+- ``rotation_reads_promoted`` (on the decomposed GraphModule, before conversion). Under eager autocast the query
+  and key projections are bf16 (or fp16) and the cos/sin tables fp32, so each product promotes ``x`` to fp32:
+  torch inside the multiply, OpenVINO's frontend as two Converts, one of ``x`` and one of the rotated ``x``, and
+  the pattern's single ``x`` is not there. The rewrite casts ``x`` once and rotates the cast value. Exact: the
+  widening cast commutes with slicing, negation and concatenation, and each multiply then reads the very fp32
+  values it promoted before (bitwise the same results, tested).
+- ``fold_scalar_casts`` (on the OpenVINO model). The frontend writes ``neg`` as a multiply by ``ConvertLike`` of
+  an integer ``-1`` and marks that Convert as a decompression (``DisableConstantFolding``): the CPU plugin keeps it
+  a Convert, and the pattern's ``-1.0`` constant is not there either. (A saved IR loses the mark and folds it:
+  OpenVINO's own exports, read from disk, fuse.) Each Convert of a one-element constant becomes the constant it
+  computes, where the conversion is exact; weights (many elements) keep their decompression Converts.
+
+Measured on the 0.246 B Llama-shaped decoder (bf16 hint, one thread): 552 runtime layers became 383 with one RoPE
+layer per projection, as in OpenVINO's own export (``docs/backends.md``).
+
+Input: the decomposed GraphModule OpenVINO is about to convert / the converted ``openvino.Model``. Output: how
+many rotations / casts were rewritten.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from precast.ir.program import META_KEY
+
+aten = torch.ops.aten
+
+# a widening cast between these is exact: every value of the narrower dtype is a value of the wider one
+_WIDER = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.float64: 8}
+
+
+def _val(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _call(node: Any, target: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
+
+
+def _last_dim(dim: Any, rank: int) -> bool:
+    return isinstance(dim, int) and dim % rank == rank - 1
+
+
+def _half_slice(node: Any, x: torch.fx.Node, first: bool) -> bool:
+    """``node`` is ``x[..., :h]`` (first) or ``x[..., h:]`` with ``h`` half the last dimension."""
+    xv = _val(x)
+    if not _call(node, aten.slice.Tensor) or node.args[0] is not x or xv is None or xv.dim() < 1:
+        return False
+    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1 :])[:4]
+    size = xv.shape[-1]
+    if not isinstance(size, int) or size % 2 or step != 1 or not _last_dim(dim, xv.dim()):
+        return False
+    half = size // 2
+    if first:
+        return start in (0, None) and end == half
+    return start == half and (end is None or (isinstance(end, int) and end >= size))
+
+
+def _rotation(node: Any) -> torch.fx.Node | None:
+    """``x`` where ``node`` is ``cat((-x[..., h:], x[..., :h]), -1)`` (transformers' ``rotate_half``), else None."""
+    if not _call(node, aten.cat.default) or len(node.args[0]) != 2:
+        return None
+    neg, first = node.args[0]
+    if not _call(neg, aten.neg.default) or not _call(first, aten.slice.Tensor):
+        return None
+    x = first.args[0]
+    xv = _val(x)
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if xv is None or not _last_dim(dim, xv.dim()):
+        return None
+    if not (_half_slice(first, x, first=True) and _half_slice(neg.args[0], x, first=False)):
+        return None
+    return x
+
+
+def _retyped(node: torch.fx.Node, dtype: torch.dtype) -> None:
+    """``node`` now makes ``dtype``: its value's metadata, and (on this private copy of the decision record) the
+    dtype precast's plan check holds its OpenVINO layer to (the same values, computed wider)."""
+    node.meta["val"] = node.meta["val"].to(dtype)
+    custom = node.meta.get("custom") or {}
+    record = custom.get(META_KEY) or {}
+    decision = record.get("decision") or {}
+    if decision.get("dtype") in ("bf16", "fp16"):
+        name = {torch.float32: "fp32", torch.float64: "fp64"}.get(dtype, decision["dtype"])
+        node.meta["custom"] = {
+            **custom,
+            META_KEY: {**record, "decision": {**decision, "dtype": name}},
+        }
+
+
+def rotation_reads_promoted(gm: torch.fx.GraphModule) -> int:
+    """Each rotary embedding ``x * cos + rotate_half(x) * sin`` whose products promote a narrower ``x`` rotates
+    ``x`` cast once to the products' dtype (see the module docstring); returns how many."""
+    graph = gm.graph
+    rewritten = 0
+    for add in list(graph.nodes):
+        if not _call(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1:
+            continue
+        out = _val(add)
+        if out is None or not all(_call(m, aten.mul.Tensor) for m in add.args):
+            continue
+        for by_cos, by_sin in (add.args, add.args[::-1]):
+            rotated = [a for a in by_sin.args if _rotation(a) is not None]
+            if len(rotated) != 1:
+                continue
+            cat = rotated[0]
+            x = _rotation(cat)
+            xv = _val(x)
+            if x not in by_cos.args or xv is None or xv.dtype == out.dtype:
+                continue
+            if _WIDER.get(xv.dtype, 99) >= _WIDER.get(out.dtype, 0) or not xv.dtype.is_floating_point:
+                continue
+            # everything the rotation reads from x is read through the cast; x's other readers keep x
+            neg = cat.args[0][0]
+            inner = [cat.args[0][1], neg.args[0]]
+            if any(len(n.users) != 1 for n in (cat, neg, *inner)):
+                continue
+            with graph.inserting_after(x):
+                wide = graph.call_function(aten._to_copy.default, (x,), {"dtype": out.dtype})
+            wide.meta["val"] = xv.to(out.dtype)
+            for reader in (*inner, by_cos):
+                reader.replace_input_with(x, wide)
+            for n in (*inner, neg, cat):
+                _retyped(n, out.dtype)
+            rewritten += 1
+            break
+    if rewritten:
+        graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+def fold_scalar_casts(model: Any) -> int:
+    """Each Convert of a one-element Constant that only computations on data read, replaced by the constant it
+    computes where the conversion is exact (see the module docstring); returns how many. A Convert read by a
+    constant-only subgraph (a weight's decompression: scale, zero point) is left as OpenVINO marked it."""
+    import openvino as ov
+
+    floats = {ov.Type.f32: torch.float32, ov.Type.bf16: torch.bfloat16, ov.Type.f16: torch.float16}
+    ops = list(model.get_ordered_ops())  # topological: an op's inputs come before it
+    constant: set[str] = set()  # ops whose value depends on no input or state
+    for op in ops:
+        if op.get_type_name() == "Constant" or (
+            op.get_input_size()
+            and op.get_type_name() not in ("Parameter", "ReadValue")
+            and all(i.get_source_output().get_node().get_name() in constant for i in op.inputs())
+        ):
+            constant.add(op.get_name())
+    folded = 0
+    for op in ops:
+        if op.get_type_name() != "Convert" or op.input_value(0).get_node().get_type_name() != "Constant":
+            continue
+        target = floats.get(op.get_output_element_type(0))
+        shape = op.get_output_partial_shape(0)
+        if target is None or not shape.is_static or math.prod(shape.to_shape()) != 1:
+            continue
+        readers = [r.get_node() for r in op.output(0).get_target_inputs()]
+        if not readers or any(r.get_name() in constant for r in readers):
+            continue
+        value = float(op.input_value(0).get_node().get_data().ravel()[0])
+        if torch.tensor(value, dtype=torch.float64).to(target).item() != value:
+            continue  # a rounding cast: OpenVINO's Convert does it as the program asked
+        const = ov.op.Constant(op.get_output_element_type(0), shape.to_shape(), [value])
+        const.set_friendly_name(op.get_friendly_name())
+        for reader in list(op.output(0).get_target_inputs()):
+            reader.replace_source_output(const.output(0))
+        for reader in readers:  # marked as reading a decompression, which it no longer does
+            if not any(_is_decompression(i.get_source_output().get_node()) for i in reader.inputs()):
+                info = reader.get_rt_info()
+                for key in [k for k in info if str(k).startswith("dequantization_node")]:
+                    del info[key]
+        folded += 1
+    if folded:
+        model.validate_nodes_and_infer_types()
+    return folded
+
+
+def _is_decompression(op: Any) -> bool:
+    return op.get_type_name() == "Convert" and op.input_value(0).get_node().get_type_name() == "Constant"
