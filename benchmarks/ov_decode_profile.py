@@ -2,7 +2,7 @@
 
 Compiles precast's converted program (``precast.compile(backend="openvino", precision_hint="bf16")``) and the
 anchor's IR (optimum-intel's export, ``<model_dir>-ov/openvino_model.xml`` as ``benchmarks/llm_decode.py`` leaves
-it) in this process with ``PERF_COUNT``, at one thread, the bf16 hint and a bf16 KV cache; prefills the seeded
+it) in this process with ``PERF_COUNT``, at ``--threads`` (default 1), the bf16 hint and a bf16 KV cache; prefills the seeded
 prompt, then times ``steps`` decode steps of each, alternating ``repeats`` times (medians, load average printed),
 and prints each model's last decode step by OpenVINO layer type and implementation (``profiling_info``) and
 the runtime graph's attention ops.
@@ -72,15 +72,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--threads", type=int, default=1, help="OpenVINO's INFERENCE_NUM_THREADS for both")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     ctx, steps = args.context, args.steps
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, args.vocab, (1, ctx), generator=g)
     tokens = [torch.randint(0, args.vocab, (1, 1), generator=g) for _ in range(steps)]
 
     core = ov.Core()
-    config = {"INFERENCE_PRECISION_HINT": "bf16", "KV_CACHE_PRECISION": "bf16", "INFERENCE_NUM_THREADS": "1"}
+    config = {
+        "INFERENCE_PRECISION_HINT": "bf16",
+        "KV_CACHE_PRECISION": "bf16",
+        "INFERENCE_NUM_THREADS": str(args.threads),
+    }
     anchor = core.compile_model(
         core.read_model(os.path.join(args.anchor_dir, "openvino_model.xml")),
         "CPU",
@@ -89,7 +94,7 @@ def main() -> None:
     anchor_request = anchor.create_infer_request()
     ov_backend._compile = _perf_compile  # this benchmark only: the same compile, with per-layer counters
     ours = precast.compile(
-        torch.export.load(args.program), backend="openvino", precision_hint="bf16", threads=1
+        torch.export.load(args.program), backend="openvino", precision_hint="bf16", threads=args.threads
     )
 
     def run_anchor() -> float:
@@ -136,7 +141,7 @@ def main() -> None:
         )
     med = {n: statistics.median(s) for n, s in samples.items()}
     print(
-        f"median ms/token (1 thread): {med}; precast/anchor tokens/s "
+        f"median ms/token ({args.threads} thread(s)): {med}; precast/anchor tokens/s "
         f"{med['openvino_anchor'] / med['precast_openvino']:.3f}"
     )
     for name, request, compiled in (

@@ -99,6 +99,19 @@ def _retyped(node: torch.fx.Node, dtype: torch.dtype) -> None:
         }
 
 
+def _factor_in(mul: torch.fx.Node, read: torch.fx.Node, dtype: torch.dtype) -> bool:
+    """``mul`` is ``read * other`` (either order) with ``other`` and the product in ``dtype``."""
+    others = [a for a in mul.args if a is not read]
+    val = _val(mul)
+    return (
+        len(others) == 1
+        and val is not None
+        and val.dtype == dtype
+        and _val(others[0]) is not None
+        and _val(others[0]).dtype == dtype
+    )
+
+
 def rotation_reads_promoted(gm: torch.fx.GraphModule) -> int:
     """Each rotary embedding ``x * cos + rotate_half(x) * sin`` whose products promote a narrower ``x`` rotates
     ``x`` cast once to the products' dtype (see the module docstring); returns how many."""
@@ -118,6 +131,10 @@ def rotation_reads_promoted(gm: torch.fx.GraphModule) -> int:
             x = _rotation(cat)
             xv = _val(x)
             if x not in by_cos.args or xv is None or xv.dtype == out.dtype:
+                continue
+            # each product promotes: its other factor and its result in the wider dtype (torch then computes
+            # it on x converted exactly, which is what the rewrite hands it)
+            if not (_factor_in(by_cos, x, out.dtype) and _factor_in(by_sin, cat, out.dtype)):
                 continue
             if _WIDER.get(xv.dtype, 99) >= _WIDER.get(out.dtype, 0) or not xv.dtype.is_floating_point:
                 continue

@@ -36,15 +36,17 @@ def rotate_half(x: torch.Tensor, half: int) -> torch.Tensor:
 
 class Rotary(torch.nn.Module):
     """Query and key projections with transformers' rotary embedding, then attention. ``half``: where
-    ``rotate_half`` splits (D // 2 is the rotation; anything else is not)."""
+    ``rotate_half`` splits (D // 2 is the rotation; anything else is not); ``cos_bf16``: the cos table cast to
+    bf16, so that product does not promote."""
 
-    def __init__(self, half: int = D // 2):
+    def __init__(self, half: int = D // 2, cos_bf16: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.q = torch.nn.Linear(E, H * D)
         self.k = torch.nn.Linear(E, H * D)
         self.o = torch.nn.Linear(H * D, E)
         self.half = half
+        self.cos_bf16 = cos_bf16
         self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,6 +54,8 @@ class Rotary(torch.nn.Module):
         freqs = torch.arange(s, dtype=torch.float32)[:, None] * self.inv_freq[None]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        if self.cos_bf16:
+            cos = cos.to(torch.bfloat16)
         q = self.q(x).view(b, s, H, D).transpose(1, 2)
         k = self.k(x).view(b, s, H, D).transpose(1, 2)
         q = q * cos + rotate_half(q, self.half) * sin
@@ -101,11 +105,12 @@ def test_the_rotation_reads_the_promoted_value_bitwise(converted):
 
 @pytest.mark.parametrize(
     "module, policy",
-    [(Rotary(half=3), "torch"), (Rotary(), None)],
-    ids=["not-a-half-rotation", "already-fp32"],
+    [(Rotary(half=3), "torch"), (Rotary(), None), (Rotary(cos_bf16=True), "torch")],
+    ids=["not-a-half-rotation", "already-fp32", "cos-product-in-bf16"],
 )
 def test_other_programs_are_left_alone(module, policy):
-    """A split that is not the half rotation, or a product that promotes nothing (fp32 throughout): unchanged."""
+    """A split that is not the half rotation, products that promote nothing (fp32 throughout), or a cos product
+    computed in bf16 (reading x in fp32 would change its rounding): unchanged."""
     gm = program(module, policy).run_decompositions().module()
     code = gm.code
     assert rotation_reads_promoted(gm) == 0
