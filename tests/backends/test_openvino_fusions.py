@@ -103,6 +103,22 @@ def test_the_rotation_reads_the_promoted_value_bitwise(converted):
             assert torch.equal(after(x), before(x))
 
 
+class RotateInput(torch.nn.Module):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + rotate_half(x, D // 2) * sin
+
+
+def test_a_rotated_input_is_cast_after_the_inputs():
+    """``x`` a program input (bf16, the tables fp32): rewritten, the inputs still first, bitwise the same."""
+    args = (torch.randn(1, H, 5, D).bfloat16(), torch.randn(1, 1, 5, D), torch.randn(1, 1, 5, D))
+    before = torch.export.export(RotateInput(), args).run_decompositions().module()
+    after = copy.deepcopy(before)
+    assert rotation_reads_promoted(after) == 1
+    ops = [n.op for n in after.graph.nodes]
+    assert ops[:3] == ["placeholder"] * 3 and "placeholder" not in ops[3:]
+    assert torch.equal(after(*args), before(*args))
+
+
 @pytest.mark.parametrize(
     "module, policy",
     [(Rotary(half=3), "torch"), (Rotary(), None), (Rotary(cos_bf16=True), "torch")],
