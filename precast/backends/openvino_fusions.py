@@ -36,9 +36,6 @@ from precast.ir.program import META_KEY
 
 aten = torch.ops.aten
 
-# a widening cast between these is exact: every value of the narrower dtype is a value of the wider one
-_WIDER = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.float64: 8}
-
 
 def _val(node: Any) -> torch.Tensor | None:
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
@@ -49,6 +46,12 @@ def _call(node: Any, target: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
 
 
+def _arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """``node``'s arguments by name, defaults filled in (PyTorch's schema normalisation)."""
+    pair = node.normalized_arguments(node.graph.owning_module, normalize_to_only_use_kwargs=True)
+    return dict(pair.kwargs) if pair is not None else {}
+
+
 def _last_dim(dim: Any, rank: int) -> bool:
     return isinstance(dim, int) and dim % rank == rank - 1
 
@@ -56,33 +59,38 @@ def _last_dim(dim: Any, rank: int) -> bool:
 def _half_slice(node: Any, x: torch.fx.Node, first: bool) -> bool:
     """``node`` is ``x[..., :h]`` (first) or ``x[..., h:]`` with ``h`` half the last dimension."""
     xv = _val(x)
-    if not _call(node, aten.slice.Tensor) or node.args[0] is not x or xv is None or xv.dim() < 1:
+    if not _call(node, aten.slice.Tensor) or xv is None or xv.dim() < 1:
         return False
-    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1 :])[:4]
+    a = _arguments(node)
     size = xv.shape[-1]
-    if not isinstance(size, int) or size % 2 or step != 1 or not _last_dim(dim, xv.dim()):
+    if a.get("input") is not x or not isinstance(size, int) or size % 2 or a.get("step") != 1:
         return False
-    half = size // 2
+    if not _last_dim(a.get("dim"), xv.dim()):
+        return False
+    start, end, half = a.get("start"), a.get("end"), size // 2
     if first:
         return start in (0, None) and end == half
     return start == half and (end is None or (isinstance(end, int) and end >= size))
 
 
-def _rotation(node: Any) -> torch.fx.Node | None:
-    """``x`` where ``node`` is ``cat((-x[..., h:], x[..., :h]), -1)`` (transformers' ``rotate_half``), else None."""
-    if not _call(node, aten.cat.default) or len(node.args[0]) != 2:
+def _rotation(node: Any) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """Where ``node`` is ``cat((-x[..., h:], x[..., :h]), -1)`` (transformers' ``rotate_half``): ``x`` and the
+    nodes between it and ``node`` (the negation, the two slices); else None."""
+    if not _call(node, aten.cat.default):
         return None
-    neg, first = node.args[0]
+    a = _arguments(node)
+    if len(a.get("tensors", ())) != 2:
+        return None
+    neg, first = a["tensors"]
     if not _call(neg, aten.neg.default) or not _call(first, aten.slice.Tensor):
         return None
     x = first.args[0]
     xv = _val(x)
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if xv is None or not _last_dim(dim, xv.dim()):
+    if xv is None or not _last_dim(a.get("dim"), xv.dim()):
         return None
     if not (_half_slice(first, x, first=True) and _half_slice(neg.args[0], x, first=False)):
         return None
-    return x
+    return x, [neg, first, neg.args[0]]
 
 
 def _retyped(node: torch.fx.Node, dtype: torch.dtype) -> None:
@@ -125,33 +133,31 @@ def rotation_reads_promoted(gm: torch.fx.GraphModule) -> int:
         if out is None or not all(_call(m, aten.mul.Tensor) for m in add.args):
             continue
         for by_cos, by_sin in (add.args, add.args[::-1]):
-            rotated = [a for a in by_sin.args if _rotation(a) is not None]
-            if len(rotated) != 1:
+            found = [(a, r) for a in by_sin.args if (r := _rotation(a)) is not None]
+            if len(found) != 1:
                 continue
-            cat = rotated[0]
-            x = _rotation(cat)
+            cat, (x, between) = found[0]
             xv = _val(x)
-            if x not in by_cos.args or xv is None or xv.dtype == out.dtype:
+            if x not in by_cos.args or xv is None or not (xv.is_floating_point() and out.is_floating_point()):
+                continue
+            # a widening cast (exact: every value of the narrower dtype is one of the wider)
+            if torch.finfo(xv.dtype).bits >= torch.finfo(out.dtype).bits:
                 continue
             # each product promotes: its other factor and its result in the wider dtype (torch then computes
             # it on x converted exactly, which is what the rewrite hands it)
             if not (_factor_in(by_cos, x, out.dtype) and _factor_in(by_sin, cat, out.dtype)):
                 continue
-            if _WIDER.get(xv.dtype, 99) >= _WIDER.get(out.dtype, 0) or not xv.dtype.is_floating_point:
-                continue
             # everything the rotation reads from x is read through the cast; x's other readers keep x
-            neg = cat.args[0][0]
-            inner = [cat.args[0][1], neg.args[0]]
-            if any(len(n.users) != 1 for n in (cat, neg, *inner)):
+            if any(len(n.users) != 1 for n in (cat, *between)):
                 continue
             # after x (after the last input where x is one: the inputs stay first)
             at = x if x.op != "placeholder" else [n for n in graph.nodes if n.op == "placeholder"][-1]
             with graph.inserting_after(at):
                 wide = graph.call_function(aten._to_copy.default, (x,), {"dtype": out.dtype})
             wide.meta["val"] = xv.to(out.dtype)
-            for reader in (*inner, by_cos):
+            for reader in (*between[1:], by_cos):  # the slices and the cos product read x
                 reader.replace_input_with(x, wide)
-            for n in (*inner, neg, cat):
+            for n in (*between, cat):
                 _retyped(n, out.dtype)
             rewritten += 1
             break
