@@ -18,6 +18,7 @@ list, the layers of its runtime model), so the suite holds on AVX2, AVX512-BF16 
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -334,3 +335,92 @@ def test_bf16_forms_against_the_fp32_model(monkeypatch):
     if precision("as written") == {"bf16"} and precision("attention in f32") == {"f32"}:
         # the scores rounded to bf16 as written, in f32 in the fallback: the rounding it removes is measurable
         assert errors["attention in f32"] < 0.8 * errors["as written"], (errors, reported)
+
+
+def runtime_layers(compiled) -> tuple[Counter, Counter]:
+    """(the executed layers by type and runtime precision, the constants by precision) of a compiled model."""
+    layers, constants = Counter(), Counter()
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        kind, runs = info["layerType"].astype(str), info["runtimePrecision"].astype(str)
+        (constants if kind == "Const" else layers)[runs if kind == "Const" else (kind, runs)] += 1
+    return layers, constants
+
+
+@pytest.mark.skipif(not native(), reason="the lowered form is made for the bf16 hint (CPUs with native bf16)")
+@pytest.mark.parametrize("name", ["attention", "encoder", "cnn"])
+def test_lowered_form_keeps_weights_in_bf16(name, monkeypatch):
+    """Under the bf16 hint each matmul's and convolution's bf16 weight is read through a cast OpenVINO keeps as a
+    decompression: the compiled model holds the bf16 weight (one bf16 constant per FullyConnected / Convolution
+    layer), where an unmarked cast is folded into an f32 copy (the control: no bf16 constant). The same layers run
+    in the same precisions and the outputs are bitwise the same; the layer norms' scales stay fused (a marked cast
+    there would split them off)."""
+    from precast.backends import openvino_precision
+
+    if name == "attention":
+        program, x, _ = attention_program()
+        inputs = (x,)
+    else:
+        model, inputs = zoo.plain_encoder() if name == "encoder" else zoo.plain_cnn()
+        program = precast.convert(model, inputs, policy="torch", dtype=BF16).program
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PlanOverrideWarning)  # the check is the control's, not the hint's
+        kept = compile_openvino(program, precision_hint="bf16", dynamic=False)
+        monkeypatch.setattr(openvino_precision, "_reads_compressed", lambda reader: False)
+        folded = compile_openvino(program, precision_hint="bf16", dynamic=False)
+    assert kept.plan.form == folded.plan.form == "lowered by OpenVINO"
+    layers, constants = runtime_layers(kept.compiled)
+    weighted = layers["FullyConnected", "bf16"] + layers["Convolution", "bf16"]
+    assert constants["bf16"] == weighted > 0, (layers, constants)
+    folded_layers, folded_constants = runtime_layers(folded.compiled)
+    assert folded_constants["bf16"] == 0 and folded_layers == layers, (folded_layers, folded_constants)
+    assert [layer.runtime for layer in kept.plan.layers] == [layer.runtime for layer in folded.plan.layers]
+    assert torch.equal(kept(*inputs), folded(*inputs))
+
+
+@pytest.mark.skipif(not native(), reason="the lowered form is made for the bf16 hint (CPUs with native bf16)")
+def test_a_weight_with_other_readers_keeps_the_plain_cast():
+    """A bf16 weight that a matmul and another op read keeps one plain cast to f32 (OpenVINO folds it and the
+    constant subgraph behind it, as before): marked as a decompression, the plugin kept the weight's precision and
+    ran ``sum(w * w)`` on every call, in other values. Control: a weight only matmuls read is marked."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from precast.backends.openvino_precision import COMPRESSED_CAST, lowered_by_openvino
+
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(BF16)
+
+    def model(other_reader: bool):
+        x = ops.parameter([2, 64], np.float32, name="x")
+        data = ov.Tensor(ov.Type.bf16, ov.Shape([64, 64]))
+        data.data.view(np.int16)[...] = weight.view(torch.int16).numpy()
+        w = ov.op.Constant(data)
+        y = ops.matmul(ops.convert(x, "bf16"), w, False, True)
+        if other_reader:
+            y = ops.add(y, ops.reduce_sum(ops.multiply(w, w), [0], True))
+        return ov.Model([ops.convert(y, "f32")], [x])
+
+    def marked(m) -> int:
+        return sum(
+            all(key in op.get_rt_info() for key in COMPRESSED_CAST)
+            for op in m.get_ordered_ops()
+            if op.get_type_name() == "Convert"
+        )
+
+    only_matmul, shared = model(False), model(True)
+    lowered_by_openvino(only_matmul)
+    lowered_by_openvino(shared)
+    assert marked(only_matmul) == 1 and marked(shared) == 0
+    compiled = ov.Core().compile_model(shared, "CPU", {"INFERENCE_PRECISION_HINT": "bf16"})
+    layers, constants = runtime_layers(compiled)
+    assert constants["bf16"] == 0 and {kind for kind, _ in layers} == {
+        "Input",
+        "FullyConnected",
+        "Reorder",
+        "Output",
+    }
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    want = x.to(BF16).float() @ weight.float().T + (weight.float() * weight.float()).sum(0, keepdim=True)
+    got = torch.from_numpy(compiled([x.numpy()])[0])
+    assert torch.allclose(got, want, rtol=1e-2, atol=1e-2), (got - want).abs().max()
