@@ -110,15 +110,8 @@ def _retyped(node: torch.fx.Node, dtype: torch.dtype) -> None:
 
 def _factor_in(mul: torch.fx.Node, read: torch.fx.Node, dtype: torch.dtype) -> bool:
     """``mul`` is ``read * other`` (either order) with ``other`` and the product in ``dtype``."""
-    others = [a for a in mul.args if a is not read]
-    val = _val(mul)
-    return (
-        len(others) == 1
-        and val is not None
-        and val.dtype == dtype
-        and _val(others[0]) is not None
-        and _val(others[0]).dtype == dtype
-    )
+    others = [_val(a) for a in mul.args if a is not read]
+    return len(others) == 1 and all(v is not None and v.dtype == dtype for v in (_val(mul), others[0]))
 
 
 def rotation_reads_promoted(gm: torch.fx.GraphModule) -> int:
@@ -151,7 +144,7 @@ def rotation_reads_promoted(gm: torch.fx.GraphModule) -> int:
             if any(len(n.users) != 1 for n in (cat, *between)):
                 continue
             # after x (after the last input where x is one: the inputs stay first)
-            at = x if x.op != "placeholder" else [n for n in graph.nodes if n.op == "placeholder"][-1]
+            at = x if x.op != "placeholder" else list(graph.find_nodes(op="placeholder"))[-1]
             with graph.inserting_after(at):
                 wide = graph.call_function(aten._to_copy.default, (x,), {"dtype": out.dtype})
             wide.meta["val"] = xv.to(out.dtype)

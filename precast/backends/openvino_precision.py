@@ -18,11 +18,11 @@ Measured on OpenVINO 2026.4.1's CPU plugin (2-core AMD EPYC with avx512_bf16), a
   fp32, where the plan as written rounds every layer's output. A matmul's or convolution's bf16 weight is read
   through a cast marked as a decompression, as OpenVINO's frontend marks a compressed weight, so the plugin keeps
   the bf16 weight instead of folding an f32 copy of it (the same layers and values in less memory). The plan check
-  still holds each layer to precast's decision. MiniLM: 0.99998620 at OpenVINO's default speed (0.99998569 with precast's casts as written). Where
-  the f32 typing does not type-check (an op made in bf16 other than by a cast), the casts stay as written and
-  only the attention gets f32 inputs (``attention_in_f32``): OpenVINO decomposes a bf16
-  ``ScaledDotProductAttention`` in bf16, rounding the scores before the softmax, where torch's CPU kernel (what
-  autocast and precast's plan mean by attention in bf16) keeps scores and softmax in fp32.
+  still holds each layer to precast's decision. MiniLM: 0.99998620 at OpenVINO's default speed (0.99998569 with
+  precast's casts as written). Where the f32 typing does not type-check (an op made in bf16 other than by a
+  cast), the casts stay as written and only the attention gets f32 inputs (``attention_in_f32``): OpenVINO
+  decomposes a bf16 ``ScaledDotProductAttention`` in bf16, rounding the scores before the softmax, where torch's
+  CPU kernel (what autocast and precast's plan mean by attention in bf16) keeps scores and softmax in fp32.
 - **The attention's ``scale=``** (``exact_attention_scales``, at conversion): OpenVINO's frontend stores it in the
   query's dtype, for bf16 attention a bf16 constant (1/sqrt(32) as 0.1767578): the softmax's temperature off by
   up to 2**-9 in every layer. precast stores the exact f32 value behind a cast, which the bf16-hint forms read
@@ -57,8 +57,8 @@ SPLIT_LIMIT = 3.4e38 / VELTKAMP  # beyond this x * 65537 overflows: those values
 # ``disable_constant_folding`` and ``mark_as_decompression``, which its Python API does not expose; the plugin
 # tests for the keys alone).
 COMPRESSED_CAST = ("DisableConstantFolding_0", "decompression_0")
-# The ops whose weight (input 1) the CPU plugin reads as a bf16 decompression, in the layer it runs (tested: the same
-# layers and outputs as with the weight folded to f32); a GroupConvolution reads its weight through a Reshape.
+# The ops whose weight (input 1) the CPU plugin reads as a bf16 decompression, in the layer it runs (tested: the
+# same layers and outputs as with the weight folded to f32); a GroupConvolution reads its weight through a Reshape.
 COMPRESSED_READERS = ("MatMul", "Convolution")
 
 
