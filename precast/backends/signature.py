@@ -9,6 +9,10 @@ specs, so ``check`` costs a few attribute reads per input on the hot path.
     sig = ProgramSignature.from_program(ep)    # once, when the engine's callable is built
     flat = sig.check(args, kwargs)             # every call: the user inputs in the program's order, or PrecastError
 
+An integer input that indexes an embedding table (a decoder's ``input_ids``) is checked against the table's row
+count (``vocab``, read from the graph): an id outside ``[0, rows)`` reads past the table in compiled code (garbage
+or the kernel's "index out of bounds" abort), so it is one line naming the id instead.
+
 Input: an ExportedProgram (or the dict ``to_dict`` wrote, e.g. in a cache manifest). Output: the checked, flat
 user inputs, or a one-line PrecastError naming the argument, the expected and the actual shape.
 """
@@ -54,6 +58,7 @@ class ProgramSignature:
         in_spec: pytree.TreeSpec,
         ranges: dict[str, tuple[int, int | None]],
         positions: dict[str, int] | None = None,
+        vocab: dict[str, int] | None = None,
     ):
         self.inputs = tuple(inputs)
         self.in_spec = in_spec
@@ -62,6 +67,9 @@ class ProgramSignature:
         self.positions = dict(positions or {})
         index = {spec.name: pos for pos, spec in enumerate(self.inputs)}
         self._positions = [(index[n], length) for n, length in self.positions.items() if n in index]
+        # input name -> the rows of the embedding table it indexes (``vocab_sizes``): its values must lie in [0, V)
+        self.vocab = dict(vocab or {})
+        self._vocab = [(index[n], rows) for n, rows in self.vocab.items() if n in index]
         self._positional = in_spec == pytree.tree_flatten((tuple(range(len(inputs))), {}))[1]
         # the hot path, precomputed: per tensor input (position, dtype, device type, rank, static, symbolic)
         self._tensor_checks = []
@@ -114,7 +122,7 @@ class ProgramSignature:
         ranges = {}
         for sym, vr in ep.range_constraints.items():
             ranges[str(sym)] = (_finite(vr.lower) or 0, _finite(vr.upper))
-        return cls(inputs, in_spec, ranges, cache_positions(ep))
+        return cls(inputs, in_spec, ranges, cache_positions(ep), vocab_sizes(ep))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for a cache manifest); ``from_dict`` reads it back."""
@@ -122,6 +130,7 @@ class ProgramSignature:
             "in_spec": pytree.treespec_dumps(self.in_spec),
             "ranges": {k: list(v) for k, v in self.ranges.items()},
             "positions": dict(self.positions),
+            "vocab": dict(self.vocab),
             "inputs": [
                 {
                     "name": s.name,
@@ -155,7 +164,9 @@ class ProgramSignature:
                 str(k): (int(v[0]), None if v[1] is None else int(v[1])) for k, v in data["ranges"].items()
             }
             positions = {str(k): int(v) for k, v in data.get("positions", {}).items()}
-            return cls(inputs, pytree.treespec_loads(data["in_spec"]), ranges, positions)
+            # a manifest written before the vocabulary check holds none: no check (cache.FORMAT unchanged)
+            vocab = {str(k): int(v) for k, v in data.get("vocab", {}).items()}
+            return cls(inputs, pytree.treespec_loads(data["in_spec"]), ranges, positions, vocab)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise PrecastError(
                 f"ProgramSignature: malformed signature data ({type(exc).__name__}: {exc})"
@@ -202,6 +213,8 @@ class ProgramSignature:
             self._check_other(pos, spec, flat[pos], bound)
         for pos, length in self._positions:
             check_positions(flat[pos], length, self.inputs[pos].name, self.inputs[pos].where)
+        for pos, rows in self._vocab:
+            check_ids(flat[pos], rows, self.inputs[pos].name, self.inputs[pos].where)
         return list(flat)
 
     def _flatten(self, args: tuple, kwargs: dict) -> list[Any]:
@@ -292,3 +305,91 @@ def _dim(size: Any) -> int | str:
 
 def _is_symbol(dim: int | str) -> bool:
     return isinstance(dim, str) and dim.isidentifier()
+
+
+# ops that read rows of a table by an index tensor: op -> (the table's argument, the index's argument)
+_ROW_READS = {"aten::embedding": (0, 1), "aten::index_select": (0, 2), "aten::index": (0, 1)}
+# ops that pass an index tensor's values through unchanged (views, copies, integer casts)
+_SAME_VALUES = {
+    "aten::view",
+    "aten::_unsafe_view",
+    "aten::reshape",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::flatten",
+    "aten::clone",
+    "aten::contiguous",
+    "aten::alias",
+    "aten::detach",
+    "aten::expand",
+    "aten::_to_copy",
+    "aten::to",
+}
+
+
+def vocab_sizes(ep: ExportedProgram) -> dict[str, int]:
+    """User input name -> the rows of the embedding table it indexes (a decoder's vocabulary): for each row read
+    (``embedding``, ``index_select`` along dim 0, ``index``) of a table with a static row count whose index is a
+    user input itself (through views, copies and integer casts only, so every value of the input is a row number),
+    the smallest such count. Read from the graph, never from names; empty when no input indexes a table."""
+    users = {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT}
+    found: dict[str, int] = {}
+    for node in ep.graph.nodes:
+        rows_and_index = _row_read(node)
+        if rows_and_index is None:
+            continue
+        rows, index = rows_and_index
+        while (
+            isinstance(index, torch.fx.Node)
+            and index.op == "call_function"
+            and _schema_name(index) in _SAME_VALUES
+            and index.args
+        ):
+            index = index.args[0]
+        if isinstance(index, torch.fx.Node) and index.op == "placeholder" and index.name in users:
+            found[index.name] = min(found.get(index.name, rows), rows)
+    return found
+
+
+def _row_read(node: torch.fx.Node) -> tuple[int, Any] | None:
+    """(the table's static row count, the index argument) when ``node`` reads rows of a table, else None."""
+    if node.op != "call_function":
+        return None
+    where = _ROW_READS.get(_schema_name(node))
+    if where is None or len(node.args) <= where[1]:
+        return None
+    table, index = node.args[where[0]], node.args[where[1]]
+    if _schema_name(node) == "aten::index_select" and node.args[1] != 0:
+        return None
+    if _schema_name(node) == "aten::index":  # index(table, [rows, ...]): the first index reads rows
+        if not isinstance(index, (list, tuple)) or not index:
+            return None
+        index = index[0]
+    val = table.meta.get("val") if isinstance(table, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() < 1 or not isinstance(val.shape[0], int):
+        return None
+    return val.shape[0], index
+
+
+def _schema_name(node: torch.fx.Node) -> str:
+    return getattr(getattr(node.target, "_schema", None), "name", "")
+
+
+def check_ids(t: Any, rows: int, name: str, where: str) -> None:
+    """Every value of ``t`` (an input indexing an embedding table) in ``[0, rows)``: one line naming the first
+    id outside it, before compiled code reads past the table."""
+    if t.numel() == 0 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        return
+    flat = t.detach().reshape(-1)
+    if t.numel() <= 256:  # a decode step or a prompt: one conversion to Python, no tensor ops
+        values = flat.tolist()
+        low, high = min(values), max(values)
+    else:
+        low, high = (int(v) for v in torch.aminmax(flat))
+    if low < 0 or high >= rows:
+        bad = low if low < 0 else high
+        raise PrecastError(
+            f"compiled program: input {name!r} ({where}): token id {bad} is outside the vocabulary, which has "
+            f"{rows} ids (0..{rows - 1}: the rows of the embedding table it indexes); pass ids the model's "
+            "tokenizer produces"
+        )

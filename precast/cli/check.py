@@ -139,13 +139,12 @@ def _run(path: str, what: str, module: torch.nn.Module, args: tuple, kwargs: dic
 
 def run(args: argparse.Namespace) -> int:
     from precast.ir.inputs import flat_user_inputs
+    from precast.paths import check_input_file
     from precast.pipeline.load import check_program_file, load_program
 
     check_program_file(args.program)  # both files checked before the (slow) load
-    if args.inputs is not None and not Path(args.inputs).is_file():
-        raise PrecastError(
-            f"--inputs {args.inputs}: no such file; save the inputs with torch.save((x,), PATH)"
-        )
+    if args.inputs is not None:  # missing, a folder, a FIFO or a device: one line, nothing opened
+        check_input_file(args.inputs, "save the inputs with torch.save((x,), PATH)", "--inputs")
     ep = load_program(args.program, trust_pickle=args.trust_pickle)
     inputs, kwargs = load_inputs(args.inputs, ep)
     flat_user_inputs(ep, inputs, kwargs, f"--inputs {args.inputs}" if args.inputs else "the example inputs")

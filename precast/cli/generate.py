@@ -10,10 +10,11 @@ through the tokenizer), and one line of timings on stderr.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
-from pathlib import Path
 
 from precast.errors import PrecastError
+from precast.paths import check_input_file
 
 BACKENDS = ("aoti", "openvino", "eager")
 
@@ -38,11 +39,11 @@ def add_parser(sub) -> None:
         help="a tokenizer.json (Hugging Face `tokenizers` format, pip install 'precast[llm]'): encodes --prompt "
         "and decodes the output to text",
     )
-    p.add_argument("--max-new-tokens", type=int, required=True, metavar="N")
+    p.add_argument("--max-new-tokens", type=_integer, required=True, metavar="N")
     p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (> 0)")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the K most likely tokens")
+    p.add_argument("--top-k", type=_integer, default=None, help="sample among the K most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="sample within the top-P probability mass")
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (reproducible draws)")
+    p.add_argument("--seed", type=_integer, default=None, help="seed of the sampling (reproducible draws)")
     p.add_argument("--stop-tokens", metavar="IDS", default=None, help="stop after one of these ids: 2,32000")
     p.add_argument("--backend", choices=BACKENDS, default="aoti", help="default: aoti (AOTInductor, cached)")
     p.add_argument(
@@ -62,23 +63,31 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+# token ids as typed: ASCII digits, separated by single commas, spaces around them allowed (int() alone would take
+# "1_0", non-ASCII digits, and split on ",," into an empty item)
+_IDS = re.compile(r" *[0-9]+ *(?:, *[0-9]+ *)*")
+
+
+def _integer(text: str) -> int:
+    """An argparse type: an integer in ASCII digits, optionally signed (``int`` alone takes "1_0" and other
+    scripts' digits)."""
+    if not re.fullmatch(r" *-?[0-9]+ *", text):
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (ASCII digits)")
+    return int(text)
+
+
 def _ids(text: str, option: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
+    if not _IDS.fullmatch(text):
         raise PrecastError(
-            f"{option} {text!r}: give integer token ids separated by commas, e.g. 1,17,42"
-        ) from None
-    if not ids or any(i < 0 for i in ids):
-        raise PrecastError(f"{option} {text!r}: give one or more token ids >= 0, e.g. 1,17,42")
-    return ids
+            f"{option} {text!r}: give integer token ids >= 0 (ASCII digits) separated by commas, e.g. 1,17,42"
+        )
+    return [int(t) for t in text.split(",")]
 
 
 def _tokenizer(path: str | None):
     if path is None:
         return None
-    if not Path(path).is_file():
-        raise PrecastError(f"--tokenizer {path}: no such file; give a tokenizer.json")
+    check_input_file(path, "give a tokenizer.json", "--tokenizer")  # a FIFO or device: refused unopened
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -93,7 +102,7 @@ def _tokenizer(path: str | None):
 def run(args: argparse.Namespace) -> int:
     import precast
     from precast.backends.signature import ProgramSignature
-    from precast.llm.convention import check_room, convention
+    from precast.llm.convention import check_room, check_tokens, convention
     from precast.llm.sampling import sampler
     from precast.pipeline.load import load_program
 
@@ -114,8 +123,10 @@ def run(args: argparse.Namespace) -> int:
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     sampler(None, generator=None, **sampling)  # a bad sampling option is one line before anything loads
     program = load_program(args.source, trust_pickle=args.trust_pickle)
-    # the program's call convention and the cache's room, before a compile of a minute
-    check_room(convention(ProgramSignature.from_program(program)), 0, len(prompt), args.max_new_tokens)
+    # the program's call convention, the prompt in its vocabulary and the cache's room, before a compile of a minute
+    conv = convention(ProgramSignature.from_program(program))
+    check_tokens(conv, prompt, "--prompt-ids" if args.prompt_ids is not None else "--prompt's ids", who="")
+    check_room(conv, 0, len(prompt), args.max_new_tokens)
     if args.backend == "eager":
         model = program
     elif args.backend == "aoti":

@@ -3,7 +3,8 @@ signature (where the token ids and cache positions go, the cache's length, the p
 position's logits read from what a call returns, and the check that a generation fits in the cache.
 
 Input: a ``ProgramSignature``. Output: the convention to call the model with; a one-line PrecastError when the
-model does not follow the recipe or the generation would pass the cache's end.
+model does not follow the recipe, the generation would pass the cache's end, or a token id is outside the
+vocabulary.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ WHAT = "precast.generate"
 
 
 @dataclass(frozen=True)
-class _Convention:
+class Convention:
     """How to call the model: where its token ids and cache positions go, the cache's length, the prompt chunk."""
 
     ids: tuple[str, int | str]  # ("kwargs", "input_ids") or ("args", 0)
@@ -31,6 +32,7 @@ class _Convention:
     positions_dtype: torch.dtype
     cache_length: int
     chunk: int  # tokens per prefill call: the sequence dimension's upper bound, or 1 where it is static
+    vocab: int | None = None  # the rows of the embedding table the ids index (None: not found in the graph)
 
     def call(self, model: Callable, ids: list[int], start: int) -> torch.Tensor:
         tokens = torch.tensor([ids], dtype=self.ids_dtype)
@@ -70,7 +72,7 @@ def _where(text: str) -> tuple[str, int | str]:
     return ("args", int(match.group(1))) if text.startswith("args") else ("kwargs", match.group(1))
 
 
-def convention(signature: ProgramSignature) -> _Convention:
+def convention(signature: ProgramSignature) -> Convention:
     """The recipe's call convention read from ``signature``; one line when the model does not follow it."""
     tensors = [s for s in signature.inputs if s.kind == "tensor"]
     others = [s.name for s in signature.inputs if s.kind not in ("tensor", "constant")]
@@ -109,10 +111,28 @@ def convention(signature: ProgramSignature) -> _Convention:
         chunk = length if high is None else min(high, length)
     else:
         raise PrecastError(f"{WHAT}: the program's sequence dimension is {seq}; generate needs a plain one")
-    return _Convention(_where(ids.where), _where(pos.where), ids.dtype, pos.dtype, length, chunk)
+    where = (_where(ids.where), _where(pos.where))
+    return Convention(*where, ids.dtype, pos.dtype, length, chunk, signature.vocab.get(ids.name))
 
 
-def check_room(conv: _Convention, start: int, feed: int, max_new_tokens: int) -> None:
+def check_tokens(conv: Convention, ids: list[int], what: str, who: str = WHAT) -> None:
+    """One line naming the first of ``ids`` outside the vocabulary (the rows of the embedding table the program's
+    ids index), or outside the ids' dtype where the graph does not say: before any call, never the kernel's
+    "index out of bounds" or a row read past the table. ``who`` prefixes the line (the CLI's flag names itself)."""
+    if conv.vocab is not None:
+        low, high, where = 0, conv.vocab, f"the vocabulary, which has {conv.vocab} ids (0..{conv.vocab - 1})"
+    else:
+        low, high = 0, torch.iinfo(conv.ids_dtype).max + 1
+        where = f"[0, {high}) (token ids, {str(conv.ids_dtype).removeprefix('torch.')})"
+    for i, t in enumerate(ids):
+        if not low <= t < high:
+            raise PrecastError(
+                f"{who + ': ' if who else ''}{what}[{i}] = {t} is outside {where}; pass ids the model's tokenizer "
+                "produces"
+            )
+
+
+def check_room(conv: Convention, start: int, feed: int, max_new_tokens: int) -> None:
     """One line when ``feed`` tokens at ``start`` and ``max_new_tokens`` new ones would pass the cache's end (the
     last new token is chosen, never written)."""
     needed = start + feed + max_new_tokens - 1

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from precast.errors import PrecastError
 from precast.io import MAX_DEPTH, loads_bounded, read_tensors, too_deep
 from precast.numerics.calibration import COUNTS, FORMAT, MAX_COUNT, VERSION, Calibration, NodeStats
+from precast.paths import check_input_file
 
 MAX_KEEP = 1 << 20  # kept batches a file may declare
 MAX_PARTS = 1 << 16  # measurement ids a file may list
@@ -67,7 +68,8 @@ def _float(x: Any) -> float:
 
 def read_json_file(path: Path, what: str, fmt: str, hint: str, version: int = VERSION) -> dict:
     """A JSON file of format ``fmt`` and ``version``, or one line saying what it is not (``hint``: what to do).
-    Its nesting is bounded before it is parsed (``check_json_depth``)."""
+    Its nesting is bounded before it is parsed (``check_json_depth``). A FIFO or device is refused unopened."""
+    check_input_file(path, hint, what)
     try:
         text = path.read_text()
     except OSError as exc:

@@ -18,6 +18,7 @@ import torch
 from torch.export import ExportedProgram
 
 from precast.errors import PrecastError, first_line
+from precast.paths import check_input_file
 from precast.pipeline.archive import load_failure, logged_errors, read_checked
 from precast.threads import TORCH_LOCK, quiet_loggers
 
@@ -33,6 +34,7 @@ def check_program_file(path: str | Path) -> Path:
         raise PrecastError(f"{p}: no such file; pass a program saved with torch.export.save(ep, '{p.name}')")
     if p.is_dir():
         raise PrecastError(f"{p}: is a directory, not a program saved with torch.export.save")
+    check_input_file(p, "pass a program saved with torch.export.save")  # a FIFO or device: never opened
     if not zipfile.is_zipfile(p):
         raise PrecastError(
             f"{p}: not a saved torch.export program (not a zip archive); save it with torch.export.save"
@@ -82,9 +84,7 @@ def load_program(path: str | Path, *, trust_pickle: bool = False) -> ExportedPro
 def load_saved(path: str | Path, what: str, hint: str) -> Any:
     """A user's file of tensors (``torch.save``), read with ``weights_only=True``; one-line errors saying
     ``what`` it was for and ``hint`` on how to make one."""
-    p = Path(path)
-    if not p.is_file():
-        raise PrecastError(f"{what} {p}: no such file; {hint}")
+    p = check_input_file(path, hint, what)  # missing, a folder, a FIFO or a device: one line, nothing opened
     try:
         return torch.load(p, weights_only=True)
     except Exception as exc:

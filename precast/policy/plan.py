@@ -31,6 +31,7 @@ import torch.fx
 from precast.dtypes import dtype_name, parse_low_dtype
 from precast.errors import PrecastError, module_path, name_list
 from precast.ir.graph import CAST_META
+from precast.paths import check_input_file
 from precast.policy.rules.taxonomy import op_name
 
 FORMAT = "precast-plan"
@@ -220,7 +221,7 @@ def load_plan(plan: Any) -> Plan:
     if isinstance(plan, dict):
         return Plan.from_dict(plan)
     if isinstance(plan, (str, Path)):
-        p = Path(plan)
+        p = check_input_file(plan, "give the path of a plan .json file", "plan")  # a FIFO or device: unopened
         try:
             data = json.loads(p.read_text())
         except OSError as exc:
