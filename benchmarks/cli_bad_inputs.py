@@ -308,6 +308,35 @@ CASES: list[tuple[str, list[str]]] = [
     ),
     ("compile: onnx without -o", ["compile", "{d}/good.pt2", "--backend", "onnx"]),
     (
+        "compile: the IR's .bin beside -o is the input",
+        ["compile", "{d}/prog.bin", "--backend", "openvino", "-o", "{d}/prog.xml"],
+    ),
+    (
+        "compile: the IR's .bin beside -o is a hard link to the input",
+        ["compile", "{d}/good.pt2", "--backend", "openvino", "-o", "{d}/hard.xml"],
+    ),
+    (
+        "convert: -o and --write-plan are one file",
+        ["convert", "{d}/good.pt2", "-o", "{d}/same.pt2", "--write-plan", "{d}/same.pt2"],
+    ),
+    (
+        "sensitivity: --write-plan is the program",
+        [
+            "sensitivity",
+            "{d}/good.pt2",
+            "--inputs",
+            "{d}/inputs.pt",
+            "--keep",
+            "1",
+            "--write-plan",
+            "{d}/good.pt2",
+        ],
+    ),
+    (
+        "sensitivity: --repro would overwrite the --inputs file",
+        ["sensitivity", "{d}/good.pt2", "--inputs", "{d}/rep/inputs.pt", "--repro", "{d}/rep"],
+    ),
+    (
         "compile: --mode with executorch",
         ["compile", "{d}/good.pt2", "--backend", "executorch", "--mode", "max-autotune", "-o", "{d}/m.pte"],
     ),
@@ -412,6 +441,10 @@ def make_fixtures(d: Path) -> None:
     (d / "folder").mkdir()
     torch.save((torch.randn(4, 128),), d / "inputs.pt")
     torch.save((torch.randn(4, 7),), d / "wrong_inputs.pt")
+    (d / "prog.bin").write_bytes(good.read_bytes())  # a program whose name is an IR's weights file
+    os.link(good, d / "hard.bin")  # the weights file of -o hard.xml, a hard link to good.pt2
+    (d / "rep").mkdir()
+    torch.save((torch.randn(4, 128),), d / "rep" / "inputs.pt")  # where --repro rep writes its inputs.pt
     import precast
 
     # statistics of another program, for --calibration-stats

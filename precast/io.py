@@ -1,6 +1,7 @@
 """Files precast writes and folders it keeps: nothing partial, never the input, private caches, bounded locks.
 
-- ``check_writable(out, inputs=...)``: fail early (before long work) if ``out`` cannot be written or IS an input.
+- ``check_writable(out, inputs=...)``: fail early (before long work) if ``out`` cannot be written or IS an input
+  (``precast.paths``: which paths name one file, what a command may read).
 - ``atomic_path(out)``: a temporary file beside ``out`` (created ``O_EXCL`` with mode 0666 minus the umask: the
   process umask is never changed), renamed into place only if the block succeeds, removed otherwise -- on an
   exception, Ctrl-C, or SIGTERM once the CLI turned it into an exception.
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from precast.errors import PrecastError
+from precast.paths import check_outputs
 
 CACHE_ENV = "PRECAST_CACHE_DIR"
 LOCK_TIMEOUT_ENV = "PRECAST_LOCK_TIMEOUT"
@@ -45,20 +47,10 @@ LOCK_NOTICE_S = 5.0  # say what we wait for after this long
 SPACE_MARGIN = 16 << 20  # keep this much free beyond what a write needs
 
 
-def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
-    """True if ``a`` and ``b`` name one file (``os.path.samefile`` when both exist, else the resolved paths)."""
-    pa, pb = Path(a), Path(b)
-    with contextlib.suppress(OSError):
-        return os.path.samefile(pa, pb)
-    return pa.expanduser().resolve() == pb.expanduser().resolve()
-
-
 def check_writable(path: str | Path, inputs: tuple[str | os.PathLike | None, ...] = ()) -> Path:
     """Fail early, before any long work, if ``path`` cannot be written or is one of ``inputs``."""
     p = Path(path)
-    for source in inputs:
-        if source is not None and same_file(p, source):
-            raise PrecastError(f"{p}: is also the input {source}; write the output to another file")
+    check_outputs({"the output": p}, inputs)
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
         raise PrecastError(f"{p}: is a directory; give a file name such as {p / 'model.pt2'}")

@@ -14,9 +14,11 @@ read through), when every layer then runs the dtype precast decided; otherwise w
 bf16 ops in bf16, the ops it kept fp32 in fp32), with precast's casts to bf16 corrected to round to nearest. An
 fp16 plan runs in fp16 only under OpenVINO's ``f16`` hint (the f32 hint runs fp16 ops in f32), tried first where the
 CPU has fp16 kernels (OpenVINO lists ``FP16`` in its capabilities: AVX512-FP16 or AVX2-VNNI-2).
-``check_plan`` (``openvino_plan``) reads the compiled model back and warns for
-every layer where OpenVINO runs another precision than precast decided. ``save`` writes the model as converted
-(no hint-specific form: ``openvino_precision.prepare`` makes one from a model read back).
+Under the bf16 hint the ops precast kept fp32 are marked so that OpenVINO keeps them in f32
+(``openvino_precision.keep_plan_fp32``). ``check_plan`` (``openvino_plan``) reads the compiled model back and warns,
+in one line, about the layers where OpenVINO runs another precision than precast decided (``plan.overridden``).
+``save`` writes the model as converted (no hint-specific form: ``openvino_precision.prepare`` makes one from a model
+read back).
 
 A program that writes a KV cache keeps it as OpenVINO state (``openvino_state``), in the growing form OpenVINO fuses
 with its attention where that is the same computation (``openvino_kv``; ``model.cache_form`` says which), the
@@ -31,12 +33,9 @@ Input: an ExportedProgram (or a ConvertResult). Output: an ``OpenVINOModel``.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from torch.export import ExportedProgram
 
 from precast.backends.exported import batch_symbols, dynamic_batch, exported_program
 from precast.backends.openvino_convert import convert, ov_message, require_openvino, shared_tensors
+from precast.backends.openvino_ir import save_ir
 from precast.backends.openvino_kv import Growing
 from precast.backends.openvino_plan import (
     PlanCheck,
@@ -53,7 +53,7 @@ from precast.backends.openvino_plan import (
     rounded_batch_norms,
     warn_overrides,
 )
-from precast.backends.openvino_precision import HINTS, hints_to_try, prepare
+from precast.backends.openvino_precision import HINTS, hint_reason, hints_to_try, prepare
 from precast.backends.openvino_state import (
     GrowingState,
     carried,
@@ -63,9 +63,9 @@ from precast.backends.openvino_state import (
 from precast.backends.openvino_state import (
     to_torch as _to_torch,
 )
+from precast.backends.owner import StateOwner, holds_state
 from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError
-from precast.io import check_writable
 from precast.ir.program import node_records
 
 AUTO_NOTE = (
@@ -110,6 +110,9 @@ class OpenVINOModel:
         self._request = compiled.create_infer_request()  # its own: two models never share state
         self._outputs = len(compiled.outputs)
         self._lock = threading.Lock()  # one infer request: calls from several threads take turns
+        self._owner = (
+            StateOwner()
+        )  # precast.generate holds it; every call/reset waits and bumps it (owner.py)
         # the caches OpenVINO holds as variables between calls (openvino_state), by name
         self.state_names = tuple(v.get_variable_id() for v in ov_model.get_sinks())
         self._initial = initial_values(ov_model) if self.state_names else {}
@@ -130,6 +133,7 @@ class OpenVINOModel:
             where = [s.name for s in self.signature.inputs].index(self.growing.positions)
             self._growing = GrowingState(self.growing, where, self._initial)
 
+    @holds_state  # waits while a generation holds the model in another thread (backends/owner.py)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self.signature.check(args, kwargs)
         feeds = [_to_openvino(t) for t in flat if isinstance(t, torch.Tensor)]
@@ -153,6 +157,7 @@ class OpenVINOModel:
         hint = self.precision_hint or "OpenVINO's default"
         return f"OpenVINOModel(precision hint {hint}, {self.plan.summary()})"
 
+    @holds_state
     def reset(self) -> None:
         """Restart from the program's initial state (a new conversation): every cache variable back to the
         buffer the program was exported with (zeros for transformers' recipe). No-op for a stateless program."""
@@ -198,10 +203,12 @@ def compile_openvino(
     capabilities); ``"bf16"`` / ``"f16"`` force that hint;
     ``None`` leaves OpenVINO's own default untouched (bf16 on CPUs with native bf16), whose overrides of
     precast's decisions are then warned about. ``threads``: OpenVINO's ``INFERENCE_NUM_THREADS`` (default: its
-    own choice). ``dynamic``: keep or make dim 0 dynamic. ``warn``: a ``PlanOverrideWarning`` per layer that does
-    not run precast's dtype.
+    own choice). ``dynamic``: keep or make dim 0 dynamic. ``warn``: one ``PlanOverrideWarning`` line summing up
+    the layers that do not run precast's dtype (``model.plan.overridden`` lists them), one line when auto gave up
+    the faster hint. Under the bf16 hint the ops the plan keeps fp32 are marked to stay in f32
+    (``openvino_precision.keep_plan_fp32``); ``model.plan.reason`` says why the hint was chosen.
     """
-    ov = require_openvino()
+    require_openvino()
     ep = exported_program(program, "precast.compile(backend='openvino')")
     if precision_hint not in HINTS:
         raise PrecastError(
@@ -220,23 +227,8 @@ def compile_openvino(
     kv_precision = _kv_precision(ov_model) if growing is not None and growing.grown else None
     if kv_precision is not None:  # carried by the IR too: plain OpenVINO's default for this cache is u8
         ov_model.set_rt_info(kv_precision, ["runtime_options", "KV_CACHE_PRECISION"])
-    core = ov.Core()
-    planned = {dtype for dtype, _ in planned_dtypes(graph_module).values()}
-    hints = hints_to_try(precision_hint, planned, core)
-    fallback = ""
-    for hint in hints:
-        prepared, form = prepare(ov_model, hint, fused_cache=kv_precision is not None)
-        compiled = _compile(core, prepared, hint, threads, kv_precision)
-        plan = check_plan(compiled, graph_module)
-        plan.form = form
-        if not plan.overridden or hint == hints[-1]:
-            break
-        first = plan.overridden[0].describe()
-        fallback = (
-            f"the {hint} hint overrides {len(plan.overridden)} layer(s) of the plan (e.g. {first}): compiled "
-            f"with {hints[-1]}"
-        )
-    plan.hint, plan.fallback = hint, fallback
+    compiled, plan = _compile_for_plan(ov_model, graph_module, precision_hint, threads, kv_precision)
+    hint = plan.hint
     plan.batch_norms = rounded_batch_norms(ep.graph)
     if warn:
         warn_overrides(plan, stacklevel=4)
@@ -253,6 +245,40 @@ def compile_openvino(
         threads=threads,
         compile_seconds=time.perf_counter() - started,
     )
+
+
+def _compile_for_plan(
+    ov_model: Any,
+    graph_module: Any,
+    precision_hint: str | None,
+    threads: int | None,
+    kv_precision: str | None,
+) -> tuple[Any, PlanCheck]:
+    """Compile with each hint ``hints_to_try`` gives until one honours the plan (the last is kept regardless);
+    the plan check says which hint, why it was chosen, and why an earlier one was given up."""
+    import openvino as ov
+
+    core = ov.Core()
+    planned = {dtype for dtype, _ in planned_dtypes(graph_module).values()}
+    hints = hints_to_try(precision_hint, planned, core)
+    fallback = ""
+    for hint in hints:
+        prepared, form = prepare(
+            ov_model, hint, fused_cache=kv_precision is not None, graph_module=graph_module
+        )
+        compiled = _compile(core, prepared, hint, threads, kv_precision)
+        plan = check_plan(compiled, graph_module)
+        plan.form = form
+        if not plan.overridden or hint == hints[-1]:
+            break
+        first = plan.overridden[0].describe()
+        fallback = (
+            f"the {hint} hint overrides {len(plan.overridden)} layer(s) of the plan (e.g. {first}): compiled "
+            f"with {hints[-1]}"
+        )
+    plan.hint, plan.fallback = hint, fallback
+    plan.reason = hint_reason(precision_hint, planned, core)
+    return compiled, plan
 
 
 def _kv_precision(ov_model: Any) -> str:
@@ -302,55 +328,3 @@ def _to_openvino(t: torch.Tensor) -> Any:
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: hand OpenVINO the bits
         return ov.Tensor(t.view(torch.int16).numpy(), list(t.shape), ov.Type.bf16)
     return ov.Tensor(t.numpy(), shared_memory=True)
-
-
-# ---- IR files -------------------------------------------------------------------------------------------------
-def save_ir(ov_model: Any, path: str | os.PathLike) -> dict[str, Any]:
-    """Write ``ov_model`` as OpenVINO IR: ``path`` (``.xml``) and the weights beside it (same name, ``.bin``).
-
-    Weights are written as they are (``compress_to_fp16=False``: OpenVINO's default would turn every fp32
-    weight, batch norm's statistics included, into fp16), so each is stored once in its precast dtype.
-    Both files are written into a temporary folder beside ``path`` and renamed into place, the ``.xml`` last and
-    after any old ``.xml`` is removed: at no moment does an ``.xml`` sit beside a ``.bin`` it was not written
-    with, and a failure leaves no partial file. Returns the paths and sizes, and the weight bytes by dtype.
-    """
-    ov = require_openvino()
-    xml = check_writable(path)
-    if xml.suffix != ".xml":
-        raise PrecastError(
-            f"{xml}: OpenVINO IR is an .xml file (with a .bin beside it); give e.g. -o model.xml"
-        )
-    weights = xml.with_suffix(".bin")
-    if weights.is_dir():
-        raise PrecastError(f"{weights}: is a directory; the IR's weights go there, choose another name")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{xml.stem}.tmp-", dir=xml.parent))
-    try:
-        # OpenVINO creates both files with the umask's permissions (only the folder is mkdtemp's 0700)
-        ov.save_model(ov_model, str(tmp / xml.name), compress_to_fp16=False)
-        xml.unlink(missing_ok=True)
-        os.replace(tmp / weights.name, weights)
-        os.replace(tmp / xml.name, xml)
-    except RuntimeError as exc:
-        raise PrecastError(f"{xml}: OpenVINO could not write the IR: {ov_message(exc)}") from exc
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return {
-        "xml": str(xml),
-        "bin": str(weights),
-        "xml_bytes": xml.stat().st_size,
-        "bin_bytes": weights.stat().st_size,
-        "weights": weight_bytes(ov_model),
-    }
-
-
-def weight_bytes(ov_model: Any) -> dict[str, int]:
-    """Bytes of the model's floating constants by dtype (precast's names), each constant counted once."""
-    names = {"f32": "fp32", "bf16": "bf16", "f16": "fp16"}
-    out: dict[str, int] = {}
-    for op in ov_model.get_ordered_ops():
-        if op.get_type_name() != "Constant":
-            continue
-        kind = names.get(op.get_element_type().get_type_name())
-        if kind is not None:
-            out[kind] = out.get(kind, 0) + op.get_byte_size()
-    return dict(sorted(out.items()))

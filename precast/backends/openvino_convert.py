@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import copy
 import logging
 import os
 from collections.abc import Iterator
@@ -129,7 +130,17 @@ def _decomposed(ep: ExportedProgram) -> ExportedProgram:
             with contextlib.suppress(KeyError):  # an op the installed torch no longer decomposes
                 table.pop(op)
         TorchFXPythonDecoder._decomp_table = table
-    return ep.run_decompositions(TorchFXPythonDecoder._decomp_table)
+    # torch's retrace annotates the node meta "custom" dict it carries over (a decomposition that calls a
+    # torch.compiler.disable'd function adds "_torchdynamo_disable*" keys), and that dict is the caller's own
+    # node's: each node reads a copy while it runs, its own dict restored after (the caller's program unchanged)
+    originals = {n: n.meta["custom"] for n in ep.graph.nodes if isinstance(n.meta.get("custom"), dict)}
+    try:
+        for node, custom in originals.items():
+            node.meta["custom"] = copy.deepcopy(custom)
+        return ep.run_decompositions(TorchFXPythonDecoder._decomp_table)
+    finally:
+        for node, custom in originals.items():
+            node.meta["custom"] = custom
 
 
 def _placeholder_val(ep: ExportedProgram, name: str) -> Any:

@@ -18,7 +18,8 @@ runs, and its precision can be compared with theirs.
   ``runtimePrecision``, or for a fused elementwise ``Subgraph`` (which evaluates each fused op in the type the
   graph gives it) the floating precisions of its inputs and outputs.
 - A layer that does not is an **override**: ``check_plan`` returns them, and ``warn_overrides`` emits one
-  ``PlanOverrideWarning`` naming each such layer, its precision and precast's decision.
+  ``PlanOverrideWarning`` line summing them up (how many, what they run against precast's decision, the first
+  one); ``PlanCheck.overridden`` names each.
 - A layer that runs no decided node but computes (not only moves data) is an override too when it runs only in a
   low precision while every value its nodes make is fp32 in the program (``LayerPrecision.undecided``): under
   OpenVINO's bf16 hint the plugin lowers ops of its own choosing, decided or not.
@@ -29,6 +30,7 @@ Input: an ``openvino.CompiledModel`` and the decomposed GraphModule OpenVINO con
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -62,6 +64,10 @@ _DATA_MOVEMENT = frozenset(
 
 class PlanOverrideWarning(UserWarning):
     """OpenVINO runs a layer in a precision other than the one precast decided for its ops."""
+
+
+class HintFallbackWarning(UserWarning):
+    """``precision_hint="auto"`` compiled with the f32 hint because the faster hint overrode the plan."""
 
 
 @dataclass
@@ -102,6 +108,9 @@ class PlanCheck:
     hint: str | None = None  # the precision hint the model was compiled with (None: OpenVINO's default)
     fallback: str = ""  # why an earlier hint was given up (``precision_hint="auto"``), when it was
     form: str = ""  # how the model was made for its hint (``openvino_precision.prepare``)
+    reason: str = (
+        ""  # why that hint (``openvino_precision.hint_reason``): the CPU's capabilities, or the caller
+    )
 
     @property
     def checked(self) -> int:
@@ -130,6 +139,7 @@ class PlanCheck:
             "hint": self.hint,
             "fallback": self.fallback,
             "form": self.form,
+            "reason": self.reason,
         }
 
 
@@ -144,7 +154,7 @@ def planned_dtypes(graph_module: torch.fx.GraphModule) -> dict[str, tuple[str, s
     return out
 
 
-def _computed_dtypes(graph_module: torch.fx.GraphModule) -> dict[str, str]:
+def computed_dtypes(graph_module: torch.fx.GraphModule) -> dict[str, str]:
     """FX node name -> the dtype name of the floating value it makes (its first tensor), for fp32/bf16/fp16."""
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     out = {}
@@ -186,7 +196,7 @@ def check_plan(compiled: Any, graph_module: torch.fx.GraphModule) -> PlanCheck:
     """Compare each executed layer of ``compiled`` (an ``openvino.CompiledModel``) with the decisions on
     ``graph_module`` (the decomposed program OpenVINO converted)."""
     planned = planned_dtypes(graph_module)
-    computed = _computed_dtypes(graph_module)
+    computed = computed_dtypes(graph_module)
     check = PlanCheck()
     for op in compiled.get_runtime_model().get_ordered_ops():
         info = op.get_rt_info()
@@ -243,8 +253,9 @@ def rounded_batch_norms(graph: torch.fx.Graph) -> list[str]:
 
 
 def warn_overrides(check: PlanCheck, stacklevel: int = 3) -> None:
-    """One ``PlanOverrideWarning`` per overridden layer, naming it, and one naming the batch norms whose fp32
-    statistics OpenVINO rounds."""
+    """At most three lines: one ``PlanOverrideWarning`` summing up the overridden layers (``check.overridden``
+    lists each), one naming the batch norms whose fp32 statistics OpenVINO rounds, and one
+    ``HintFallbackWarning`` when ``precision_hint="auto"`` gave up a faster hint (``check.fallback``)."""
     if check.batch_norms:
         warnings.warn(
             f"OpenVINO overrides precast's plan: batch norm(s) {', '.join(check.batch_norms)} take a low-precision "
@@ -254,10 +265,33 @@ def warn_overrides(check: PlanCheck, stacklevel: int = 3) -> None:
             PlanOverrideWarning,
             stacklevel=stacklevel,
         )
-    for layer in check.overridden:
+    if check.overridden:
+        warnings.warn(override_summary(check), PlanOverrideWarning, stacklevel=stacklevel)
+    if check.fallback:
         warnings.warn(
-            f"OpenVINO overrides precast's plan: {layer.describe()}; compile with precision_hint='auto' (the "
-            "default) or 'f32' to run the program's own dtypes, or keep that op out of the low-precision plan",
-            PlanOverrideWarning,
+            f"precast.compile(backend='openvino'): {check.fallback} (slower; the plan runs as decided). "
+            "model.plan.fallback says the same",
+            HintFallbackWarning,
             stacklevel=stacklevel,
         )
+
+
+def override_summary(check: PlanCheck) -> str:
+    """One line for every overridden layer: how many, by what they run and what was decided, the first one."""
+    layers = check.overridden
+    kinds = Counter(f"{'/'.join(x.runtime)} for {'/'.join(x.planned)}" for x in layers)
+    by_kind = ", ".join(f"{n} run {kind}" for kind, n in kinds.most_common())
+    if check.hint == "f32" and all(x.runtime == ("fp32",) for x in layers):
+        # what the f32 hint overrides is a low dtype OpenVINO has no kernels for here (no native bf16 / no FP16
+        # capability) or a mix of dtypes no one hint runs: the layers compute in fp32, closer to fp32, no faster
+        return (
+            f"OpenVINO computes in fp32 in {len(layers)} layer(s) under the f32 hint ({by_kind}; e.g. "
+            f"{layers[0].describe()}): it has no kernels on this CPU for their low dtype, or the plan mixes dtypes "
+            "no one OpenVINO hint runs; model.plan.overridden lists them, model.plan.reason says why f32"
+        )
+    return (
+        f"OpenVINO overrides precast's plan in {len(layers)} layer(s) under the {check.hint or 'default'} hint "
+        f"({by_kind}; e.g. {layers[0].describe()}); model.plan.overridden lists them; compile with "
+        "precision_hint='auto' (the default) or 'f32' to run the program's own dtypes, or keep those ops out of "
+        "the low-precision plan"
+    )

@@ -5,10 +5,12 @@ Measured on OpenVINO 2026.4.1's CPU plugin (2-core AMD EPYC with avx512_bf16), a
 (cosine vs the fp32 model; OpenVINO's own default: 0.99998620, eager autocast's plan in torch: 0.99998417):
 
 - **``hints_to_try``.** With ``precision_hint="auto"`` (the default), a program whose plan lowers ops to bf16, on
-  a CPU whose OpenVINO default is bf16 (native bf16), is compiled with the bf16 hint first; if the plan check
-  (``openvino_plan.check_plan``) then finds any layer not running precast's dtype (OpenVINO lowers a Linear precast
-  kept fp32; it keeps only the graph's tail after the last Linear/convolution and some element-wise ops in fp32),
-  the program is compiled again with the f32 hint, which runs every dtype the graph states but fp16 (in f32).
+  a CPU whose OpenVINO default is bf16 (native bf16), is compiled with the bf16 hint first, the ops the plan keeps
+  fp32 marked to keep their precision (``keep_plan_fp32``: left alone, OpenVINO lowers them, keeping only the
+  graph's tail after the last Linear/convolution in fp32); if the plan check (``openvino_plan.check_plan``) still
+  finds a layer not running precast's dtype, the program is compiled again with the f32 hint, which runs every
+  dtype the graph states but fp16 (in f32). ``hint_reason`` says why the first hint was chosen; on a CPU without
+  native bf16 (plain AVX2) it is f32, where OpenVINO runs bf16 matmuls and convolutions in fp32.
   An fp16-only plan likewise tries the f16 hint first where OpenVINO lists ``FP16`` among the CPU's capabilities
   (AVX512-FP16 or AVX2-VNNI-2: measured on an Intel Xeon with AMX and AVX512-FP16, the zoo MLP's fp16 plan runs
   every layer in fp16, bitwise the converted program's output); the f16 hint lowers fp32 ops too.
@@ -57,6 +59,39 @@ SPLIT_LIMIT = 3.4e38 / VELTKAMP  # beyond this x * 65537 overflows: those values
 # ``disable_constant_folding`` and ``mark_as_decompression``, which its Python API does not expose; the plugin
 # tests for the keys alone).
 COMPRESSED_CAST = ("DisableConstantFolding_0", "decompression_0")
+# The runtime-info key of OpenVINO's DisableFP16Compression ("precise", version 0). OpenVINO's IR writer stores a
+# node carrying it as ``DisablePrecisionConversion`` (any type -> f16), which its IR reader makes the typed
+# attribute the CPU plugin reads: a node whose conversion to f16 is disabled keeps its original precision
+# (intel_cpu Node: ``keepOriginalPrecision``), so ``Graph::EnforceInferencePrecision`` leaves it out of the bf16
+# inference precision, and ``ConvertMatMulToFC`` carries it to the FullyConnected it makes. The typed key itself
+# (``DisablePrecisionConversion_0``) holding a Python string is refused by the plugin ("Bad as"): hence the IR
+# round trip in ``keep_plan_fp32``.
+KEEP_PRECISION = "precise_0"
+# ops that only move or reinterpret data (or are casts, constants, the model's ends): never marked
+_NOT_COMPUTE = frozenset(
+    {
+        "Parameter",
+        "Result",
+        "Constant",
+        "Convert",
+        "Reshape",
+        "Transpose",
+        "Gather",
+        "Concat",
+        "ShapeOf",
+        "Squeeze",
+        "Unsqueeze",
+        "Broadcast",
+        "StridedSlice",
+        "Slice",
+        "Split",
+        "VariadicSplit",
+        "ReadValue",
+        "Assign",
+        "Tile",
+        "Range",
+    }
+)
 # The ops whose weight (input 1) the CPU plugin reads as a bf16 decompression, in the layer it runs (tested: the
 # same layers and outputs as with the weight folded to f32); a GroupConvolution reads its weight through a Reshape.
 COMPRESSED_READERS = ("MatMul", "Convolution")
@@ -93,24 +128,57 @@ def hints_to_try(precision_hint: str | None, planned: set[str], core: Any) -> li
     return ["f32"]
 
 
-def prepare(model: Any, hint: str | None, fused_cache: bool = False) -> tuple[Any, str]:
+def hint_reason(precision_hint: str | None, planned: set[str], core: Any) -> str:
+    """Why ``hints_to_try`` chose its first hint, from what OpenVINO reports about this CPU (its default inference
+    precision: bf16 exactly where the CPU has native bf16; ``FP16`` among its capabilities)."""
+    if precision_hint != "auto":
+        return f"precision_hint={precision_hint!r} given"
+    low = planned & {"bf16", "fp16"}
+    if not low:
+        return "no bf16/fp16 op in the plan: f32"
+    if low == {"bf16", "fp16"}:
+        return "the plan mixes bf16 and fp16, which no one OpenVINO hint runs: f32"
+    if low == {"bf16"}:
+        if native_bf16(core):
+            return "native bf16 (OpenVINO's default here): the bf16 hint, the plan's fp32 ops kept in f32"
+        return (
+            "no native bf16 on this CPU (OpenVINO's default here is f32; its bf16 would be emulated): the f32 "
+            "hint, which runs the plan's bf16 ops in bf16 as written"
+        )
+    if native_fp16(core):
+        return "fp16 kernels here (FP16 in OpenVINO's capabilities): the f16 hint"
+    return "no fp16 kernels on this CPU (no FP16 in OpenVINO's capabilities): f32, the fp16 ops run in f32"
+
+
+def prepare(
+    model: Any, hint: str | None, fused_cache: bool = False, graph_module: Any = None
+) -> tuple[Any, str]:
     """A copy of ``model`` made for ``hint`` (the model itself is kept as converted: it is what ``save`` writes),
     and the form it takes: "as written" (no hint, or f16: OpenVINO's casts to fp16 round to nearest, ties to even,
     tested), "casts rounded to nearest" (f32), "lowered by OpenVINO"
     (bf16: ``lowered_by_openvino``) or, where that form does not type-check, "casts as written, attention in
-    f32" (bf16: ``attention_in_f32``)."""
+    f32" (bf16: ``attention_in_f32``). Under the bf16 hint, with ``graph_module`` (the decomposed program OpenVINO
+    converted), the ops the plan keeps in fp32 are marked to stay in f32 (``keep_plan_fp32``)."""
     if hint == "f32":
         model = model.clone()
         round_to_nearest(model)
         return model, "casts rounded to nearest"
     if hint != "bf16":
         return model, "as written"
+    # marked first: the IR round trip that types the marks drops the string marks the bf16 forms set
+    marked, kept = keep_plan_fp32(model, graph_module) if graph_module is not None else (model, 0)
+    made, form = _bf16_form(marked, fused_cache)
+    return made, form + (f"; {kept} fp32 op(s) of the plan kept in f32" if kept else "")
+
+
+def _bf16_form(model: Any, fused_cache: bool) -> tuple[Any, str]:
+    """A copy of ``model`` for the bf16 hint, and its form (see ``prepare``)."""
     if fused_cache:
         # caches in OpenVINO's growing form (openvino_kv): the casts as written, so that every bf16 weight stays
         # one bf16 constant (read through casts to f32, OpenVINO folds each into an f32 copy: +780 MiB on the
         # 0.246 B decoder) and the attention stays the bf16 ScaledDotProductAttention OpenVINO fuses with the
         # cache, whose kernel keeps the scores and the softmax in f32 as torch's does
-        return model, "casts as written, attention fused with the KV cache"
+        return model.clone(), "casts as written, attention fused with the KV cache"
     lowered = model.clone()
     try:
         lowered_by_openvino(lowered)
@@ -124,6 +192,61 @@ def prepare(model: Any, hint: str | None, fused_cache: bool = False) -> tuple[An
             model,
             f"casts as written, attention in f32 (f32 typing failed: {str(exc).splitlines()[0][:120]})",
         )
+
+
+def fp32_ops(model: Any, graph_module: Any) -> list[Any]:
+    """The computing ops of ``model`` (named ``<fx node>/...`` by OpenVINO's frontend) that run an FX node the
+    plan decided fp32, or an undecided one the program computes in fp32 (what ``openvino_plan.check_plan`` holds
+    each layer to), with an f32 output. None for a program without precast's decisions: no plan to keep."""
+    import openvino as ov
+
+    from precast.backends.openvino_plan import computed_dtypes, planned_dtypes
+
+    planned, computed = planned_dtypes(graph_module), computed_dtypes(graph_module)
+    if not planned:
+        return []
+    found = []
+    for op in model.get_ordered_ops():
+        fx = op.get_friendly_name().split("/", 1)[0]
+        if op.get_type_name() in _NOT_COMPUTE or op.get_output_size() == 0:
+            continue
+        dtype = planned[fx][0] if fx in planned else computed.get(fx)
+        if dtype == "fp32" and op.get_output_element_type(0) == ov.Type.f32:
+            found.append(op)
+    return found
+
+
+def keep_plan_fp32(model: Any, graph_module: Any) -> tuple[Any, int]:
+    """Under the bf16 hint OpenVINO's CPU plugin lowers every f32 node it may, the ones precast kept fp32 included
+    (RMSNorm's multiplies, rotary adds: an override of the plan, and the reason ``auto`` used to fall back to the
+    slower f32 hint). Each op ``fp32_ops`` finds gets ``KEEP_PRECISION``; the model then goes through OpenVINO's
+    IR (in memory) so the mark becomes the typed attribute the plugin reads. Returns the model to compile (the
+    one given when there is nothing to mark) and how many ops were marked. The plan check still holds every
+    layer to precast's decision: an op the plugin fuses away from its mark shows there as an override.
+    ``model`` itself is left unmarked (it is what ``save`` writes)."""
+    if not fp32_ops(model, graph_module):
+        return model, 0
+    copy = model.clone()
+    ops_ = fp32_ops(copy, graph_module)
+    for op in ops_:
+        op.get_rt_info()[KEEP_PRECISION] = ""
+    return through_ir(copy), len(ops_)
+
+
+def through_ir(model: Any) -> Any:
+    """``model`` written as OpenVINO IR and read back: runtime info OpenVINO's IR writer knows becomes the typed
+    attribute its reader makes (``KEEP_PRECISION``). The weights are read back mapped from the file (a copy into
+    memory took 4x as long), which stays mapped after the temporary folder is removed (where a system refuses to
+    remove a mapped file, the folder is left to the system's temporary-file cleanup)."""
+    import tempfile
+    from pathlib import Path
+
+    import openvino as ov
+
+    with tempfile.TemporaryDirectory(prefix="precast-ov-", ignore_cleanup_errors=True) as folder:
+        xml = Path(folder) / "model.xml"
+        ov.save_model(model, str(xml), compress_to_fp16=False)
+        return ov.Core().read_model(str(xml))
 
 
 def lowered_by_openvino(model: Any) -> int:

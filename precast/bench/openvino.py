@@ -31,7 +31,8 @@ def build_ov_variant(
     """Compile the variant's program with OpenVINO, fill ``res`` (compile_s, package_mb: the weights the IR
     would hold, note) and return a forward callable."""
     import precast
-    from precast.backends.openvino import compile_openvino, weight_bytes
+    from precast.backends.openvino import compile_openvino
+    from precast.backends.openvino_ir import weight_bytes
 
     started = time.perf_counter()
     if variant == "ov_default":

@@ -47,8 +47,8 @@ def add_parser(sub) -> None:
         "--mode",
         choices=["auto", "default", "max-autotune"],
         default="auto",
-        help="aoti only; auto (default): the form fastest on this CPU for the program's weight dtype "
-        "(oneDNN's packed linear on AVX512-BF16 without AMX, the C++ GEMM template on AMX)",
+        help="aoti only; auto (default): the form measured fastest on this machine and thread count for the "
+        "program's 16-bit matmul weights (cached; PRECAST_FORM=NAME|flags overrides; docs/compile.md)",
     )
     p.add_argument(
         "--cache-dir", default=None, help="aoti only; default: $PRECAST_CACHE_DIR or the user cache dir"
@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace, backend: str) -> int:
     """--backend openvino|onnx|executorch: every option checked and the backend imported before the program loads."""
     from precast.io import check_writable
+    from precast.paths import check_outputs, ir_files
     from precast.pipeline.load import load_program
 
     if not args.output:
@@ -137,9 +138,12 @@ def _run_export(args: argparse.Namespace, backend: str) -> int:
     if args.mode != "auto" or args.cache_dir is not None or getattr(args, "weights", None):
         option = "--mode" if args.mode != "auto" else "--cache-dir" if args.cache_dir else "--weights"
         raise PrecastError(f"{option} applies to --backend aoti only; drop it for --backend {backend}")
-    check_writable(args.output, (args.source,))
+    outputs = {"the output": args.output}
     if backend == "openvino":
         _check_ir_path(args.output)
+        outputs["the IR's weights (the .bin beside -o)"] = ir_files(args.output)[1]
+    check_outputs(outputs, (args.source,))  # every file written, siblings included, against the input
+    check_writable(args.output, (args.source,))
     export = _exporter(backend)
     started = time.perf_counter()
     program = load_program(args.source, trust_pickle=args.trust_pickle)

@@ -18,6 +18,7 @@ import torch
 from precast.cli.flags import add_trust_pickle
 from precast.errors import PrecastError, first_line
 from precast.io import check_writable, write_bytes
+from precast.paths import check_input_file, check_outputs
 from precast.pipeline.load import check_program_file
 from precast.pipeline.options import ConvertOptions
 from precast.policy.resolve import RULE_OPTIONS
@@ -125,12 +126,12 @@ def load_source(source: str, trust_pickle: bool = False):
     """(program_or_module, example_inputs) from a .pt2 path or a module:factory spec."""
     from precast.pipeline.load import load_factory, load_program
 
-    if _is_factory(source):
+    if is_factory(source):
         return load_factory(source)
     return load_program(source, trust_pickle=trust_pickle), None
 
 
-def _is_factory(source: str) -> bool:
+def is_factory(source: str) -> bool:
     return ":" in source and not Path(source).exists() and not source.endswith(".pt2")
 
 
@@ -188,26 +189,22 @@ def check_options(args: argparse.Namespace) -> ConvertOptions:
         raise PrecastError(
             "--calibration and --calibration-stats: give batches to measure or statistics, not both"
         )
-    if not _is_factory(args.source):
+    if not is_factory(args.source):
         check_program_file(args.source)
     elif not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", args.source):
         raise PrecastError(f"'{args.source}': expected a saved program path or 'package.module:factory'")
     weights = getattr(args, "weights", None)
-    if weights and _is_factory(args.source):
+    if weights and is_factory(args.source):
         raise PrecastError(
             "--weights: streams the weights of a saved program; a factory's module holds its own"
         )
     if weights and not Path(weights).exists():
         raise PrecastError(f"--weights {weights}: no such folder or file")
-    if args.calibration and not Path(args.calibration).is_file():
-        raise PrecastError(
-            f"--calibration {args.calibration}: no such file; save a list of input tuples with torch.save"
-        )
+    # missing, a folder, a FIFO or a device: one line, nothing opened (precast.paths.check_input_file)
+    if args.calibration:
+        check_input_file(args.calibration, "save a list of input tuples with torch.save", "--calibration")
     for f in stats or ():
-        if not Path(f).is_file():
-            raise PrecastError(
-                f"--calibration-stats {f}: no such file; write one with precast.calibrate(...).save"
-            )
+        check_input_file(f, "write one with precast.calibrate(...).save", "--calibration-stats")
     options = options_of(args)
     try:
         options.check()
@@ -271,7 +268,9 @@ def _load_calibration(path: str) -> list:
 def run(args: argparse.Namespace) -> int:
     options = check_options(args)
     stats = tuple(getattr(args, "calibration_stats", None) or ())
-    inputs_ = (None if _is_factory(args.source) else args.source, args.calibration, *stats)
+    inputs_ = (None if is_factory(args.source) else args.source, args.calibration, args.plan, *stats)
+    # every file written against every file read, and against each other, before anything is written
+    check_outputs({"the output": args.output, "--write-plan": args.write_plan}, inputs_)
     if args.weights:  # before check_writable, whose probe file would land in the input folder
         _check_outputs_outside(args, args.weights_out or str(Path(args.output).with_suffix(".weights")))
     check_writable(args.output, inputs_)

@@ -14,6 +14,9 @@ from pathlib import Path
 
 from precast.errors import PrecastError
 from precast.io import atomic_path, check_writable
+from precast.paths import check_outputs
+
+REPRO_FILES = ("subgraph.pt2", "inputs.pt", "repro.py")  # what --repro's folder gets (explain.write_repro)
 
 
 def add_parser(sub) -> None:
@@ -94,12 +97,22 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from precast.cli.convert import check_options, load_source
+    from precast.cli.convert import check_options, is_factory, load_source
 
     opts = check_options(argparse.Namespace(**{**vars(args), "policy": _convert_policy(args.policy)})).rules
+    read = (None if is_factory(args.source) else args.source, args.inputs, *(args.energies or ()))
+    outputs = {
+        "--plot": args.plot,
+        "--model-explorer": args.model_explorer,
+        "--write-plan": args.write_plan,
+        "--write-energies": args.write_energies,
+    }
+    if args.repro:  # the files the repro folder gets
+        outputs.update({f"--repro's {n}": Path(args.repro) / n for n in REPRO_FILES})
+    check_outputs(outputs, read)  # every file written against every file read, before anything is written
     for path in (args.plot, args.model_explorer, args.write_plan, args.write_energies):
         if path:
-            check_writable(path, tuple(args.energies or ()))
+            check_writable(path, read)
     given = None
     if args.energies:
         from precast.numerics.energies import load_energies

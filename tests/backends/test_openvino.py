@@ -7,8 +7,9 @@ and the real-model tier. The bound is 4 ulps (``4 * eps(bf16) * max|ref|``) plus
 (auto's fp32 plan): OpenVINO's fp32 kernels against torch's, 1e-4 relative to the largest magnitude.
 
 fp16: OpenVINO runs fp16 ops in fp16 only under its f16 hint, which lowers fp32 ops too: a program mixing fp16
-with bf16 or fp32 decisions (the zoo's nested regions) is compiled with the f32 hint on every CPU, and gets a
-PlanOverrideWarning per fp16 layer (run in fp32), and only for those. What is expected follows from what OpenVINO
+with bf16 or fp32 decisions (the zoo's nested regions) is compiled with the f32 hint on every CPU, and gets one
+PlanOverrideWarning line for its fp16 layers (run in fp32), and only for those (and, on a CPU without native bf16,
+its bf16 layers OpenVINO runs in fp32). What is expected follows from what OpenVINO
 reports about this CPU (its default hint, ``FP16`` in its capabilities), never from one machine's behaviour.
 """
 
@@ -27,7 +28,8 @@ pytest.importorskip("openvino", reason="openvino not installed (pip install 'pre
 import precast  # noqa: E402
 from precast.backends.executorch import program_constants  # noqa: E402
 from precast.backends.exported import dynamic_batch  # noqa: E402
-from precast.backends.openvino import AUTO_NOTE, compile_openvino, weight_bytes  # noqa: E402
+from precast.backends.openvino import AUTO_NOTE, compile_openvino  # noqa: E402
+from precast.backends.openvino_ir import weight_bytes  # noqa: E402
 from precast.backends.openvino_plan import PlanOverrideWarning  # noqa: E402
 from precast.backends.openvino_precision import native_bf16, native_fp16, prepare  # noqa: E402
 from precast.backends.signature import ProgramSignature  # noqa: E402
@@ -71,6 +73,18 @@ def compile_quiet(program, **options):
     return model, [w for w in caught if issubclass(w.category, PlanOverrideWarning)]
 
 
+def emulated_only(plan) -> bool:
+    """Every override is a layer OpenVINO runs in fp32 under the f32 hint because it has no kernels here for the
+    layer's low dtype: fp16 where it lists no FP16 (or the plan mixes dtypes), bf16 where it reports no native
+    bf16 (plain AVX2: what the CPU's capabilities imply, not an error of the plan)."""
+    emulated = {"fp16"} | (set() if native("bf16") else {"bf16"})
+    for layer in plan.overridden:
+        low = set(layer.planned) - {"fp32"}
+        if plan.hint != "f32" or not low or not low <= emulated or layer.runtime != ("fp32",):
+            return False
+    return True
+
+
 # ---- the zoo ------------------------------------------------------------------------------------------------
 ZOO = [name for name in zoo.ZOO if name != "lstm"]
 
@@ -97,8 +111,8 @@ def test_zoo_outputs_and_plan(name):
     assert plan.hint == (tried if tried and not plan.fallback else "f32"), plan
     if plan.fallback:
         assert tried and plan.fallback.startswith(f"the {tried} hint overrides") and plan.hint == "f32"
-    for layer in plan.overridden:  # only fp16 under the f32 hint, run in fp32 instead
-        assert plan.hint == "f32" and layer.planned == ("fp16",) and layer.runtime == ("fp32",), layer
+    # only under the f32 hint, and only layers run in fp32 instead of a low dtype OpenVINO has no kernels for here
+    assert emulated_only(plan), plan.overridden
     norms = [w for w in overrides if "batch norm" in str(w.message)]
     overrides = [w for w in overrides if w not in norms]
     if name in ("cnn", "plain_cnn"):  # bf16 input, fp32 statistics: OpenVINO rounds them (fuse them first)
@@ -108,13 +122,14 @@ def test_zoo_outputs_and_plan(name):
         )
     else:
         assert plan.batch_norms == [] and norms == []
-    assert len(overrides) == len(plan.overridden)
-    for layer, w in zip(plan.overridden, overrides, strict=True):
-        assert repr(layer.layer) in str(w.message) and "runs fp32 where precast decided fp16" in str(
-            w.message
-        )
+    # one line for all of them (model.plan.overridden lists each), naming the first
+    assert len(overrides) == (1 if plan.overridden else 0), [str(w.message) for w in overrides]
+    if plan.overridden:
+        message = str(overrides[0].message)
+        assert f"in {len(plan.overridden)} layer(s) under the f32 hint" in message
+        assert repr(plan.overridden[0].layer) in message and "runs fp32 where precast decided" in message
     if name == "nested":  # the nested fp16 region: one Linear, on every CPU (bf16, fp16 and fp32: f32 hint)
-        assert [layer.planned for layer in plan.overridden] == [("fp16",)]
+        assert [layer.planned for layer in plan.overridden if "fp16" in layer.planned] == [("fp16",)]
     decided = {d for layer in plan.layers for d in layer.planned}
     assert decided <= {"bf16", "fp32", "fp16"} and "bf16" in decided
 
@@ -138,21 +153,26 @@ def test_batch_norm_fused_before_converting_is_not_rounded():
     errors = {}
     for key, m in (("bn", model), ("fused", fused)):
         compiled, overrides = compile_quiet(precast.convert(m, inputs, policy="torch", dtype=BF16).program)
-        assert bool(compiled.plan.batch_norms) == bool(overrides) == (key == "bn")
+        norms = [w for w in overrides if "batch norm" in str(w.message)]
+        assert bool(compiled.plan.batch_norms) == bool(norms) == (key == "bn") and emulated_only(
+            compiled.plan
+        )
         errors[key] = 1 - flat_error(compiled(*inputs), want)[1]
     assert errors["fused"] < errors["bn"], errors
 
 
 def test_lstm_under_policy_torch_is_one_line_with_the_route():
     model, inputs = zoo.lstm()
-    res = precast.convert(model, inputs, policy="torch", dtype=BF16)
+    # oneDNN has no bf16 LSTM without AVX512 (a device-unsupported error at conversion): allowed, the program is
+    # what OpenVINO is given on every CPU
+    res = precast.convert(model, inputs, policy="torch", dtype=BF16, allow=("device-unsupported",))
     with pytest.raises(PrecastError, match=r"mkldnn_rnn_layer.*policy='rules'") as err:
         precast.compile(res.program, backend="openvino")
     assert "\n" not in str(err.value)
     rules = precast.convert(model, inputs, policy="rules", dtype=BF16)  # the route works
     compiled, overrides = compile_quiet(rules.program)
     assert_close(compiled(*inputs), rules.program.module()(*inputs))
-    assert not overrides
+    assert bool(overrides) == bool(compiled.plan.overridden) and emulated_only(compiled.plan)
 
 
 # ---- dynamic batch, input checks --------------------------------------------------------------------------------
@@ -255,7 +275,7 @@ def test_auto_fp32_plan_runs_fp32_and_an_override_is_caught(monkeypatch, tmp_pat
     if not native("bf16"):
         pytest.skip("OpenVINO's default is fp32 on a CPU without native bf16: nothing to override")
     with pytest.warns(
-        PlanOverrideWarning, match=r"layer '.*' \(FullyConnected\) runs bf16 where precast decided fp32"
+        PlanOverrideWarning, match=r"layer\(s\) under the default hint \(\d+ run bf16 for fp32"
     ):
         default = compile_openvino(res.program, precision_hint=None)
     overridden = default.plan.overridden
@@ -316,6 +336,51 @@ def test_ir_failure_leaves_no_file_and_keeps_the_old_pair(tmp_path, monkeypatch)
         compiled.save(tmp_path / "m.onnx")
 
 
+@pytest.mark.parametrize("fails", [".xml", ".bin"])
+def test_a_failed_rename_keeps_the_old_pair(tmp_path, monkeypatch, fails):
+    """The new .bin moved in, then the .xml's rename fails (or the .bin's): the old pair is put back, bitwise,
+    and the error is one PrecastError line (it was a raw PermissionError with the old .xml deleted)."""
+    import os
+
+    model, inputs = zoo.plain_mlp()
+    compiled, _ = compile_quiet(precast.convert(model, inputs, policy="torch", dtype=BF16).program)
+    compiled.save(tmp_path / "m.xml")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real = os.replace
+
+    def refused(src, dst, *args, **kwargs):
+        if str(dst).endswith(fails) and ".tmp-" in str(src) and "old-" not in str(src):
+            raise PermissionError(13, "Permission denied", str(dst))
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(PrecastError, match="could not write the IR .Permission denied") as info:
+        compiled.save(tmp_path / "m.xml")
+    assert "\n" not in str(info.value)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # the old pair, no temporary
+
+
+def test_cli_refuses_an_ir_whose_bin_is_the_input(tmp_path, capsys):
+    """-o prog.xml writes prog.bin beside it: with prog.bin the input (by name, a symlink or a hard link) that is
+    exit 2 before anything is written, the input untouched (it was overwritten by the IR's weights, exit 0)."""
+    import os
+
+    program = tmp_path / "prog.bin"
+    model, inputs = zoo.plain_mlp()
+    torch.export.save(precast.convert(model, inputs, policy="torch", dtype=BF16).program, program)
+    os.symlink(program, tmp_path / "link.bin")
+    os.link(program, tmp_path / "hard.bin")
+    before = program.read_bytes()
+    for source, out in (("prog.bin", "prog.xml"), ("prog.bin", "link.xml"), ("hard.bin", "prog.xml")):
+        code, err = run_cli(
+            capsys, str(tmp_path / source), "--backend", "openvino", "-o", str(tmp_path / out)
+        )
+        assert code == 2, err
+        assert "the IR's weights (the .bin beside -o) is also the input" in one_line_error(err)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["hard.bin", "link.bin", "prog.bin"]
+        assert program.read_bytes() == before
+
+
 # ---- options --------------------------------------------------------------------------------------------------------
 def test_options_refused_with_one_line():
     model, inputs = zoo.plain_mlp()
@@ -350,7 +415,10 @@ def saved(tmp_path_factory):
     model, inputs = zoo.plain_cnn(2)
     torch.export.save(precast.convert(model, inputs, policy="torch", dtype=BF16).program, root / "cnn.pt2")
     model, inputs = zoo.lstm()
-    torch.export.save(precast.convert(model, inputs, policy="torch", dtype=BF16).program, root / "lstm.pt2")
+    lstm = precast.convert(
+        model, inputs, policy="torch", dtype=BF16, allow=("device-unsupported",)
+    )  # any CPU
+    torch.export.save(lstm.program, root / "lstm.pt2")
     return root
 
 
@@ -374,7 +442,9 @@ def test_cli_writes_the_ir_pair(saved, tmp_path, capsys):
         capsys, str(saved / "cnn.pt2"), "--backend", "openvino", "-o", str(tmp_path / "cnn.xml")
     )
     assert code == 0, err
-    assert "exported for openvino" in err and "dynamic batch" in err and "overridden: 0" in err
+    assert "exported for openvino" in err and "dynamic batch" in err
+    # every layer as decided, but where OpenVINO has no native bf16 (its bf16 layers then run in fp32)
+    assert "overridden: 0" in err or not native("bf16")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cnn.bin", "cnn.xml"]
     model = ov.Core().read_model(str(tmp_path / "cnn.xml"))
     # the bf16 convolution and head weights once; batch norm's fp32 statistics folded into them by OpenVINO
@@ -437,7 +507,7 @@ def test_bench_openvino_rows(tmp_path):
         r = by[variant]
         assert r.error is None and r.latency_ms > 0 and r.cosine > 0.999, r
     assert "OpenVINO's default precision hint" in by["ov_default"].note
-    assert "overridden: 0" in by["ov_precast"].note
+    assert "overridden: 0" in by["ov_precast"].note or not native("bf16")  # bf16 runs fp32 without it
     assert by["ov_precast"].package_mb < by["ov_default"].package_mb  # bf16 weights against fp32 ones
 
 
@@ -579,7 +649,13 @@ def test_a_bf16_cache_is_held_in_bf16():
     for step in STEPS:
         assert_close(model(*step), program(*step))
     assert model.state()["cache"].dtype == BF16
-    assert torch.equal(model.state()["cache"], dict(program.named_buffers())["cache"])
+    want = dict(program.named_buffers())["cache"]
+    if native("bf16") or not model.plan.overridden:
+        assert torch.equal(model.state()["cache"], want)
+    else:  # no native bf16: OpenVINO runs the bf16 Linear writing the cache in fp32 (one rounding, not two)
+        assert emulated_only(model.plan) and model.state()["cache"].float().sub(
+            want.float()
+        ).abs().max() <= bound(want)
 
 
 class RunningMean(torch.nn.Module):

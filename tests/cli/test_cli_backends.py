@@ -129,3 +129,28 @@ def test_onnx_extra_missing_is_caught_before_loading(programs, tmp_path, capsys,
     code, err = run(capsys, str(programs / "mlp.pt2"), "--backend", "onnx", "-o", str(tmp_path / "m.onnx"))
     assert code == 2
     assert "onnxscript is not installed; pip install 'precast[onnx]'" in one_line_error(err)
+
+
+def test_every_output_is_checked_against_every_input(tmp_path, monkeypatch):
+    """``precast.paths.check_outputs``, which every command runs before writing: an output that is an input by name,
+    by another spelling, through a symlink or a hard link is refused (one line naming both), so are two outputs
+    naming one file; distinct new files pass."""
+    import os
+
+    from precast.errors import PrecastError
+    from precast.paths import check_outputs, ir_files
+
+    src = tmp_path / "prog.bin"
+    src.write_bytes(b"program")
+    os.symlink(src, tmp_path / "sym.bin")
+    os.link(src, tmp_path / "hard.bin")
+    monkeypatch.chdir(tmp_path)
+    for out in ("prog.xml", "sym.xml", "hard.xml", str(tmp_path / "sub" / ".." / "prog.xml")):
+        weights = ir_files(out)[1]
+        with pytest.raises(PrecastError, match=r"the IR's weights is also the input .*prog.bin") as err:
+            check_outputs({"the output": out, "the IR's weights": weights}, (str(src),))
+        assert "\n" not in str(err.value)
+    with pytest.raises(PrecastError, match="-o and --write-plan name the same file"):
+        check_outputs({"-o": "a.pt2", "--write-plan": str(tmp_path / "a.pt2")}, (str(src),))
+    check_outputs({"-o": "new.xml", "weights": "new.bin", "--write-plan": None}, (str(src), None))
+    assert src.read_bytes() == b"program"
