@@ -62,6 +62,22 @@ def record_compiles():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _form_from_flags():
+    """``precast.compile``'s measured form choice (backends/forms.py) costs a few compiles per machine and varies
+    with load: the suite takes the form the CPU's capabilities imply (deterministic, children inherit it); the
+    measured path is tested with injected timings (tests/backends/test_aoti_forms.py)."""
+    from precast.backends.forms import FORM_ENV
+
+    before = os.environ.get(FORM_ENV)
+    os.environ[FORM_ENV] = "flags"
+    yield
+    if before is None:
+        os.environ.pop(FORM_ENV, None)
+    else:
+        os.environ[FORM_ENV] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _compiles_recorded():
     with record_compiles():
         yield

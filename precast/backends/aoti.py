@@ -15,9 +15,11 @@ loadable entry. An entry whose files do not match its manifest is rebuilt, never
 Every call's inputs are checked against the compiled program's signature (``backends/signature.py``) before
 the native code runs: AOTInductor itself reads past its buffers on a wrong shape.
 
-Forms: ``mode="auto"`` (the default) compiles in the form fastest on this CPU for the program's matmul weight
-dtype (``backends/forms.py``): Inductor's C++ GEMM template on AMX, oneDNN's packed linear (freezing) on
-AVX512-BF16 / -FP16 without AMX, Inductor's defaults otherwise. ``CompiledModel.form`` says which and why.
+Forms: ``mode="auto"`` (the default) compiles in the form measured fastest on this machine, at this thread count,
+for the program's matmul weight dtype and shapes (``backends/forms.py``: Inductor's defaults, oneDNN's packed
+linear (freezing) or the C++ GEMM template; timed once on a synthetic module of the program's weight shapes and
+cached in ``<cache dir>/forms.json``; ``$PRECAST_FORM`` overrides). ``CompiledModel.form`` says which, why, and
+the times; it names what the final configs compile (a caller's ``inductor_configs`` win: ``forms.form_of``).
 
 Folded constants: under freezing, Inductor folds each 16-bit linear's weight into oneDNN's blocked layout
 (``mkldnn._reorder_linear_weight``) at compile time. The compile records each folded constant's subgraph as a
@@ -59,7 +61,7 @@ from precast.backends.cache import (
 )
 from precast.backends.compiled import CompiledModel, initial_state
 from precast.backends.exported import exported_program, with_example_inputs
-from precast.backends.forms import Form, choose_form
+from precast.backends.forms import Form, as_configured, choose_form
 from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError
 from precast.ir.program import written_targets
@@ -74,7 +76,8 @@ from precast.weights.sources import (
 MODES = ("auto", "default", "max-autotune")
 
 # program -> {options key: CompiledModel}; weak so a cached model never keeps a program's weights alive. A hit
-# counts only if the model's key is the program's key now: weights changed in place give a new key
+# counts only if the model's key is the program's key now (weights changed in place give a new key) and the model
+# still serves the program's weights (not after its load_weights: every compile starts from the program's values)
 _MEMO: weakref.WeakKeyDictionary[ExportedProgram, dict[str, CompiledModel]] = weakref.WeakKeyDictionary()
 _MEMO_LOCK = threading.Lock()
 
@@ -115,9 +118,11 @@ def compile(
 ) -> CompiledModel:
     """Compile ``program`` (an ExportedProgram or a ConvertResult) with AOTInductor, cached; returns a loaded model.
 
-    ``mode``: ``"auto"`` (default) compiles in the form fastest on this CPU for the program's matmul weight
-    dtype (``backends/forms.py``: Inductor's C++ GEMM template on AMX, oneDNN's packed linear on AVX512-BF16 /
-    -FP16 without AMX, Inductor's defaults otherwise; ``CompiledModel.form`` says which and why);
+    ``mode``: ``"auto"`` (default) compiles in the form measured fastest on this machine at this thread count
+    for the program's 16-bit matmul weights (``backends/forms.py``: Inductor's defaults, oneDNN's packed linear or
+    the C++ GEMM template, timed once on a synthetic module of the program's weight shapes, ~1 min, and cached in
+    ``<cache dir>/forms.json``; fp32 programs compile in Inductor's defaults without timing; ``$PRECAST_FORM``
+    overrides; ``CompiledModel.form`` says which, why and the times);
     ``"default"``: Inductor's defaults; ``"max-autotune"``: Inductor's autotuning (``inductor_configs`` picks
     its GEMM backends). Weights stay swappable with ``load_weights`` in every form.
     ``dynamic``: re-export with a dynamic dim 0 (batch) on every tensor input, as PyTorch's benchmark harness does.
@@ -135,8 +140,9 @@ def compile(
         raise PrecastError(f"precast.compile: mode={mode!r}; choose one of {', '.join(MODES)}")
     fake = sorted(n for n, v in tensor_constants(ep).items() if is_fake(v))
     device = _check_fake(ep, fake, weights)
-    form = _form(ep, mode, device, bool(fake))
+    form = _form(ep, mode, device, bool(fake), cache_dir)
     configs = compile_configs(mode, inductor_configs, form)
+    form = as_configured(form, configs)  # what the final configs compile, not what the form asked for
     _check_fake_configs(fake, configs)
     root = resolve_cache_dir(cache_dir)
     options = json.dumps(
@@ -149,7 +155,7 @@ def compile(
     key = cache_key(ep, {**configs, "precast.form": form.name}, dynamic)  # weights changed in place: new key
     with _MEMO_LOCK:
         model = None if weights is not None else _MEMO.get(ep, {}).get(options)
-    if model is not None and model.key == key:
+    if model is not None and model.key == key and not model.weights_replaced:
         if not model.stateful:
             return model
         # a program that writes state (a KV cache): a model of its own each call, never another's state; the
@@ -214,27 +220,21 @@ def _written_values(ep: ExportedProgram) -> dict[str, torch.Tensor]:
     return {n: program[n] for n in sorted(written_targets(ep)) if n in program and not is_fake(program[n])}
 
 
-def _form(ep: ExportedProgram, mode: str, device: str, fake: bool) -> Form:
-    """The form ``mode`` compiles in: chosen for this CPU under ``"auto"`` (``backends/forms.py``)."""
+def _form(
+    ep: ExportedProgram, mode: str, device: str, fake: bool, cache_dir: str | os.PathLike | None
+) -> Form:
+    """The form ``mode`` compiles in: chosen for this machine under ``"auto"`` (``backends/forms.py``)."""
     if mode == "default":
         return Form("default", {}, "mode='default': Inductor's defaults")
     if mode == "max-autotune":
         return Form("max-autotune", {}, "mode='max-autotune'")
-    form = choose_form(ep, device=device)
-    if fake and form.name == "gemm-template":
-        # the template's packed copies are matched to their weights by value (packed.match_packed), which a
-        # program without weight values cannot give; oneDNN's blocked copies are recorded by recipe
-        fallback = choose_form(ep, {**_caps(), "amx_tile": False}, device)
-        return Form(
-            fallback.name, fallback.configs, f"{fallback.why} (streamed weights: no C++ GEMM template)"
-        )
-    return form
-
-
-def _caps() -> dict[str, Any]:
-    from precast.cpu import capabilities as cpu_capabilities
-
-    return cpu_capabilities()
+    form = choose_form(ep, device=device, cache_dir=cache_dir, compile_fn=compile)
+    if not fake or form.name != "gemm-template":
+        return form
+    # the template's packed copies are matched to their weights by value (packed.match_packed), which a
+    # program without weight values cannot give; oneDNN's blocked copies are recorded by recipe
+    form = choose_form(ep, device=device, cache_dir=cache_dir, exclude=("gemm-template",), compile_fn=compile)
+    return Form(form.name, form.configs, f"{form.why} (streamed weights: no C++ GEMM template)", form.record)
 
 
 def _check_fake(ep: ExportedProgram, fake: list[str], weights: Any) -> str:

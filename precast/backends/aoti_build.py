@@ -235,7 +235,9 @@ def _aoti_compile(
         for name, value in {**program.state_dict, **program.constants}.items()
         if isinstance(value, torch.Tensor)
     }
-    plans, unmatched = match_packed(added, sources)
+    # a program constant Inductor registers under its own name (a 3-d buffer the code writes: a KV cache) is not a
+    # packed copy; counted as one it was "unmatched", which put the constants in the .so and refused load_weights
+    plans, unmatched = match_packed({n: t for n, t in added.items() if n not in sources}, sources)
     recipes, _ = match_folded(folded, sources)  # one the code reads without a recipe: _layout refuses it
     return program, {"plans": plans, "unmatched": unmatched, "folded": recipes}
 

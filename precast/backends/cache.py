@@ -37,9 +37,11 @@ from precast.weights.files import has_values, tensor_bytes
 
 MANIFEST = "manifest.json"
 PACKAGE = "model.pt2"
-FORMAT = 4  # 2: the manifest carries the compiled program's input signature; the key covers the toolchain;
+FORMAT = 5  # 2: the manifest carries the compiled program's input signature; the key covers the toolchain;
 # 3: and the plan of the weights the compiled code reads through packed copies (backends/aoti_build.py, "packed");
 # 4: packages leave their constants out; "weights" says which the code declares and which it never reads
+# 5: a 3-d program constant (a KV cache) is no longer listed as an unmatched packed copy (entries before it kept
+#    their constants in the .so and refused load_weights)
 
 # environment variables that change what inductor or the C++ compiler emits (read at compile time)
 TOOLCHAIN_ENV_PREFIXES = ("TORCHINDUCTOR_", "AOT_INDUCTOR", "TORCH_COMPILE", "INDUCTOR_")

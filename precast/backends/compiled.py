@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from precast.backends.cache import StoredConstant
+from precast.backends.owner import StateOwner, holds_state
 from precast.backends.packed import gemm_pack, recipe_sources, replay
 from precast.backends.signature import ProgramSignature
 from precast.errors import NAMES_SHOWN, PrecastError, name_list
@@ -50,6 +51,9 @@ class CompiledModel:
         form: Mapping[str, Any] | None = None,
     ):
         self._runner = runner
+        self._owner = (
+            StateOwner()
+        )  # precast.generate holds it; every call/reset/load_weights waits and bumps it
         # the constants the code writes (a KV cache) -> their initial values, shared read-only by every model of
         # the same compile: each model holds its own written tensors, reset() restores these
         self._state = dict(state or {})
@@ -63,6 +67,11 @@ class CompiledModel:
         # the constants the loader reads through their pointers (package built without them); None: in the .so
         self._constants = constants
         self._unread = frozenset(unread)  # constants the code never reads: not loaded, not kept
+        # opaque constants (oneDNN blocked weights) handed to a package holding its constants in the .so: the
+        # loader reads them through their pointers (a copying load_constants would read an opaque tensor's
+        # handle as dense data), so the model keeps them alive
+        self._held: dict[str, torch.Tensor] = {}
+        self._replaced = False  # load_weights ran: precast.compile no longer hands this model out
         if constants is not None:
             runner.load_constants(constants, check_full_update=False, user_managed=True)
         self.package_path = Path(package_path)
@@ -78,6 +87,7 @@ class CompiledModel:
         self.compile_seconds = compile_seconds
         self.load_seconds = load_seconds
 
+    @holds_state  # waits while a generation holds the model in another thread (backends/owner.py)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat = self.signature.check(
             args, kwargs
@@ -96,6 +106,7 @@ class CompiledModel:
         """True when the compiled code writes constants (a KV cache) that carry from one call to the next."""
         return bool(self._state)
 
+    @holds_state
     def reset(self) -> None:
         """Restore every constant the code writes (a KV cache) to the program's initial value: a new sequence.
         Read-only weights are not touched; a model without state has nothing to restore."""
@@ -152,6 +163,7 @@ class CompiledModel:
                 names.add(n)
         return sorted(names)
 
+    @holds_state
     def load_weights(
         self, state_dict: Mapping[str, torch.Tensor] | str | os.PathLike
     ) -> dict[str, list[str]]:
@@ -167,9 +179,7 @@ class CompiledModel:
         names swapped, and those left as they were.
         """
         what = f"load_weights({self.package_path.name})"
-        source = (
-            SafetensorsSource(state_dict, what) if isinstance(state_dict, (str, os.PathLike)) else state_dict
-        )
+        source = _weights_source(state_dict, what)
         by_original: dict[str, list[StoredConstant]] = {}
         for st in self._stored.values():
             by_original.setdefault(st.source.original, []).append(st)
@@ -277,13 +287,48 @@ class CompiledModel:
         for name in recomputed - swappable:  # read only through their folded copies: not the package's
             update.pop(name, None)
         if self._constants is None:
-            self._runner.load_constants(update, check_full_update=set(update) >= swappable)
+            self._load_into_so(update, full=set(update) >= swappable)
         else:
             for name in self._unread:  # only their packed copies are read: repacked above, not kept
                 update.pop(name, None)
             self._runner.load_constants(update, check_full_update=False, user_managed=True)
             self._constants.update(update)  # the loader reads these pointers now; the old tensors may go
+        self._replaced = True
         return {"loaded": sorted(names), "kept": kept}
+
+    @property
+    def weights_replaced(self) -> bool:
+        """True once ``load_weights`` ran: the model may no longer serve the program's own weights."""
+        return self._replaced
+
+    def _load_into_so(self, update: dict[str, torch.Tensor], full: bool) -> None:
+        """Swap ``update`` into a package that holds its constants in the .so: dense tensors copied by the loader,
+        opaque ones (oneDNN's blocked weights, recomputed by freezing's recipes) handed over by pointer and kept."""
+        opaque = {n: t for n, t in update.items() if t.is_mkldnn}
+        dense = {n: t for n, t in update.items() if n not in opaque}
+        self._runner.load_constants(dense, check_full_update=full and not opaque)
+        if opaque:
+            self._runner.load_constants(opaque, check_full_update=False, user_managed=True)
+            self._held.update(opaque)
+
+
+def _weights_source(state_dict: Any, what: str) -> Mapping[str, torch.Tensor] | SafetensorsSource:
+    """``load_weights``' argument as a source of tensors by name; anything else is one line saying what to pass."""
+    if isinstance(state_dict, (str, os.PathLike)):
+        return SafetensorsSource(state_dict, what)
+    if isinstance(state_dict, torch.nn.Module):
+        raise PrecastError(f"{what}: got a {type(state_dict).__name__} module; pass its state_dict()")
+    if not isinstance(state_dict, Mapping):
+        raise PrecastError(
+            f"{what}: got {type(state_dict).__name__}; pass the original model's state_dict (a mapping of names "
+            "to tensors), a .safetensors file or a directory of shards"
+        )
+    odd = [k for k in state_dict if not isinstance(k, str)]
+    if odd:
+        raise PrecastError(
+            f"{what}: the state_dict's keys must be names (str); got {odd[0]!r} ({len(odd)} such)"
+        )
+    return state_dict
 
 
 def _no_data(value: torch.Tensor) -> str | None:

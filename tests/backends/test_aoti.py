@@ -410,3 +410,60 @@ def test_cache_key_hashes_weight_bytes_without_numpy():
         assert bytes(tensor_bytes(t.contiguous())) == want
     view = base[5:13]  # a contiguous view at an offset: its own bytes, not its storage's start
     assert bytes(tensor_bytes(view)) == np.asarray(view).tobytes()
+
+
+# ---- every compile starts from the program's values (issue 40 item 1) -------------------------------------------
+def test_a_compile_after_load_weights_serves_the_programs_weights(converted_a, compiled_a, aoti_cache):
+    """The in-process cache handed back a model whose weights load_weights had replaced: a second compile of the
+    same program served another model's weights."""
+    _, _, res_a = converted_a
+    model_b, _ = small_model(1)
+    program = copy.deepcopy(res_a.program)  # its own in-process entry; the package comes from the disk cache
+    m1 = precast.compile(program, cache_dir=aoti_cache, progress=False)
+    x = torch.randn(5, 64)
+    want_a = compiled_a(x)
+    m1.load_weights(model_b.state_dict())
+    served_b = m1(x).clone()
+    assert not torch.equal(served_b, want_a)
+    m2 = precast.compile(program, cache_dir=aoti_cache, progress=False)
+    assert torch.equal(m2(x), want_a)
+    assert torch.equal(m1(x), served_b)  # m1 keeps B
+    assert m2 is not m1 and m1.weights_replaced and not m2.weights_replaced
+    assert precast.compile(program, cache_dir=aoti_cache, progress=False) is m2  # untouched: handed out again
+
+
+def test_a_stateful_compile_after_load_weights_starts_from_the_program(
+    tiny_decoder, compiled_decoder, aoti_cache
+):
+    """A program that writes a cache: the second model was a sibling built from the first one's current weights."""
+    program = copy.deepcopy(tiny_decoder)
+    m1 = precast.compile(program, cache_dir=aoti_cache, progress=False)
+    ids, pos = torch.tensor([[1, 2, 3]]), torch.arange(3)
+    compiled_decoder.reset()
+    want = compiled_decoder(input_ids=ids, cache_position=pos).clone()
+    other = {n: (t + 0.5 if n != "cache" else t) for n, t in program.state_dict.items()}
+    m1.load_weights(other)
+    assert not torch.equal(m1(input_ids=ids, cache_position=pos), want)
+    m2 = precast.compile(program, cache_dir=aoti_cache, progress=False)
+    assert torch.equal(m2(input_ids=ids, cache_position=pos), want)
+    compiled_decoder.reset()
+
+
+@pytest.mark.parametrize(
+    "bad,says",
+    [
+        (None, "got NoneType; pass the original model's state_dict"),
+        (3, "got int; pass the original model's state_dict"),
+        ([("head.bias", torch.zeros(10))], "got list; pass the original model's state_dict"),
+        (torch.nn.Linear(2, 2), "got a Linear module; pass its state_dict()"),
+        ({0: torch.zeros(1)}, "keys must be names (str); got 0"),
+    ],
+)
+def test_load_weights_refuses_what_is_not_a_state_dict_in_one_line(converted_a, aoti_cache, bad, says):
+    model, inputs, res = converted_a
+    cm = fresh_copy(res, aoti_cache)
+    before = cm(*inputs)
+    with pytest.raises(precast.PrecastError) as err:
+        cm.load_weights(bad)
+    assert says in str(err.value) and "\n" not in str(err.value)
+    assert torch.equal(cm(*inputs), before) and not cm.weights_replaced

@@ -1,10 +1,12 @@
-"""``precast.compile``'s form chosen for the CPU (issue 34 item 4), and freezing's folded constants recomputed at
-load so that form keeps ``load_weights``.
+"""``precast.compile``'s form: measured on the machine it runs on (issue 40), by the CPU's capabilities under
+``PRECAST_FORM=flags`` (issue 34 item 4; the test suite's setting, tests/conftest.py), and freezing's folded
+constants recomputed at load so every form keeps ``load_weights``.
 
-Without AMX, Inductor's C++ GEMM template decodes bf16 slowest (fp32 FMA on converted values), and Inductor's
-default ATen ``mm`` streams a bf16 weight at half the rate oneDNN's blocked kernels do at M=1
-(docs/benchmarks/llm_decode.md). ``mode="auto"`` (the default) picks oneDNN's packed linear there and the
-template on AMX; a blocked weight is recorded as a recipe and recomputed from the program's weights at load.
+Without AMX, Inductor's C++ GEMM template decoded bf16 slowest on a Xeon, and Inductor's default ATen ``mm`` streams
+a bf16 weight at half the rate oneDNN's blocked kernels do at M=1 (docs/benchmarks/llm_decode.md); on a Zen 4 at
+2 threads the same table chose oneDNN at 0.75x the template. ``mode="auto"`` times the candidates once per machine,
+thread count and shape set (the timing logic is tested here with injected timings); a blocked weight is recorded as
+a recipe and recomputed from the program's weights at load.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import pytest
 import torch
 
 import precast
+from precast.backends import form_measure, forms
 from precast.backends.cache import MANIFEST, cache_key
-from precast.backends.forms import choose_form, matmul_weight_bytes
+from precast.backends.forms import as_configured, choose_form, form_of, matmul_weight_bytes, pick
 from precast.backends.packed import match_folded, recipe_sources, replay, same_bits
 from precast.cpu import capabilities as cpu_capabilities
+from precast.errors import PrecastError
 from tests.conftest import small_model
 
 NO_AMX = {"avx512_bf16": True, "avx512_fp16": True, "amx_tile": False, "amx_bf16": False}
@@ -85,7 +89,146 @@ def test_the_form_is_in_the_cache_key():
     assert len(keys) == 3
 
 
+# ---- the measured choice, with injected timings (no compile) ---------------------------------------------------
+# the issue's Zen 4 (AVX512-BF16, no AMX) at 2 threads, ms per decode token: the flags table chose onednn-packed
+ZEN4 = {"default": 30.2, "onednn-packed": 27.9, "gemm-template": 21.6}
+
+
+class Timings:
+    """A ``measure`` that returns fixed seconds per form and counts its calls."""
+
+    def __init__(self, ms: dict[str, float | str]):
+        self.ms, self.calls = ms, []
+
+    def __call__(self, dtype, shapes, candidates):
+        self.calls.append((dtype, shapes, candidates))
+        return {n: (t / 1e3 if isinstance(t, float) else t) for n, t in self.ms.items() if n in candidates}
+
+
+@pytest.fixture
+def measured(monkeypatch, tmp_path):
+    monkeypatch.delenv(forms.FORM_ENV, raising=False)
+    return tmp_path
+
+
+def test_measured_choice_beats_the_flags_table_where_it_is_wrong(measured):
+    ep = linear_program(torch.bfloat16)
+    timings = Timings(ZEN4)
+    form = choose_form(ep, NO_AMX, cache_dir=measured, measure=timings)
+    assert form.name == "gemm-template" and form.configs == forms.FORM_CONFIGS["gemm-template"]
+    assert form.record["times_ms"] == ZEN4 and form.record["threads"] == torch.get_num_threads()
+    assert {"load", "cores_left", "under_load", "m"} <= set(form.record) and form.record["m"] == 1
+    assert "gemm-template is the fastest" in form.why and "21.6 ms" in form.why
+    ((dtype, shapes, candidates),) = timings.calls
+    assert dtype == torch.bfloat16 and shapes == ((64, 32), (64, 64)) and candidates == forms.CANDIDATES
+    assert forms.flags_form(torch.bfloat16, NO_AMX).name == "onednn-packed"  # what the table said
+
+
+def test_a_cached_choice_is_reused_without_timing(measured):
+    ep = linear_program(torch.bfloat16)
+    timings = Timings(ZEN4)
+    first = choose_form(ep, cache_dir=measured, measure=timings)
+    again = choose_form(ep, cache_dir=measured, measure=timings)
+    assert len(timings.calls) == 1 and again.to_dict() == first.to_dict()
+    data = json.loads((measured / form_measure.FORMS_FILE).read_text())  # JSON, never a pickle
+    assert data["version"] == form_measure.FORMS_VERSION and len(data["entries"]) == 1
+    # another thread count, dtype or shape set is another measurement
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads != 1 else 2)
+    try:
+        choose_form(ep, cache_dir=measured, measure=timings)
+    finally:
+        torch.set_num_threads(threads)
+    choose_form(linear_program(torch.float16), cache_dir=measured, measure=timings)
+    assert len(timings.calls) == 3
+
+
+def test_load_during_the_timing_is_recorded(measured, monkeypatch):
+    monkeypatch.setattr(form_measure.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    form = choose_form(linear_program(torch.bfloat16), cache_dir=measured, measure=Timings(ZEN4))
+    assert form.record["under_load"] and form.record["load"] == 64.0
+    assert "measured under load: load average 64.0" in form.why
+
+
+def test_ties_go_to_the_simplest_and_failures_are_never_chosen():
+    assert pick({"default": 10.0, "onednn-packed": 9.9, "gemm-template": 12.0})[0] == "default"  # within 2%
+    assert pick({"default": 10.0, "onednn-packed": 9.0})[0] == "onednn-packed"
+    assert pick({"default": 10.0, "gemm-template": "AOTInductor failed: ..."})[0] == "default"
+    assert pick({"default": "failed", "gemm-template": "failed"})[0] == "default"
+    assert pick(ZEN4, exclude=("gemm-template",))[0] == "onednn-packed"
+
+
+def test_streamed_weights_exclude_the_template(measured):
+    form = choose_form(
+        linear_program(torch.bfloat16), cache_dir=measured, measure=Timings(ZEN4), exclude=("gemm-template",)
+    )
+    assert form.name == "onednn-packed" and form.record["times_ms"]["gemm-template"] == 21.6
+
+
+def test_fp32_programs_and_other_devices_are_never_timed(measured):
+    timings = Timings(ZEN4)
+    assert choose_form(linear_program(torch.float32), cache_dir=measured, measure=timings).name == "default"
+    assert choose_form(linear_program(torch.bfloat16), device="cuda", measure=timings).name == "default"
+    assert not timings.calls and not (measured / form_measure.FORMS_FILE).exists()
+
+
+def test_precast_form_overrides_and_a_bad_one_is_one_line(measured, monkeypatch):
+    timings = Timings(ZEN4)
+    monkeypatch.setenv(forms.FORM_ENV, "onednn-packed")
+    assert choose_form(linear_program(torch.bfloat16), measure=timings).name == "onednn-packed"
+    monkeypatch.setenv(forms.FORM_ENV, "flags")
+    assert choose_form(linear_program(torch.bfloat16), AMX, measure=timings).name == "gemm-template"
+    monkeypatch.setenv(forms.FORM_ENV, "fastest")
+    with pytest.raises(PrecastError, match=r"PRECAST_FORM='fastest': not a form") as err:
+        choose_form(linear_program(torch.bfloat16), measure=timings)
+    assert "\n" not in str(err.value) and not timings.calls
+
+
+@pytest.mark.parametrize(
+    "text", ["not json", '{"version": 1, "entries": []}', '{"version": 1, "entries": {"k": 1}}']
+)
+def test_a_malformed_choice_cache_is_measured_again(measured, text):
+    ep = linear_program(torch.bfloat16)
+    timings = Timings(ZEN4)
+    key = forms.choice_key(torch.bfloat16, ((64, 32), (64, 64)), torch.get_num_threads(), forms.CANDIDATES)
+    (measured / form_measure.FORMS_FILE).write_text(text.replace('"k"', f'"{key}"'))
+    with pytest.warns(UserWarning, match="form cache"):
+        assert choose_form(ep, cache_dir=measured, measure=timings).name == "gemm-template"
+    assert len(timings.calls) == 1
+    assert key in json.loads((measured / form_measure.FORMS_FILE).read_text())["entries"]
+
+
+# ---- the form recorded is the one the final configs compile (issue 40 item 9) -----------------------------------
+@pytest.mark.parametrize(
+    "form,configs,recorded",
+    [
+        ("onednn-packed", {"freezing": False}, "default"),
+        ("onednn-packed", {}, "onednn-packed"),
+        ("default", {"freezing": True}, "onednn-packed"),
+        ("gemm-template", {"max_autotune": False}, "default"),
+        ("gemm-template", {"max_autotune_gemm_backends": "ATEN,CPP"}, "max-autotune"),
+        (
+            "default",
+            {"max_autotune": True, "max_autotune_gemm_backends": "CPP", "freezing": True},
+            "gemm-template+freezing",
+        ),
+    ],
+)
+def test_the_recorded_form_is_what_the_merged_configs_compile(form, configs, recorded):
+    from precast.backends.aoti import compile_configs
+
+    chosen = forms.Form(form, dict(forms.FORM_CONFIGS[form]), "chosen")
+    merged = compile_configs("auto", configs, chosen)
+    final = as_configured(chosen, merged)
+    assert form_of(merged) == final.name == recorded
+    assert final.why == "chosen" if recorded == form else recorded in final.why
+
+
 # ---- recipes (no compile) --------------------------------------------------------------------------------------
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT",
+)
 def test_a_recipe_replays_onednns_blocked_weight_bit_for_bit():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 64, generator=g).to(torch.bfloat16)
@@ -178,3 +321,14 @@ def test_onednn_form_load_weights_equals_a_fresh_compile(onednn, aoti_cache):
         assert torch.equal(cm(*inputs), fresh(*inputs)) and not torch.equal(before, fresh(*inputs))
         cm.load_weights(model.state_dict())
         assert torch.equal(cm(*inputs), before)
+
+
+@pytest.mark.aoti
+def test_measure_forms_times_what_precast_compiles(tmp_path):
+    """One real timing (one candidate, one tiny weight: one compile): compiled by precast.compile into a scratch
+    cache that is deleted after."""
+    from precast.backends.aoti import compile as aoti_compile
+
+    times = form_measure.measure_forms(torch.bfloat16, ((16, 32),), {"default": {}}, tmp_path, aoti_compile)
+    assert set(times) == {"default"} and isinstance(times["default"], float) and times["default"] > 0
+    assert not list((tmp_path / "tmp").glob("forms.*"))

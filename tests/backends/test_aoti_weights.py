@@ -5,6 +5,7 @@ weights (held once), or, for a program converted with streamed (meta) weights, t
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -344,3 +345,31 @@ def test_another_models_weights_are_said_so_first_and_the_line_is_bounded(stream
         cm.load_weights(other)
     msg = str(info.value)
     assert "\n" not in msg and len(msg) < 700 and msg.index("another model") < msg.index("unexpected"), msg
+
+
+# ---- freezing with the constants in the .so (what `precast compile -o` builds; issue 40 item 5) -----------------
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="freezing's blocked weights need oneDNN")
+def test_frozen_package_in_so_swaps_blocked_weights_right(aoti_cache):
+    """Freezing folds each linear's weight into oneDNN's blocked layout (an opaque tensor). In a package holding
+    its constants in the .so, the loader's copying load_constants read the opaque tensor as dense data: the
+    model's own unchanged weights moved the outputs by ~2.6. They are handed over by pointer now."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16)).eval()
+    inputs = (torch.randn(4, 64),)
+    configs = {"freezing": True, "aot_inductor.package_constants_in_so": True}
+    ep = torch.export.export(model, inputs)
+    cm = precast.compile(ep, cache_dir=aoti_cache, mode="default", inductor_configs=configs, progress=False)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        before = cm(x).clone()
+        cm.load_weights(model.state_dict())
+        assert torch.equal(cm(x), before)
+        assert any(t.is_mkldnn for t in cm._held.values())  # the case this tests: opaque constants in the .so
+        other = copy.deepcopy(model)
+        for p in other.parameters():
+            p.add_(0.1)
+        cm.load_weights(other.state_dict())
+        torch.testing.assert_close(cm(x), other(x), rtol=1e-4, atol=1e-4)
+        cm.load_weights(model.state_dict())
+        assert torch.equal(cm(x), before)
+    assert cm.form["name"] == "onednn-packed"  # what the configs compile (issue 40 item 9)
