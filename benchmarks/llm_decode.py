@@ -22,7 +22,9 @@ Variants (``--variant`` picks a subset):
   aoti_bf16_frozen    ... with ``freezing=True``
   aoti_bf16_autotune  ... with ``max_autotune=True``, C++ GEMM backend (the template packs weights at compile time)
   precast_torch       ``precast.convert(ep, policy="torch", cache_dtype=bf16)`` then ``precast.compile`` with no
-                      options: the form this CPU implies (precast/backends/forms.py; the note says which)
+                      options: the form measured fastest here at the largest --threads value
+                      (precast/backends/forms.py; the note says which, with the times; run --threads 1 and
+                      --threads 2 separately for each count's own choice)
   precast_torch_default   the same with ``mode="default"`` (Inductor's defaults: ATen mm on unpacked weights)
   precast_auto        ``policy="auto"`` (each matmul kept fp32 unless bf16 is faster here at its shapes)
   precast_torch_autotune / precast_auto_autotune   the same through ``precast.compile(..., mode="max-autotune",
@@ -34,8 +36,10 @@ Variants (``--variant`` picks a subset):
   openvino_anchor     OpenVINO's own export of the same seeded weights (``save_pretrained``, then optimum-intel
                       ``OVModelForCausalLM.from_pretrained(export=True)``, stateful), ``INFERENCE_PRECISION_HINT`` and
                       ``KV_CACHE_PRECISION`` bf16, in its own environment (optimum-intel 2.2 needs transformers
-                      < 5.6: ``--build-anchor-env [DIR]`` builds it, default /work/venv-ovanchor; ``--anchor-python``
-                      points at another). One persistent process per thread count takes its turn in every
+                      < 5.6: ``--build-anchor-env [DIR]`` builds it, default precast's data folder
+                      (``precast.bench.decode_anchor.ANCHOR_ENV``: ``<user data dir>/precast/ov-anchor``, where
+                      ``precast bench --llm`` looks too); ``--anchor-python`` or $PRECAST_OV_ANCHOR_PYTHON point at
+                      another). One persistent process per thread count takes its turn in every
                       interleaved repeat; its resident memory is what that fresh process gained loading the IR.
   openvino_anchor_inprocess   the anchor's IR (exported by ``openvino_anchor`` in this run) loaded by this
                       process's OpenVINO (the same version, checked) and run through a bare infer request
@@ -43,6 +47,10 @@ Variants (``--variant`` picks a subset):
                       process as precast's forms: the like-for-like comparison of the two OpenVINO models
 
 Every form is measured in one interleaved run per thread count, with the load average printed before and after.
+The forms, their building, the interleaved measuring and the fresh-process memory are the package's
+(``precast/bench/decode_forms.py``, ``decode.py``, ``decode_rss.py``): ``precast bench --llm`` runs the same code on
+a default subset, with each row's ratio to the fastest hand-cast form and to the anchor; this script adds every
+form, the accuracy check, the targets and the profile.
 
 Targets (printed, never asserted): precast through precast.compile with no options, weights reloadable with
 load_weights, >= 0.97x the fastest hand-cast bf16 form's speed (issue 34 item 4) and >= 1.5x the fastest fp32
@@ -55,15 +63,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,29 +79,29 @@ if __package__ in (None, ""):  # run as a file: the repository root is importabl
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from precast.bench import decode, decode_anchor, decode_model  # noqa: E402 - after the path set-up above
+from precast import cpu  # noqa: E402 - after the path set-up above
+from precast.bench import decode, decode_anchor, decode_forms, decode_model, decode_rss  # noqa: E402 - after the path set-up
 
-EAGER = ("eager_fp32", "eager_autocast", "eager_bf16")
-HAND = ("aoti_fp32", "aoti_fp32_frozen", "aoti_bf16", "aoti_bf16_frozen", "aoti_bf16_autotune")
-PRECAST = (
-    "precast_torch",
-    "precast_torch_default",
-    "precast_auto",
-    "precast_torch_autotune",
-    "precast_auto_autotune",
+# the forms, their building, measuring and fresh-process memory live in the package's harness
+# (precast/bench/decode*.py), which ``precast bench --llm`` runs too: this script adds the profile, the accuracy
+# check, the targets and its own table
+EAGER, HAND, PRECAST, OPENVINO, VARIANTS = (
+    decode_forms.EAGER,
+    decode_forms.HAND,
+    decode_forms.PRECAST,
+    decode_forms.OPENVINO,
+    decode_forms.VARIANTS,
 )
-OPENVINO = ("precast_openvino", "openvino_anchor", "openvino_anchor_inprocess")
-VARIANTS = EAGER + HAND + PRECAST + OPENVINO
-# max-autotune with Inductor's C++ GEMM template alone: choosing between it and ATen by timing both at compile
-# time is a coin toss on a loaded machine (measured: ATen's mm "0.23 ms" against the template's "20 ms" for one
-# shape, 13 ms against 32 ms for another), so the autotune variants take the template wherever it applies
-CPP_GEMM = {"max_autotune_gemm_backends": "CPP"}
-FP32_FORMS = ("eager_fp32", "aoti_fp32", "aoti_fp32_frozen")
-BF16_HAND_FORMS = ("eager_bf16", "aoti_bf16", "aoti_bf16_frozen", "aoti_bf16_autotune")
-
-
-# the model, its inputs and the measuring live in the package's harness (precast/bench/decode*.py), which
-# ``precast bench --llm`` runs too
+CPP_GEMM, FP32_FORMS, BF16_HAND_FORMS = (
+    decode_forms.CPP_GEMM,
+    decode_forms.FP32_FORMS,
+    decode_forms.BF16_HAND_FORMS,
+)
+Variant, build_variants, convert_llm = (
+    decode_forms.Variant,
+    decode_forms.build_variants,
+    decode_forms.convert_llm,
+)
 Shape, QUICK, llama, wrapped, read_bytes = (
     decode_model.Shape,
     decode_model.QUICK,
@@ -106,329 +110,11 @@ Shape, QUICK, llama, wrapped, read_bytes = (
     decode_model.read_bytes,
 )
 export, inputs, bandwidth_gbs = decode_model.export_decoder, decode_model.decode_inputs, decode.bandwidth_gbs
-
-
-# ---- the variants -------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Variant:
-    name: str
-    run: Callable[..., Any] | None  # run(input_ids=, cache_position=) -> logits
-    package: Path | None = None  # a compiled package (for the fresh-process memory), None for eager
-    # precast's packages hold no weights: the fresh process loads the converted program and precast.compile's it
-    compile_spec: dict[str, Any] | None = None
-    stored_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # weights / cache bytes held
-    read_bytes: int = 0  # bytes a decode step reads (every weight but the embedding table, + the whole cache)
-    reloadable: str = ""  # "yes" / "no" / why
-    compile_s: float | None = None
-    error: str | None = None
-    note: str = ""
-    anchors: dict[int, Any] | None = None  # openvino_anchor: its process per thread count
-    rss_mb: float | None = None  # measured by the variant's own fresh process (the anchor)
-
-
-def bf16_anchor(shape: Shape) -> torch.nn.Module:
-    return llama(shape, torch.bfloat16)
-
-
-def _bytes(state: dict[str, torch.Tensor], shape: Shape) -> tuple[dict[str, int], int]:
-    """(bytes held as weights / as cache, bytes one decode step reads): the package's ``read_bytes``."""
-    return read_bytes(state)
-
-
-def _state(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
-    return {**ep.state_dict, **{k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}}
-
-
-def _module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
-
-
-def _aoti(ep: torch.export.ExportedProgram, path: Path, configs: dict[str, Any]) -> tuple[Any, float]:
-    import torch._inductor
-
-    started = time.perf_counter()
-    if not path.exists():
-        tmp = path.with_suffix(".tmp.pt2")
-        with torch.no_grad():  # freezing applies only under no_grad
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=configs)
-        os.replace(tmp, path)
-    seconds = time.perf_counter() - started
-    return torch._inductor.aoti_load_package(str(path)), seconds
-
-
-def _call(model: Any) -> Callable[..., Any]:
-    def run(input_ids: torch.Tensor, cache_position: torch.Tensor) -> Any:
-        return model(input_ids=input_ids, cache_position=cache_position)
-
-    return run
-
-
-def _anchor_in_process(
-    anchor: Variant | None, folder: Path, threads: tuple[int, ...]
-) -> tuple[Callable[..., Any], str]:
-    """The anchor's IR in this process: one infer request per thread count (bf16 hint and KV cache, as the anchor's
-    own process), fed as optimum-intel feeds it; the state reset where a call starts at position 0."""
-    if anchor is None or anchor.anchors is None or not (folder / "openvino_model.xml").exists():
-        raise RuntimeError("needs openvino_anchor in the same run (its export of the weights)")
-    import numpy as np
-    import openvino as ov
-
-    theirs = anchor.anchors[threads[0]].info.get("versions", {}).get("openvino")
-    if theirs != ov.__version__:
-        raise RuntimeError(f"OpenVINO here is {ov.__version__}, the anchor's {theirs}: not the same runtime")
-    core = ov.Core()
-    requests = {
-        t: core.compile_model(
-            str(folder / "openvino_model.xml"),
-            "CPU",
-            {
-                "INFERENCE_PRECISION_HINT": "bf16",
-                "KV_CACHE_PRECISION": "bf16",
-                "INFERENCE_NUM_THREADS": str(t),
-                "PERFORMANCE_HINT": "LATENCY",
-            },
-        ).create_infer_request()
-        for t in threads
-    }
-    beam = np.zeros(1, np.int32)
-
-    def run(input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        request = requests[torch.get_num_threads()]
-        if int(cache_position[0]) == 0:
-            request.reset_state()
-        end = int(cache_position[-1]) + 1
-        request.infer(
-            {
-                "input_ids": input_ids.numpy(),
-                "attention_mask": np.ones((1, end), np.int64),
-                "position_ids": cache_position[None].numpy(),
-                "beam_idx": beam,
-            }
-        )
-        return torch.from_numpy(request.get_output_tensor(0).data.copy())
-
-    return run, f"the anchor's IR in this process ({ov.__version__}), a bare infer request"
-
-
-def build_variants(
-    names: tuple[str, ...],
-    shape: Shape,
-    work: Path,
-    cache_dir: str | None,
-    log: Callable[[str], None],
-    threads: tuple[int, ...] = (1, 2),
-    anchor: str | None = None,
-) -> tuple[dict[str, Variant], dict[str, torch.Tensor]]:
-    """Every asked variant built (compiled packages reused from ``work`` when the shape matches); a variant that
-    fails carries its error. Also returns the fp32 state dict by original name (for load_weights)."""
-    import precast
-
-    variants: dict[str, Variant] = {}
-    fp32 = llama(shape)
-    fp32_state = {k: v.detach().clone() for k, v in fp32.state_dict().items()}
-    threads = tuple(threads)
-    need_fp32_ep = any(n.startswith(("aoti_fp32", "precast")) for n in names)
-    need_bf16_ep = any(n.startswith("aoti_bf16") for n in names)
-    t0 = time.perf_counter()
-    ep32 = export(fp32, shape) if need_fp32_ep else None
-    bf16_model = llama(shape, torch.bfloat16) if need_bf16_ep or "eager_bf16" in names else None
-    ep16 = export(bf16_model, shape) if need_bf16_ep else None
-    log(f"exported in {time.perf_counter() - t0:.1f}s")
-    tag = f"{shape.tag()}-torch{torch.__version__}"
-
-    for name in names:
-        log(f"building {name}")
-        v = Variant(name, None)
-        try:
-            if name == "eager_fp32":
-                m = wrapped(fp32, shape).model
-                v.run, v.reloadable = _call(m), "yes (module)"
-                v.stored_bytes, v.read_bytes = _bytes(_module_state(m), shape)
-            elif name == "eager_autocast":
-                m = wrapped(llama(shape), shape).model
-
-                def run(input_ids, cache_position, m=m):
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        return m(input_ids=input_ids, cache_position=cache_position)
-
-                v.run, v.reloadable = run, "yes (module)"
-                v.stored_bytes, v.read_bytes = _bytes(_module_state(m), shape)
-            elif name == "eager_bf16":
-                m = wrapped(bf16_model, shape).model
-                v.run, v.reloadable = _call(m), "yes (module)"
-                v.stored_bytes, v.read_bytes = _bytes(_module_state(m), shape)
-            elif name in HAND:
-                ep = ep32 if "fp32" in name else ep16
-                configs = {"freezing": True} if name.endswith("frozen") else {}
-                if name.endswith("autotune"):
-                    configs = {"max_autotune": True, **CPP_GEMM}
-                v.package = work / f"{name}-{tag}.pt2"
-                model, v.compile_s = _aoti(ep, v.package, configs)
-                v.run = _call(model)
-                v.reloadable = {"freezing": "no (frozen)", "max_autotune": "no (packed copies)"}.get(
-                    next(iter(configs), ""), "yes (load_constants)"
-                )
-                v.stored_bytes, v.read_bytes = _bytes(_state(ep), shape)
-            elif name in PRECAST:
-                policy = name.split("_")[1]
-                res = convert_llm(ep32, policy)
-                v.note = res.note
-                # no options (the form this CPU implies), Inductor's defaults, or max-autotune + C++ GEMM
-                mode = {"autotune": "max-autotune", "default": "default"}.get(name.rsplit("_", 1)[1], "auto")
-                started = time.perf_counter()
-                cm = precast.compile(
-                    res.program,
-                    cache_dir=cache_dir,
-                    dynamic=False,
-                    mode=mode,
-                    inductor_configs=CPP_GEMM if mode == "max-autotune" else None,
-                )
-                v.compile_s = time.perf_counter() - started
-                v.package, v.run = cm.package_path, _call(cm)
-                if mode == "auto":
-                    v.note = (v.note + "; " if v.note else "") + f"form {cm.form['name']}: {cm.form['why']}"
-                program_path = work / f"{name}-{tag}.program.pt2"
-                if not program_path.exists():
-                    torch.export.save(
-                        res.program, str(program_path.with_name(program_path.name + ".tmp.pt2"))
-                    )
-                    os.replace(program_path.with_name(program_path.name + ".tmp.pt2"), program_path)
-                v.compile_spec = {
-                    "program": str(program_path),
-                    "cache_dir": cache_dir,
-                    "mode": mode,
-                    "inductor_configs": CPP_GEMM if mode == "max-autotune" else None,
-                }
-                v.stored_bytes, v.read_bytes = _bytes(_state(res.program), shape)
-                v.reloadable = _check_reload(cm, {k: t.detach().clone() for k, t in ep32.state_dict.items()})
-            elif name == "precast_openvino":
-                # precast's plan on OpenVINO, the KV cache as OpenVINO state (issue 34 item 1): one compiled
-                # model per thread count (OpenVINO fixes its threads at compile time)
-                res = convert_llm(ep32, "torch")
-                started = time.perf_counter()
-                models = {
-                    t: precast.compile(res.program, backend="openvino", precision_hint="bf16", threads=t)
-                    for t in threads
-                }
-                v.compile_s = (time.perf_counter() - started) / len(models)
-
-                def run_ov(input_ids, cache_position, models=models):
-                    return models[torch.get_num_threads()](input_ids=input_ids, cache_position=cache_position)
-
-                v.run, v.reloadable, v.note = run_ov, "-", "bf16 hint, cache bf16"
-                program_path = work / f"{name}-{tag}.program.pt2"
-                if not program_path.exists():
-                    torch.export.save(
-                        res.program, str(program_path.with_name(program_path.name + ".tmp.pt2"))
-                    )
-                    os.replace(program_path.with_name(program_path.name + ".tmp.pt2"), program_path)
-                v.compile_spec = {"program": str(program_path), "backend": "openvino"}
-                v.stored_bytes, v.read_bytes = _bytes(_state(res.program), shape)
-            elif name == "openvino_anchor":
-                python = decode_anchor.anchor_python(anchor)
-                if python is None:
-                    raise RuntimeError(
-                        f"no anchor environment at {decode_anchor.ANCHOR_ENV}: build it with --build-anchor-env"
-                    )
-                folder = decode_anchor.save_for_anchor(fp32, work / f"anchor-{tag}")
-                v.anchors = {t: decode_anchor.AnchorProcess(python, folder, shape, t) for t in threads}
-                first = v.anchors[threads[0]].info
-                v.compile_s, v.rss_mb = first.get("export_s"), first.get("rss_mb")
-                v.note = f"optimum-intel export, bf16 hint + bf16 KV cache; {first.get('versions')}"
-                v.run, v.reloadable = (lambda **kw: None), "-"
-                # OpenVINO runs bf16 weights under the bf16 hint: the bytes the hand-cast bf16 model holds
-                v.stored_bytes, v.read_bytes = _bytes(
-                    _module_state(wrapped(bf16_anchor(shape), shape).model), shape
-                )
-            elif name == "openvino_anchor_inprocess":
-                v.run, v.note = _anchor_in_process(
-                    variants.get("openvino_anchor"), work / f"anchor-{tag}-ov", threads
-                )
-                v.reloadable = "-"
-                v.stored_bytes, v.read_bytes = _bytes(
-                    _module_state(wrapped(bf16_anchor(shape), shape).model), shape
-                )
-        except Exception as exc:  # noqa: BLE001 - one variant failing is a row of the table, not the end of the run
-            v.run, v.error = (
-                None,
-                f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
-            )
-            log(f"  {name} failed: {v.error}")
-            if os.environ.get("LLM_DECODE_DEBUG"):
-                traceback.print_exc()
-        variants[name] = v
-    return variants, fp32_state
-
-
-@dataclasses.dataclass
-class Converted:
-    program: torch.export.ExportedProgram
-    note: str
-
-
-def convert_llm(ep: torch.export.ExportedProgram, policy: str) -> Converted:
-    """``precast.convert(ep, policy=..., dtype=bf16, cache_dtype=bf16)``; without ``cache_dtype`` where this
-    precast has no such option (the cache then stays fp32 and the note says so)."""
-    import inspect
-
-    import precast
-
-    kw: dict[str, Any] = {"policy": policy, "dtype": torch.bfloat16}
-    note = ""
-    if "cache_dtype" in inspect.signature(precast.convert).parameters:
-        kw["cache_dtype"] = torch.bfloat16
-    else:
-        note = "cache fp32 (this precast has no cache_dtype=)"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        res = precast.convert(ep, **kw)
-    if policy == "auto":
-        mms = [r for r in res.report.nodes if r.op.split(".")[-2:][0] in ("mm", "addmm", "bmm", "linear")]
-        low = sum(1 for r in mms if r.dtype and "bf" in r.dtype)
-        note = (note + "; " if note else "") + f"auto: {low} of {len(mms)} matmuls bf16"
-    return Converted(res.program, note)
-
-
-def _check_reload(cm: Any, fp32_state: dict[str, torch.Tensor]) -> str:
-    """load_weights by original names: other weights (every matmul weight halved) must move the logits, and the
-    original ones must bring them back bit for bit; 'yes' when both hold, else what failed."""
-    ids, pos = torch.zeros(1, 1, dtype=torch.long), torch.tensor([0])
-    other = {k: v * 0.5 if k.endswith("proj.weight") or "lm_head" in k else v for k, v in fp32_state.items()}
-    with torch.no_grad():
-        before = cm(input_ids=ids, cache_position=pos).clone()
-        try:
-            cm.load_weights(other)
-            moved = not torch.equal(cm(input_ids=ids, cache_position=pos), before)
-            cm.load_weights(fp32_state)
-        except Exception as exc:  # noqa: BLE001 - reported in the table
-            return f"no ({str(exc)[:120]})"
-        back = torch.equal(cm(input_ids=ids, cache_position=pos), before)
-    return "yes" if moved and back else f"no (new weights moved the logits: {moved}; restored: {back})"
+measure = decode.measure
+fresh_rss_mb = decode_rss.fresh_rss_mb
 
 
 # ---- measuring ----------------------------------------------------------------------------------------------
-def measure(
-    variants: dict[str, Variant],
-    shape: Shape,
-    threads: int,
-    repeats: int,
-    steps: int,
-    log: Callable[[str], None],
-) -> dict[str, dict[str, Any]]:
-    """Interleaved (the package's ``decode.interleaved``): every repeat samples each variant's prefill and
-    ``steps`` decode steps once, in turn; the anchor's process takes its turn in the same loop; medians."""
-    forms: dict[str, Any] = {}
-    for name, v in variants.items():
-        if v.anchors is not None:
-            forms[name] = v.anchors[threads]
-        elif v.run is not None:
-            forms[name] = decode.InProcess(v.run, shape)
-    out, failed = decode.interleaved(forms, threads, repeats, steps, log)
-    for name, why in failed.items():
-        variants[name].error, variants[name].run, variants[name].anchors = why, None, None
-    return out
-
-
 def accuracy(variants: dict[str, Variant], shape: Shape) -> dict[str, dict[str, float]]:
     """Logits of the first decoded token after the prompt, against eager fp32's: cosine and max abs error."""
     from precast.metrics import flat_error
@@ -452,100 +138,9 @@ def accuracy(variants: dict[str, Variant], shape: Shape) -> dict[str, dict[str, 
     return out
 
 
-_RSS_CHILD = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-from benchmarks.llm_decode import rss_child
-rss_child(json.loads(sys.argv[2]))
-"""
-
-
-def _rss() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def rss_child(spec: dict[str, Any]) -> None:
-    """(In a fresh process.) Build or load one variant, run the prompt and a decode step; print the RSS gain."""
-    import torch._inductor  # noqa: F401 - imported before the first reading, as the loader needs it
-    import transformers  # noqa: F401
-
-    shape = Shape(**spec["shape"])
-    torch.set_num_threads(1)
-    prompt, tokens = inputs(shape)
-    if (spec.get("compile") or {}).get("backend") == "openvino":
-        # the libraries imported before the first reading, as the anchor's process imports openvino and
-        # optimum.intel before its own
-        import openvino  # noqa: F401
-
-        import precast  # noqa: F401
-    before = _rss()
-    if spec.get("compile"):
-        import precast
-
-        c = spec["compile"]
-        if c.get("backend") == "openvino":  # converted to OpenVINO and compiled in this fresh process
-            model = precast.compile(
-                torch.export.load(c["program"]), backend="openvino", precision_hint="bf16", threads=1
-            )
-        else:
-            # the program is not kept: under max-autotune the model holds only the packed copies its code reads
-            model = precast.compile(
-                torch.export.load(c["program"]),
-                cache_dir=c["cache_dir"],
-                dynamic=False,
-                mode=c["mode"],
-                inductor_configs=c["inductor_configs"],
-            )
-            if not model.from_cache:
-                raise RuntimeError("the fresh process compiled: the cache key differs from the parent's")
-    elif spec["package"]:
-        model = torch._inductor.aoti_load_package(spec["package"])
-    else:
-        dtype = torch.bfloat16 if spec["name"] == "eager_bf16" else torch.float32
-        model = wrapped(llama(shape, dtype), shape).model
-    with torch.no_grad():
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if spec["name"] == "eager_autocast" else None
-        with ctx or contextlib.nullcontext():
-            model(input_ids=prompt, cache_position=torch.arange(shape.context))
-            model(input_ids=tokens[0], cache_position=torch.tensor([shape.context]))
-    # what the process holds once Python's cycle collector has run: a dropped ExportedProgram is a reference
-    # cycle (graph <-> module) that lingers until a full collection, which a decode loop seldom triggers
-    gc.collect()
-    print(json.dumps({"before": before, "after": _rss()}))
-
-
-def fresh_rss_mb(v: Variant, shape: Shape) -> float | None:
-    """Resident memory (MiB) a fresh process gains by building/loading ``v`` and running prefill + one step."""
-    if not Path("/proc/self/status").exists():
-        return None
-    spec = {
-        "name": v.name,
-        "package": str(v.package) if v.package else None,
-        "compile": v.compile_spec,
-        "shape": dataclasses.asdict(shape),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", _RSS_CHILD, str(ROOT), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        print(f"fresh-process memory of {v.name} failed: {proc.stderr[-1500:]}", file=sys.stderr)
-        return None
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
-    return round(data["after"] - data["before"], 1)
-
-
 def memory_only(variants: dict[str, Variant], shape: Shape, log: Callable[[str], None]) -> int:
     """``--memory-only``: each variant's fresh-process resident memory and its ratio to aoti_fp32's."""
-    rss = {}
-    for name, v in variants.items():
-        log(f"fresh-process memory: {name}")
-        rss[name] = fresh_rss_mb(v, shape) if v.run is not None else None
+    rss = fresh_rss_mb(variants, shape, log)
     ref = rss.get("aoti_fp32") or rss.get("eager_fp32")
     print("| variant | resident MiB (fresh process) | vs fp32 | weights + cache MiB | reloadable |")
     print("|---|---:|---:|---:|---|")
@@ -605,22 +200,27 @@ def gemv_probe(shape: Shape, threads: int, repeats: int = 15) -> list[dict[str, 
     }
     rows = []
     g = torch.Generator().manual_seed(0)
+    # oneDNN blocks a bf16 weight only where the CPU reports avx_ne_convert or AVX512 BW/VL/DQ (its own check)
+    caps = cpu.capabilities()
+    packs_bf16 = bool(caps.get("avx_ne_convert")) or all(
+        caps.get(f) for f in ("avx512_bw", "avx512_vl", "avx512_dq")
+    )
     with torch.no_grad():
         for name, (n, k) in shapes.items():
             w32 = torch.randn(n, k, generator=g) * 0.02
             x32 = torch.randn(1, k, generator=g)
             w16, x16 = w32.to(torch.bfloat16), x32.to(torch.bfloat16)
-            blocked = torch.ops.mkldnn._reorder_linear_weight(w16, 1)
             fns = {
                 "fp32 mm": (lambda x=x32, w=w32: torch.mm(x, w.t()), 4),
                 "bf16 mm": (lambda x=x16, w=w16: torch.mm(x, w.t()), 2),
                 "bf16 F.linear": (lambda x=x16, w=w16: torch.nn.functional.linear(x, w), 2),
-                # what precast.compile's onednn-packed form calls (the weight blocked at load)
-                "bf16 oneDNN packed": (
+            }
+            if packs_bf16:  # what precast.compile's onednn-packed form calls (the weight blocked at load)
+                blocked = torch.ops.mkldnn._reorder_linear_weight(w16, 1)
+                fns["bf16 oneDNN packed"] = (
                     lambda x=x16, w=blocked: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
                     2,
-                ),
-            }
+                )
             row: dict[str, Any] = {"gemm": name, "n x k": f"{n} x {k}"}
             for label, (fn, size) in fns.items():
                 for _ in range(3):
@@ -919,9 +519,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-wheel", default=None, help="with --build-anchor-env: a local torch CPU wheel")
     args = ap.parse_args(argv)
     if args.build_anchor_env:
-        for cmd in decode_anchor.anchor_env_commands(args.build_anchor_env, args.torch_wheel):
-            print("+", " ".join(cmd), file=sys.stderr)
-            subprocess.run(cmd, check=True)
+        try:
+            decode_anchor.build_anchor_env(
+                args.build_anchor_env, args.torch_wheel, log=lambda m: print(m, file=sys.stderr, flush=True)
+            )
+        except RuntimeError as exc:
+            print(f"llm_decode: --build-anchor-env: {exc}", file=sys.stderr)
+            return 2
         return 0
 
     if args.reprofile:
@@ -961,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
 
     load_start = decode.load_average()
     log(f"load average (1, 5, 15 min) at the start: {load_start}")
+    # precast.compile() measures its form at the thread count it compiles under (backends/forms.py): a run with
+    # one --threads value compiles at that count, so `--threads 1` and `--threads 2` runs each get their own choice
+    torch.set_num_threads(max(args.threads))
     variants, fp32_state = build_variants(
         names, shape, work, args.cache_dir, log, tuple(args.threads), args.anchor_python
     )
@@ -978,17 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants.values():
         for proc in (v.anchors or {}).values():
             proc.close()
-    rss = {}
-    for name, v in variants.items():
-        if v.rss_mb is not None:
-            rss[name] = v.rss_mb  # the anchor's own fresh process
-        elif name == "openvino_anchor_inprocess":
-            rss[name] = None  # the anchor's IR: its memory is the anchor's row
-        elif v.run is not None and not args.no_rss:
-            log(f"fresh-process memory: {name}")
-            rss[name] = fresh_rss_mb(v, shape)
-        else:
-            rss[name] = None
+    # the anchor's figure is its own fresh process's; the anchor's IR in this process has the anchor's row
+    rss = {n: v.rss_mb for n, v in variants.items()} if args.no_rss else fresh_rss_mb(variants, shape, log)
     profiles: dict[str, Any] = {}
     if args.profile is not None:
         profiles = profile_section(variants, shape, args.threads, args.profile)
@@ -1034,4 +632,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from precast.progress import quiet_libraries
+
+    with quiet_libraries():  # torchao's load failures and torch's notes on them; PRECAST_VERBOSE=1 shows them
+        sys.exit(main())

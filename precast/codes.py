@@ -107,8 +107,11 @@ _CODES = (
         "info",
         "policy 'torch' given a program: a dtype conversion to float32 of a value the export recorded as float32 "
         "(Qwen3's RMSNorm `weight * h.to(input_dtype)` exported in fp32): the dtype the model's code read while "
-        "tracing is fixed in the graph, where eager autocast would read the low dtype; the conversion follows "
-        "the program, and verifies against the program run under autocast, not eager autocast of the model",
+        "tracing is fixed in the graph, where eager autocast would read the low dtype; or a conversion the export "
+        "recorded as a no-op (`v.float()` of a float32 `v` returns `v`) whose value a later line reads by its "
+        "own name (`v.mean()`): the program records that read as one of the conversion, where eager autocast "
+        "reads the low-dtype `v`; the conversion follows the program, and verifies against the program run "
+        "under autocast, not eager autocast of the model",
         "convert the module with its example inputs (`precast.convert(model, example_inputs, policy='torch')`): "
         "precast traces its forward under autocast, as eager runs it",
     ),

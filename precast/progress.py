@@ -1,13 +1,51 @@
-"""One progress bar for long work (calibration, benchmarks): rich on stderr when it is a terminal, else silent.
+"""One progress bar for long work (calibration, benchmarks): rich on stderr when it is a terminal, else silent;
+and the quiet default: what the libraries precast drives print and a user cannot act on, held back
+(``quiet_libraries``; ``PRECAST_VERBOSE=1`` or ``precast --verbose`` shows it).
 
 Input: a total and a description. Output: progress on stderr (nothing when not a terminal).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any
+
+# loggers of libraries precast imports whose records a user cannot act on: torchao's "Failed to load
+# torchao/_C_*.so" (its CUDA and mxfp8 kernels, on any CPU build; transformers imports torchao) and torch's pytree
+# notes on torchao's enums ("register_constant() on Enum subclasses is deprecated")
+NOISY_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def verbose() -> bool:
+    """``PRECAST_VERBOSE`` set (non-empty): show everything the libraries print."""
+    return bool(os.environ.get("PRECAST_VERBOSE"))
+
+
+@contextlib.contextmanager
+def quiet_libraries(show: bool | None = None) -> Iterator[None]:
+    """For the block: Python warnings not raised from precast's own modules ignored, and ``NOISY_LOGGERS``'
+    records below ERROR held back; both restored after. ``show`` (default: ``verbose()``) shows everything.
+    precast's own output (reports, diagnostics, errors, warnings raised from ``precast.*``) is never held back."""
+    if verbose() if show is None else show:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.filterwarnings("default", module=r"precast(\.|$)")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)
 
 
 def wanted(enabled: bool | None) -> bool:

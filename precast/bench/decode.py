@@ -22,15 +22,16 @@ import os
 import statistics
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from precast.bench import decode_anchor
-from precast.bench.decode_model import Shape, decode_inputs, export_decoder, llama, read_bytes, wrapped
+from precast.bench import decode_forms
+from precast.bench.decode_model import Shape, decode_inputs
+
+MIN_REPEATS = 2  # a median of one sample hides a load spike
 
 
 # ---- the machine --------------------------------------------------------------------------------------------
@@ -84,10 +85,17 @@ class InProcess:
 
 
 def interleaved(
-    forms: dict[str, Any], threads: int, repeats: int, steps: int, log: Callable[[str], None]
+    forms: dict[str, Any],
+    threads: int,
+    repeats: int,
+    steps: int,
+    log: Callable[[str], None],
+    deadline: float | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Every repeat samples each form once, in turn (``forms``: name -> an object with ``warm()`` and
-    ``sample(steps, threads)``); medians per form, and the forms that failed with why."""
+    ``sample(steps, threads)``); medians per form, and the forms that failed with why. ``deadline`` (a
+    ``time.perf_counter()`` value): no repeat begins that would end past it (judged by the last one), though
+    ``MIN_REPEATS`` always run."""
     torch.set_num_threads(threads)
     failed: dict[str, str] = {}
     live = dict(forms)
@@ -102,11 +110,16 @@ def interleaved(
         prefill: dict[str, list[float]] = {n: [] for n in live}
         decode: dict[str, list[float]] = {n: [] for n in live}
         for r in range(repeats):
+            started = time.perf_counter()
             for name, form in live.items():
                 p, d = form.sample(steps, threads)
                 prefill[name].append(p)
                 decode[name].append(d)
             log(f"  threads={threads} repeat {r + 1}/{repeats}")
+            took = time.perf_counter() - started
+            if deadline is not None and r + 1 >= MIN_REPEATS and time.perf_counter() + took > deadline:
+                log(f"  threads={threads}: {r + 1} repeats fit the time budget")
+                break
     out = {
         name: {
             "prefill_ms": round(statistics.median(prefill[name]), 2),
@@ -119,152 +132,167 @@ def interleaved(
 
 
 # ---- precast bench --llm -------------------------------------------------------------------------------------
-FORMS = ("eager_fp32", "eager_bf16", "precast", "precast_default", "precast_openvino", "openvino_anchor")
+# the forms `precast bench --llm` compares by default: the eager references, the hand-cast compiled forms (the
+# fastest hand-cast one, max-autotune included, is the speed reference), precast through precast.compile with no
+# options and with Inductor's defaults, precast on OpenVINO, and OpenVINO's own export (the anchor)
+FORMS = (
+    "eager_fp32",
+    "eager_bf16",
+    "aoti_bf16",
+    "aoti_bf16_frozen",
+    "aoti_bf16_autotune",
+    "precast_torch",
+    "precast_torch_default",
+    "precast_openvino",
+    "openvino_anchor",
+)
+BUDGET_S = 300.0  # the default run's time budget: builds, memory, then as many repeats as fit (at least 2)
+MAX_REPEATS = 10  # the most repeats a budgeted run takes
+
+
+def measure(
+    variants: dict[str, Any],
+    shape: Shape,
+    threads: int,
+    repeats: int,
+    steps: int,
+    log: Callable[[str], None],
+    deadline: float | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Interleaved (``interleaved``): every repeat samples each form's prefill and ``steps`` decode steps once,
+    in turn; the anchor's process takes its turn in the same loop; medians. A form failing at run time gets
+    its error."""
+    forms: dict[str, Any] = {}
+    for name, v in variants.items():
+        if v.anchors is not None:
+            forms[name] = v.anchors[threads]
+        elif v.run is not None:
+            forms[name] = InProcess(v.run, shape)
+    out, failed = interleaved(forms, threads, repeats, steps, log, deadline)
+    for name, why in failed.items():
+        variants[name].error, variants[name].run, variants[name].anchors = why, None, None
+    return out
+
+
+def ratios(table: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each row's speed (tokens/s) as a ratio to the fastest hand-cast bf16 form's (named) and to the anchor's,
+    at one thread count (``table``: form -> its medians); absent where the reference did not run."""
+    hand = [(table[n]["decode_ms"], n) for n in decode_forms.BF16_HAND_FORMS if n in table]
+    fastest = min(hand) if hand else None
+    anchor = table.get(decode_forms.ANCHOR)
+    out: dict[str, dict[str, Any]] = {}
+    for name, r in table.items():
+        row: dict[str, Any] = {}
+        if fastest:
+            row["vs_fastest_hand_cast"] = {"form": fastest[1], "ratio": round(fastest[0] / r["decode_ms"], 3)}
+        if anchor:
+            row["vs_anchor"] = round(anchor["decode_ms"] / r["decode_ms"], 3)
+        out[name] = row
+    return out
 
 
 def run_decode_bench(
     shape: Shape,
     threads: list[int],
-    repeats: int,
+    repeats: int | None,
     steps: int,
     forms: tuple[str, ...] = FORMS,
     cache_dir: str | None = None,
     anchor: str | None = None,
     log: Callable[[str], None] = lambda m: None,
+    work: Path | None = None,
+    memory: bool = True,
+    budget_s: float = BUDGET_S,
 ) -> dict[str, Any]:
-    """The decode forms ``precast bench --llm`` compares, measured interleaved at each thread count; a JSON-able
-    payload (rows per thread count, errors, machine, load before / after, bandwidth)."""
-    import precast
+    """The decode forms ``precast bench --llm`` compares: built (compiled packages reused from ``work``), their
+    resident memory in fresh processes, then measured interleaved at each thread count; ``repeats`` None: as
+    many (``MIN_REPEATS`` .. ``MAX_REPEATS``) as fit the time left of ``budget_s``. A JSON-able payload."""
+    from precast.bench.decode_rss import fresh_rss_mb
     from precast.bench.measure import machine_info
 
-    load_start = load_average()
-    fp32 = llama(shape)
-    built: dict[str, Any] = {}
-    info: dict[str, dict[str, Any]] = {}
-    errors: dict[str, str] = {}
-    ep = export_decoder(fp32, shape) if any(f.startswith("precast") for f in forms) else None
-    res = None
-    if ep is not None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            res = precast.convert(ep, policy="torch", dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
-    for name in forms:
-        started = time.perf_counter()
-        try:
-            if name == "eager_fp32":
-                m = wrapped(fp32, shape).model
-                built[name] = m
-                info[name] = {"state": {**dict(m.named_parameters()), **dict(m.named_buffers())}}
-            elif name == "eager_bf16":
-                m = wrapped(llama(shape, torch.bfloat16), shape).model
-                built[name] = m
-                info[name] = {"state": {**dict(m.named_parameters()), **dict(m.named_buffers())}}
-            elif name in ("precast", "precast_default"):
-                assert res is not None
-                kw = {} if name == "precast" else {"mode": "default"}
-                cm = precast.compile(res.program, cache_dir=cache_dir, dynamic=False, progress=False, **kw)
-                built[name] = cm
-                info[name] = {"state": {**res.program.state_dict, **res.program.constants}, "form": cm.form}
-            elif name == "precast_openvino":
-                assert res is not None
-                models = {
-                    t: precast.compile(res.program, backend="openvino", precision_hint="bf16", threads=t)
-                    for t in threads
-                }
-                built[name] = models
-                info[name] = {"state": {**res.program.state_dict, **res.program.constants}}
-            elif name == "openvino_anchor":
-                python = decode_anchor.anchor_python(anchor)
-                if python is None:
-                    raise RuntimeError(
-                        f"no anchor environment ({decode_anchor.ANCHOR_ENV}; build it with precast bench --llm "
-                        "--build-anchor-env, or give --anchor-python)"
-                    )
-                folder = decode_anchor.save_for_anchor(
-                    fp32, Path(tempfile.gettempdir()) / f"precast-anchor-{shape.tag()}"
-                )
-                built[name] = {t: decode_anchor.AnchorProcess(python, folder, shape, t) for t in threads}
-                bf16 = llama(shape, torch.bfloat16)
-                state = {**dict(bf16.named_parameters())}
-                state.update(
-                    {
-                        f"cache.{i}.keys": torch.empty(
-                            1, shape.kv_heads, shape.cache_len, shape.head_dim, dtype=torch.bfloat16
-                        )
-                        for i in range(2 * shape.layers)
-                    }
-                )
-                first = built[name][threads[0]].info
-                info[name] = {
-                    "state": state,
-                    "export_s": first.get("export_s"),
-                    "rss_mb": first.get("rss_mb"),
-                    "versions": first.get("versions"),
-                }
-            info.setdefault(name, {})["compile_s"] = round(time.perf_counter() - started, 1)
-        except Exception as exc:  # noqa: BLE001 - a form failing is a row, not the end of the run
-            errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-            log(f"  {name} failed: {errors[name]}")
+    started, load_start = time.perf_counter(), load_average()
+    work = work or Path(tempfile.gettempdir()) / "precast-llm-decode"
+    work.mkdir(parents=True, exist_ok=True)
+    variants, _ = decode_forms.build_variants(forms, shape, work, cache_dir, log, tuple(threads), anchor)
+    rss = fresh_rss_mb(variants, shape, log) if memory else {n: v.rss_mb for n, v in variants.items()}
     runs: dict[int, dict[str, Any]] = {}
     bandwidth: dict[int, float] = {}
-    for t in threads:
+    for i, t in enumerate(threads):
         bandwidth[t] = round(bandwidth_gbs(t), 2)
-        forms_t: dict[str, Any] = {}
-        for name, obj in built.items():
-            if name == "openvino_anchor":
-                forms_t[name] = obj[t]
-            elif name == "precast_openvino":
-                forms_t[name] = InProcess(obj[t], shape)
-            else:
-                forms_t[name] = InProcess(obj, shape)
-        runs[t], failed = interleaved(forms_t, t, repeats, steps, log)
-        errors.update(failed)
-    for obj in built.get("openvino_anchor", {}).values():
-        obj.close()
-    rows = {}
-    for name, i in info.items():
-        held, read = read_bytes(i.pop("state", {}))
-        rows[name] = {**i, "stored_bytes": held, "read_bytes": read}
+        left = started + budget_s - time.perf_counter()
+        deadline = None if repeats else time.perf_counter() + max(left, 0) / (len(threads) - i)
+        runs[t] = measure(variants, shape, t, repeats or MAX_REPEATS, steps, log, deadline)
+    for v in variants.values():
+        for proc in (v.anchors or {}).values():
+            proc.close()
     return {
         "machine": machine_info(),
         "load_start": load_start,
         "load_end": load_average(),
         "shape": dataclasses.asdict(shape),
-        "repeats": repeats,
+        "repeats": repeats or f"as many as fit {budget_s:.0f} s (at most {MAX_REPEATS})",
         "steps": steps,
+        "seconds": round(time.perf_counter() - started, 1),
         "bandwidth_gbs": bandwidth,
-        "forms": rows,
+        "forms": {n: _form_row(v, rss.get(n)) for n, v in variants.items()},
         "runs": runs,
-        "errors": errors,
+        "ratios": {t: ratios(table) for t, table in runs.items()},
+        "errors": {n: v.error for n, v in variants.items() if v.error},
     }
 
 
+def _form_row(v: Any, rss_mb: float | None) -> dict[str, Any]:
+    return {
+        "rss_mb": rss_mb,
+        "stored_bytes": v.stored_bytes,
+        "read_bytes": v.read_bytes,
+        "compile_s": None if v.compile_s is None else round(v.compile_s, 1),
+        "reloadable": v.reloadable,
+        "note": v.note,
+    }
+
+
+def _cell(value: Any, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
 def decode_markdown(payload: dict[str, Any]) -> str:
-    """The payload of ``run_decode_bench`` as a markdown table (one row per thread count and form)."""
+    """The payload of ``run_decode_bench`` as a markdown table: one row per thread count and form, with its
+    speed against the fastest hand-cast form and against the anchor, and its resident memory (and against the
+    anchor's)."""
     m = payload["machine"]
+    anchor_mb = payload["forms"].get(decode_forms.ANCHOR, {}).get("rss_mb")
     lines = [
         "# LLM decode (precast bench --llm)",
         "",
         f"CPU: {m.get('cpu')} (torch capability {m.get('cpu_capability')}), torch {m.get('torch')}. Load average "
-        f"{payload['load_start']} before, {payload['load_end']} after. Shape {payload['shape']}; median of "
-        f"{payload['repeats']} interleaved repeats of {payload['steps']} decode steps.",
+        f"(1, 5, 15 min) {payload['load_start']} before, {payload['load_end']} after. Shape {payload['shape']}; "
+        f"median of {payload['repeats']} interleaved repeats of {payload['steps']} decode steps; "
+        f"{payload.get('seconds', '-')} s in all.",
         "",
-        "| threads | form | prefill ms | decode ms/token | tokens/s | read/token MB | share of bandwidth | "
-        "compile/export s | form chosen |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| threads | form | prefill ms | decode ms/token | tokens/s | x fastest hand-cast | x anchor | resident MiB "
+        "(fresh process) | memory x anchor | read/token MB | share of bandwidth | compile/export s | load_weights |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t, table in payload["runs"].items():
         bw = payload["bandwidth_gbs"][t]
+        rat = payload["ratios"][t]
         for name, r in table.items():
             f = payload["forms"].get(name, {})
             gbs = f.get("read_bytes", 0) / (r["decode_ms"] / 1e3) / 1e9
-            chosen = f.get("form", {}).get("name", "") if isinstance(f.get("form"), dict) else ""
+            hand = rat[name].get("vs_fastest_hand_cast")
+            vs_hand = f"{hand['ratio']} ({hand['form']})" if hand else "-"
+            mb = f.get("rss_mb")
             lines.append(
                 f"| {t} | {name} | {r['prefill_ms']:.1f} | {r['decode_ms']:.2f} | {1e3 / r['decode_ms']:.1f} | "
-                f"{f.get('read_bytes', 0) / 1e6:.0f} | {gbs / bw:.0%} of {bw} GB/s | "
-                f"{f.get('export_s') or f.get('compile_s') or '-'} | {chosen} |"
+                f"{vs_hand} | {_cell(rat[name].get('vs_anchor'))} | "
+                f"{_cell(mb)} | {_cell(round(mb / anchor_mb, 3) if mb and anchor_mb else None)} | "
+                f"{f.get('read_bytes', 0) / 1e6:.0f} | {gbs / bw:.0%} of {bw} GB/s | {_cell(f.get('compile_s'))} | "
+                f"{f.get('reloadable') or '-'} |"
             )
+    notes = [(n, f["note"]) for n, f in payload["forms"].items() if f.get("note")]
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- `{n}`: {e}" for n, e in notes]
     if payload["errors"]:
-        lines += ["", "Forms that did not run:", ""]
-        lines += [f"- `{n}`: {e}" for n, e in payload["errors"].items()]
+        lines += ["", "Forms that did not run:", ""] + [f"- `{n}`: {e}" for n, e in payload["errors"].items()]
     return "\n".join(lines) + "\n"

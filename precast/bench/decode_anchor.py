@@ -2,8 +2,10 @@
 (optimum-intel) in another Python environment (optimum-intel 2.2 needs transformers < 5.6), one persistent
 process per thread count, so its samples interleave with the in-process forms' repeat by repeat.
 
-- ``ANCHOR_ENV``, ``anchor_python``, ``anchor_env_commands``: where the anchor's environment lives, its Python,
-  the commands that build it (``precast bench --llm --build-anchor-env``).
+- ``ANCHOR_ENV``, ``anchor_python``, ``anchor_env_commands``, ``build_anchor_env``: where the anchor's
+  environment lives, its Python, the commands that build it and their run (``precast bench --llm
+  --build-anchor-env``, and the source checkout's decode script).
+- ``anchor_in_process``: the anchor's IR loaded by this process's OpenVINO (``openvino_anchor_inprocess``).
 - ``AnchorProcess``: one persistent process of ``ov_anchor.py`` at one thread count, sampled as (prefill ms,
   ms per decoded token).
 - ``save_for_anchor``: the seeded fp32 model saved with ``save_pretrained`` (the anchor exports these weights).
@@ -17,6 +19,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ from precast.bench.decode_model import Shape
 # < 5.6); $PRECAST_OV_ANCHOR_PYTHON or --anchor-python point elsewhere
 ANCHOR_ENV = str(Path(platformdirs.user_data_dir("precast")) / "ov-anchor")
 ANCHOR_SCRIPT = Path(__file__).with_name("ov_anchor.py")
+OPENVINO_PIN = "2026.4.1"  # precast[openvino]'s: the anchor and precast's OpenVINO forms run the same runtime
 
 
 def anchor_python(explicit: str | None = None) -> str | None:
@@ -40,21 +44,54 @@ def anchor_python(explicit: str | None = None) -> str | None:
     return None
 
 
-def anchor_env_commands(env: str = ANCHOR_ENV, torch_wheel: str | None = None) -> list[list[str]]:
+# pip fails fast where an index is unreachable: one try, 15 s per connection (pip's default retries 5 times with
+# back-off, minutes per package, before it says anything)
+PIP_FAST = ["--retries", "0", "--timeout", "15"]
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def anchor_env_commands(
+    env: str = ANCHOR_ENV,
+    torch_wheel: str | None = None,
+    python: str | None = None,
+    torch_version: str | None = None,
+) -> list[list[str]]:
     """The commands that build the anchor's environment: optimum-intel 2.2 pins transformers < 5.6 (precast tests
-    5.23), and pip would pull a CUDA-built torchvision that breaks ``import optimum.intel``
-    (``torchvision::nms does not exist``): torch CPU first (``torch_wheel``: a local wheel, else the CPU index),
-    every pin in a constraints file, torchvision removed after."""
-    pip = f"{env}/bin/pip"
+    5.23), and its dependencies would replace torch with a CUDA build of another release, and pull a CUDA-built
+    torchvision that breaks ``import optimum.intel`` (``torchvision::nms does not exist``). So: a venv of the
+    running interpreter (``python``, default ``sys.executable``); the running torch's release (``torch_version``,
+    default ``torch.__version__``) as a CPU build first (``torch_wheel``: a local wheel, else the CPU index, with
+    the lane's own pip configuration, which may point at local wheels); every pin (that torch included) in a
+    constraints file for the rest; torchvision removed after. Every pip call fails fast (``PIP_FAST``)."""
+    python = python or sys.executable
+    version = torch_version or torch.__version__
+    pip = [f"{env}/bin/python", "-m", "pip"]
     constraints = Path(env) / "constraints.txt"
+    pins = f"torch=={version.split('+')[0]}\ntransformers<5.6\nopenvino=={OPENVINO_PIN}\n"
+    torch_cmd = [torch_wheel] if torch_wheel else [f"torch=={version}", "--index-url", TORCH_CPU_INDEX]
+    if not torch_wheel and "+" not in version:  # a build without a local label (PyPI's): its CPU twin
+        torch_cmd[0] = f"torch=={version}+cpu"
     return [
-        ["python3.11", "-m", "venv", env],
-        [pip, "install", "-q", "--upgrade", "pip"],
-        [pip, "install", "-q", torch_wheel or "torch==2.13.0"]
-        + ([] if torch_wheel else ["--index-url", "https://download.pytorch.org/whl/cpu"]),
-        ["sh", "-c", f"printf 'transformers<5.6\\nopenvino==2026.4.1\\n' > {constraints}"],
-        [pip, "install", "-q", "-c", str(constraints), "optimum-intel[openvino]==2.2.*", "transformers<5.6"],
-        [pip, "uninstall", "-y", "-q", "torchvision"],
+        [python, "-m", "venv", env],
+        [
+            f"{env}/bin/python",
+            "-c",
+            "import sys; open(sys.argv[1], 'w').write(sys.argv[2])",
+            str(constraints),
+            pins,
+        ],
+        [*pip, "install", "-q", *PIP_FAST, *torch_cmd],
+        [
+            *pip,
+            "install",
+            "-q",
+            *PIP_FAST,
+            "-c",
+            str(constraints),
+            "optimum-intel[openvino]==2.2.*",
+            "transformers<5.6",
+        ],
+        [*pip, "uninstall", "-y", "-q", "torchvision"],
     ]
 
 
@@ -130,3 +167,57 @@ def save_for_anchor(model: torch.nn.Module, folder: Path) -> Path:
     if not (folder / "config.json").exists():
         model.save_pretrained(str(folder))
     return folder
+
+
+def anchor_in_process(anchor: Any, folder: Path, threads: tuple[int, ...]) -> tuple[Any, str]:
+    """The anchor's IR in this process: one infer request per thread count (bf16 hint and KV cache, as the anchor's
+    own process), fed as optimum-intel feeds it; the state reset where a call starts at position 0. ``anchor``:
+    the ``openvino_anchor`` form of the same run (its export of the weights)."""
+    if anchor is None or anchor.anchors is None or not (folder / "openvino_model.xml").exists():
+        raise RuntimeError("needs openvino_anchor in the same run (its export of the weights)")
+    import numpy as np
+    import openvino as ov
+
+    theirs = anchor.anchors[threads[0]].info.get("versions", {}).get("openvino")
+    if theirs != ov.__version__:
+        raise RuntimeError(f"OpenVINO here is {ov.__version__}, the anchor's {theirs}: not the same runtime")
+    config = {"INFERENCE_PRECISION_HINT": "bf16", "KV_CACHE_PRECISION": "bf16", "PERFORMANCE_HINT": "LATENCY"}
+    core = ov.Core()
+    requests = {
+        t: core.compile_model(
+            str(folder / "openvino_model.xml"), "CPU", {**config, "INFERENCE_NUM_THREADS": str(t)}
+        ).create_infer_request()
+        for t in threads
+    }
+    beam = np.zeros(1, np.int32)
+
+    def run(input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        request = requests[torch.get_num_threads()]
+        if int(cache_position[0]) == 0:
+            request.reset_state()
+        end = int(cache_position[-1]) + 1
+        request.infer(
+            {
+                "input_ids": input_ids.numpy(),
+                "attention_mask": np.ones((1, end), np.int64),
+                "position_ids": cache_position[None].numpy(),
+                "beam_idx": beam,
+            }
+        )
+        return torch.from_numpy(request.get_output_tensor(0).data.copy())
+
+    return run, f"the anchor's IR in this process ({ov.__version__}), a bare infer request"
+
+
+def build_anchor_env(env: str, torch_wheel: str | None = None, log: Any = print) -> None:
+    """Run ``anchor_env_commands``, each logged; the first that fails raises RuntimeError with its last line of
+    output (pip's own reason: an unreachable index, a version it cannot find)."""
+    for cmd in anchor_env_commands(env, torch_wheel):
+        log("+ " + " ".join(cmd))
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            lines = [ln.strip() for ln in (proc.stderr or proc.stdout or "").splitlines() if ln.strip()]
+            why = next(
+                (ln for ln in reversed(lines) if ln.startswith("ERROR")), lines[-1] if lines else "no output"
+            )
+            raise RuntimeError(f"`{' '.join(cmd[:6])} ...` failed: {why}; {env} is partial")

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import signal
 import sys
 import threading
-import warnings
 
 from precast.errors import PrecastError
+from precast.progress import quiet_libraries, verbose
 
 COMMANDS = ("convert", "report", "check", "sensitivity", "compile", "generate", "bench", "demo")
 
@@ -35,6 +34,12 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="precast", description="Ahead-of-time mixed precision for torch.export programs.")
     parser.add_argument("--version", action="version", version=f"precast {_version()}")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the warnings and log lines of the libraries precast drives (torch, transformers, torchao), "
+        "held back by default; PRECAST_VERBOSE=1 does the same",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         try:
@@ -64,14 +69,12 @@ def _on_sigterm(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not os.environ.get("PRECAST_VERBOSE"):
-        warnings.filterwarnings(
-            "ignore"
-        )  # torch's own UserWarnings drown the output; PRECAST_VERBOSE=1 shows them
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        return int(args.run(args) or 0)
+        # torch's own UserWarnings and torchao's load failures drown the output; --verbose shows them
+        with quiet_libraries(show=args.verbose or verbose()):
+            return int(args.run(args) or 0)
     except PrecastError as err:
         print(f"precast {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ precast bench [--model NAME|module:factory ...] [--batch N ...] [--dtype bf16|fp
               [--repeats N] [--variant V ...] [--out DIR]
 precast bench --convert [--model chain NAME ...] [--sizes N ...] [--policy none torch] [--no-memory] [--out DIR]
 precast bench --convert --llama 0.2b 1.1b [--policy none torch rules] [--out DIR]
-precast bench --llm [--quick] [--threads 1 2] [--steps N] [--repeats N] [--anchor-python PY] [--out DIR]
+precast bench --llm [--quick] [--threads 1 2] [--steps N] [--repeats N] [--anchor-python PY] [--no-rss] [--out DIR]
+precast bench --llm --build-anchor-env [DIR]
 
 Input: argv. Output: tables on stdout, files in ``--out``, an exit status.
 """
@@ -44,7 +45,13 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", nargs="+", type=int, default=[1], metavar="N", help="default: 1")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--repeats", type=int, default=20, metavar="N", help="interleaved repeats (default 20)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        metavar="N",
+        help="interleaved repeats (default 20; with --llm: as many as fit its 5-minute budget, 2 to 10)",
+    )
     p.add_argument(
         "--variant",
         nargs="+",
@@ -91,10 +98,14 @@ def add_parser(sub) -> None:
         "--llm",
         action="store_true",
         help="instead: decode speed of a Llama-shaped decoder with random weights (0.246 B; --quick: 2 tiny "
-        "layers), interleaved at each --threads: eager fp32, eager hand-cast bf16, precast.compile with no options "
-        "(the form this CPU implies) and with mode='default', precast on OpenVINO, and OpenVINO's own export "
-        "through optimum-intel in its own environment (--anchor-python; --build-anchor-env builds it); needs "
-        "transformers",
+        "layers), interleaved at each --threads: eager fp32, eager hand-cast bf16, the hand-cast bf16 program "
+        "through AOTInductor (as compiled, frozen, max-autotune), precast.compile with no options (the form this "
+        "CPU implies) and with mode='default', precast on OpenVINO, and OpenVINO's own export through "
+        "optimum-intel in its own environment (the anchor: --anchor-python; --build-anchor-env builds it). Each "
+        "row: tokens/s against the fastest hand-cast form's and the anchor's, resident memory of a fresh process "
+        "(--no-rss skips it) against the anchor's; the load average before and after. The run budgets 5 minutes: "
+        "builds (compiled packages are cached; only a first run compiles), memory, then as many repeats as fit "
+        "(2 to 10; --repeats N for a fixed number); needs precast[llm]",
     )
     llm.add_argument("--quick", action="store_true", help="with --llm: the tiny decoder (a smoke run)")
     llm.add_argument("--threads", nargs="+", type=int, default=[1, 2], metavar="N", help="with --llm")
@@ -128,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         return run_convert(args)
     if args.llm:
         return run_llm(args)
+    args.repeats = 20 if args.repeats is None else args.repeats
     if args.repeats < 1:
         raise PrecastError(f"bench: --repeats {args.repeats}; give at least 1")
     if any(b < 1 for b in args.batch):
@@ -172,34 +184,24 @@ def run_llm(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from precast.bench import decode, decode_anchor, decode_model
+    from precast.bench import decode, decode_model
     from precast.errors import PrecastError
 
-    if args.repeats < 1 or args.steps < 1 or any(t < 1 for t in args.threads):
+    if (args.repeats is not None and args.repeats < 1) or args.steps < 1 or any(t < 1 for t in args.threads):
         raise PrecastError("bench --llm: --repeats, --steps and --threads must be at least 1")
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise PrecastError("bench --llm: needs transformers; pip install transformers") from None
+        raise PrecastError("bench --llm: needs transformers; pip install 'precast[llm]'") from None
     if args.build_anchor_env is not None:
-        import subprocess
-
-        env = args.build_anchor_env or decode_anchor.ANCHOR_ENV
-        for cmd in decode_anchor.anchor_env_commands(env):
-            print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-            if subprocess.run(cmd).returncode != 0:
-                raise PrecastError(
-                    f"bench --llm --build-anchor-env: {cmd[0]} failed (see above); {env} is partial"
-                )
-        print(f"anchor environment ready: {env}/bin/python", file=sys.stderr)
-        return 0
+        return build_anchor_env(args.build_anchor_env)
     if args.out:
         out_dir(args.out, "llm_decode.json")
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    log(f"load average before: {decode.load_average()}")
+    log(f"load average (1, 5, 15 min) before: {decode.load_average()}")
     payload = decode.run_decode_bench(
         decode_model.QUICK if args.quick else decode_model.Shape(),
         list(args.threads),
@@ -208,8 +210,9 @@ def run_llm(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         anchor=args.anchor_python,
         log=log,
+        memory=not args.no_rss,
     )
-    log(f"load average after: {payload['load_end']}")
+    log(f"load average (1, 5, 15 min) after: {payload['load_end']}")
     text = decode.decode_markdown(payload)
     print(text)
     if args.out:
@@ -218,6 +221,21 @@ def run_llm(args: argparse.Namespace) -> int:
         out = Path(args.out)
         write_bytes(out / "llm_decode.json", (json.dumps(payload, indent=1, default=str) + "\n").encode())
         write_bytes(out / "llm_decode.md", text.encode())
+    return 0
+
+
+def build_anchor_env(folder: str) -> int:
+    """``--build-anchor-env [DIR]``: the anchor's environment, each command echoed; the first that fails is one
+    line (pip's own reason) and exit status 2."""
+    from precast.bench import decode_anchor
+    from precast.errors import PrecastError
+
+    env = folder or decode_anchor.ANCHOR_ENV
+    try:
+        decode_anchor.build_anchor_env(env, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except RuntimeError as exc:
+        raise PrecastError(f"bench --llm --build-anchor-env: {exc}") from None
+    print(f"anchor environment ready: {env}/bin/python", file=sys.stderr)
     return 0
 
 

@@ -1,7 +1,8 @@
 """Checks: problems precast finds in a program, each a diagnostic with a node, a source line and a fix.
 
 Before classify: control flow precast does not look inside (``control-flow``), regions whose enabled input is
-unused, regions that change nothing. After conversion: the device check runs the converted program node by
+unused, regions that change nothing, and (policy torch given a program) dtype reads the export fixed
+(``dtype-read-at-export``, in ``pipeline/dtype_reads.py``). After conversion: the device check runs the converted program node by
 node and names the op that fails on the device (``device-unsupported``), or says why it could not run.
 Errors stop the conversion unless the user allowed their code (``precast.ir.diagnostics``).
 
@@ -12,7 +13,6 @@ the op that failed as data (``DeviceFailure``), which the device fallback (``pip
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +24,15 @@ from torch.utils._pytree import PyTree
 
 from precast import codes
 from precast.dtypes import long_name
-from precast.errors import first_line, user_source_code, where
+from precast.errors import first_line, where
 from precast.ir.diagnostics import DiagnosticLog, raise_errors, record
 from precast.ir.inputs import normalize_inputs
+from precast.pipeline.dtype_reads import (  # noqa: F401 - the checks' callers import them from here
+    check_dtype_reads,
+    dtype_reads_at_export,
+    program_device_types,
+    shared_noop_conversions,
+)
 
 # every registered code (kept under this name for callers that list them)
 CODES = tuple(codes.CODES)
@@ -74,18 +80,6 @@ def check_unused_enabled_inputs(ep: ExportedProgram, regions: list, rep: Diagnos
             module=suspects[0].module,
             region=suspects[0].id,
         )
-
-
-def program_device_types(ep: ExportedProgram) -> set[str]:
-    out = set()
-    for n in ep.graph.nodes:
-        val = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(val, torch.Tensor):
-            out.add(val.device.type)
-    for v in list(ep.state_dict.values()) + list(ep.constants.values()):
-        if isinstance(v, torch.Tensor):
-            out.add(v.device.type)
-    return out or {"cpu"}
 
 
 def check_noop_regions(ep: ExportedProgram, regions: list, rep: DiagnosticLog) -> None:
@@ -144,61 +138,6 @@ def check_control_flow(gm: torch.fx.GraphModule, rep: DiagnosticLog) -> None:
             fix=f"move the autocast region out of the {kind} branches, or allow 'control-flow' to convert the "
             "rest of the program and leave the subgraphs as written",
         )
-
-
-# conversions whose target dtype is written into the graph (``x.to(input_dtype)`` records the dtype it read);
-# ``type_as`` reads its other tensor when it runs and is not one of them
-DTYPE_CONVERSIONS = (
-    torch.ops.aten.to.dtype,
-    torch.ops.aten.to.dtype_layout,
-    torch.ops.aten.to.device,
-    torch.ops.aten._to_copy.default,
-)
-# a source line that names float32 itself (``h.to(torch.float32)``, ``x.float()``) asked for float32: not a read
-_SPELLS_FLOAT32 = re.compile(r"float32|\.float\(|torch\.float\b")
-
-
-def dtype_reads_at_export(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """Top-level dtype conversions to float32 of a value the export recorded as float32, whose source line
-    (when recorded) does not name float32 itself: in an fp32 export, the trace of a dtype read
-    (``weight * h.to(input_dtype)`` in Qwen3's RMSNorm), a no-op there that eager autocast would not make one
-    (``input_dtype`` is bf16 there when ``h`` comes out of a linear)."""
-    found = []
-    for node in graph.nodes:
-        if node.op != "call_function" or node.target not in DTYPE_CONVERSIONS or not node.args:
-            continue
-        src = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-        target = node.kwargs.get("dtype") or next(
-            (a for a in node.args[1:] if isinstance(a, torch.dtype)), None
-        )
-        if not isinstance(src, torch.Tensor) or src.dtype != torch.float32 or target != torch.float32:
-            continue
-        if _SPELLS_FLOAT32.search(user_source_code(node) or ""):
-            continue
-        found.append(node)
-    return found
-
-
-def check_dtype_reads(ep: ExportedProgram, rep: DiagnosticLog) -> None:
-    """Policy torch given a program: dtype reads the export fixed (``dtype-read-at-export``, info, once), naming
-    the first and pointing to the module route, which traces the forward under autocast as eager runs it."""
-    found = dtype_reads_at_export(ep.graph)
-    if not found:
-        return
-    first = found[0]
-    code = user_source_code(first)
-    record(
-        rep,
-        "dtype-read-at-export",
-        f"{where(first)}: converts a float32 value to float32{f' (`{code}`)' if code else ''}; {len(found)} such "
-        "conversion(s) in the program: code that reads a tensor's dtype while tracing (`x.to(input_dtype)`) "
-        "fixed float32 there when the program was exported, where eager torch.autocast would read the low "
-        "dtype; this program converts (and verifies) as the program run under torch.autocast, which can differ "
-        "from eager autocast of the model",
-        first,
-        fix="convert the module instead: precast.convert(model, example_inputs, policy='torch') traces its "
-        "forward under autocast, as eager runs it",
-    )
 
 
 # ---- checks on the converted program ------------------------------------------------------------------

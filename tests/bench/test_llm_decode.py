@@ -68,6 +68,10 @@ def test_interleaved_samples_every_form_in_turn_and_reports_failures():
     assert failed == {"bad": "RuntimeError: no such kernel"}
     assert out["a"]["decode_ms"] == 2.003 and out["b"]["decode_ms"] == 4.004  # medians
     assert len(out["a"]["decode_samples_ms"]) == 3
+    # a time budget already spent: the fewest repeats a median takes, never fewer
+    calls.clear()
+    out, _ = decode.interleaved({"a": Form("a")}, 1, 10, 2, lambda m: None, deadline=0.0)
+    assert len(out["a"]["decode_samples_ms"]) == decode.MIN_REPEATS == 2
 
 
 def test_read_bytes_counts_weights_whole_one_embedding_row_and_the_cache():
@@ -84,15 +88,57 @@ def test_read_bytes_counts_weights_whole_one_embedding_row_and_the_cache():
     assert read == 32 + 256 + 128
 
 
-def test_anchor_environment_pins_what_optimum_intel_needs():
+def test_anchor_environment_pins_the_running_torch_and_fails_fast():
+    """The anchor's venv is the running interpreter's; torch is the running release as a CPU build (the local
+    wheel, else the CPU index) and stays pinned in the constraints optimum-intel installs under (its dependencies
+    once replaced torch 2.13.0 with a 6 GB CUDA build of 2.15.0); every pip call fails fast on an unreachable
+    index."""
+    import sys
+
     from precast.bench import decode_anchor
 
-    cmds = [" ".join(c) for c in decode_anchor.anchor_env_commands("/tmp/env", "/w/torch.whl")]
-    assert cmds[0] == "python3.11 -m venv /tmp/env"
-    assert any("/w/torch.whl" in c for c in cmds)  # torch CPU first: optimum-intel must not pull a CUDA one
-    assert any("transformers<5.6" in c and "optimum-intel[openvino]==2.2.*" in c for c in cmds)
-    assert "openvino==2026.4.1" in cmds[3]
-    assert cmds[-1].endswith("uninstall -y -q torchvision")  # its CUDA build breaks import optimum.intel
+    cmds = decode_anchor.anchor_env_commands("/tmp/env", None, torch_version="2.13.0+cpu")
+    assert cmds[0] == [sys.executable, "-m", "venv", "/tmp/env"]
+    pins = cmds[1][-1].splitlines()
+    assert "torch==2.13.0" in pins and "transformers<5.6" in pins and "openvino==2026.4.1" in pins
+    torch_cmd, optimum = cmds[2], cmds[3]
+    assert "torch==2.13.0+cpu" in torch_cmd
+    assert torch_cmd[torch_cmd.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    assert optimum[optimum.index("-c") + 1] == cmds[1][-2] and "optimum-intel[openvino]==2.2.*" in optimum
+    for pip in (torch_cmd, optimum):
+        assert pip[pip.index("--retries") + 1] == "0" and pip[pip.index("--timeout") + 1] == "15"
+    assert (
+        cmds[-1][-1] == "torchvision" and "uninstall" in cmds[-1]
+    )  # its CUDA build breaks import optimum.intel
+    wheel = decode_anchor.anchor_env_commands("/tmp/env", "/w/torch.whl", python="/usr/bin/python3.12")
+    assert (
+        wheel[0][0] == "/usr/bin/python3.12" and "/w/torch.whl" in wheel[2] and "--index-url" not in wheel[2]
+    )
+    # a PyPI build (no local label): its CPU twin
+    assert "torch==2.15.0+cpu" in decode_anchor.anchor_env_commands("/e", torch_version="2.15.0")[2]
+
+
+def test_build_anchor_env_stops_at_the_first_failure_in_one_line(monkeypatch, capsys, tmp_path):
+    import subprocess
+
+    from precast.bench import decode_anchor
+    from precast.cli import main
+
+    ran = []
+
+    def fake_run(cmd, **kw):
+        ran.append(cmd)
+        fails = "install" in cmd and any(c.startswith("torch==") for c in cmd)
+        err = "WARNING: Retrying\nERROR: Could not find a version that satisfies the requirement torch==2.13.0+cpu\n"
+        return subprocess.CompletedProcess(cmd, 1 if fails else 0, "", err if fails else "")
+
+    monkeypatch.setattr(decode_anchor.subprocess, "run", fake_run)
+    assert main(["bench", "--llm", "--build-anchor-env", str(tmp_path / "env")]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("precast bench: error: bench --llm --build-anchor-env: ")
+    assert "ERROR: Could not find a version" in last and "is partial" in last and "Traceback" not in err
+    assert len(ran) == 3  # venv, constraints, torch: nothing after the failure
 
 
 def test_bench_llm_quick_eager_rows_and_a_missing_anchor_is_a_row_error(tmp_path, monkeypatch):
@@ -101,7 +147,13 @@ def test_bench_llm_quick_eager_rows_and_a_missing_anchor_is_a_row_error(tmp_path
     monkeypatch.setattr(decode_anchor, "ANCHOR_ENV", str(tmp_path / "no-env"))
     monkeypatch.delenv("PRECAST_OV_ANCHOR_PYTHON", raising=False)
     payload = decode.run_decode_bench(
-        decode_model.QUICK, [1], 1, 1, forms=("eager_fp32", "eager_bf16", "openvino_anchor")
+        decode_model.QUICK,
+        [1],
+        1,
+        1,
+        forms=("eager_fp32", "eager_bf16", "openvino_anchor"),
+        work=tmp_path,
+        memory=False,
     )
     assert set(payload["runs"][1]) == {"eager_fp32", "eager_bf16"}
     assert "no anchor environment" in payload["errors"]["openvino_anchor"]
@@ -109,8 +161,66 @@ def test_bench_llm_quick_eager_rows_and_a_missing_anchor_is_a_row_error(tmp_path
         payload["forms"]["eager_fp32"]["read_bytes"], rel=0.01
     )
     assert isinstance(payload["load_start"], list) and isinstance(payload["load_end"], list)
+    # the fastest hand-cast form here is eager_bf16 (the only one): its own ratio is 1
+    assert payload["ratios"][1]["eager_bf16"]["vs_fastest_hand_cast"] == {"form": "eager_bf16", "ratio": 1.0}
     text = decode.decode_markdown(payload)
     assert "| 1 | eager_bf16 |" in text and "no anchor environment" in text
+    assert "x fastest hand-cast" in text and "x anchor" in text and "resident MiB" in text
+
+
+def test_ratios_to_the_fastest_hand_cast_form_and_the_anchor():
+    from precast.bench import decode
+
+    table = {
+        "eager_bf16": {"decode_ms": 40.0},
+        "aoti_bf16": {"decode_ms": 25.0},
+        "aoti_bf16_autotune": {"decode_ms": 20.0},  # the fastest hand-cast form: max-autotune counts
+        "precast_torch": {"decode_ms": 16.0},
+        "openvino_anchor": {"decode_ms": 32.0},
+        "eager_fp32": {"decode_ms": 80.0},  # fp32: never the hand-cast reference
+    }
+    r = decode.ratios(table)
+    assert r["precast_torch"] == {
+        "vs_fastest_hand_cast": {"form": "aoti_bf16_autotune", "ratio": 1.25},
+        "vs_anchor": 2.0,
+    }
+    assert (
+        r["eager_fp32"]["vs_fastest_hand_cast"]["ratio"] == 0.25 and r["openvino_anchor"]["vs_anchor"] == 1.0
+    )
+    assert decode.ratios({"eager_fp32": {"decode_ms": 1.0}}) == {"eager_fp32": {}}  # no reference ran
+
+
+def test_the_table_shows_memory_against_the_anchor():
+    from precast.bench import decode
+
+    run = {"prefill_ms": 10.0, "decode_ms": 20.0}
+    payload = {
+        "machine": {"cpu": "X", "cpu_capability": "AVX2", "torch": "2.13"},
+        "load_start": [1.0, 1.0, 1.0],
+        "load_end": [2.0, 2.0, 2.0],
+        "shape": {},
+        "repeats": 3,
+        "steps": 8,
+        "seconds": 12.0,
+        "bandwidth_gbs": {2: 10.0},
+        "forms": {
+            "precast_openvino": {"rss_mb": 300.0, "read_bytes": 10**8, "compile_s": 5.0, "reloadable": "-"},
+            "openvino_anchor": {"rss_mb": 400.0, "read_bytes": 10**8, "compile_s": 9.0, "reloadable": "-"},
+        },
+        "runs": {2: {"precast_openvino": run, "openvino_anchor": {"prefill_ms": 12.0, "decode_ms": 25.0}}},
+        "errors": {},
+    }
+    payload["ratios"] = {2: decode.ratios(payload["runs"][2])}
+    text = decode.decode_markdown(payload)
+    row = next(ln for ln in text.splitlines() if ln.startswith("| 2 | precast_openvino |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[5:9] == [
+        "-",
+        "1.25",
+        "300.0",
+        "0.75",
+    ]  # no hand-cast form ran; 1.25x the anchor; 0.75x its memory
+    assert "[1.0, 1.0, 1.0] before, [2.0, 2.0, 2.0] after" in text
 
 
 def test_bench_llm_bad_option_is_one_line(capsys):

@@ -34,7 +34,9 @@ class RMSNormed(nn.Module):
 
 class Upcast(nn.Module):
     """Only literal float32 conversions (``.float()``, ``.to(torch.float32)``) and ``type_as``, which reads its
-    other tensor when it runs: nothing fixed at export."""
+    other tensor when it runs: nothing fixed at export. ``type_as`` reads a view of ``h`` taken before the
+    conversions: ``v.type_as(h)`` after them would be traced as reading ``h.to(torch.float32)`` (a no-op in the
+    fp32 export that returns ``h`` itself), which ``tests/pipeline/test_shared_conversions.py`` covers."""
 
     def __init__(self):
         super().__init__()
@@ -42,8 +44,9 @@ class Upcast(nn.Module):
 
     def forward(self, x):
         h = self.lin(x)
+        like = h[:1]
         v = h.float() * 0.5 + h.to(torch.float32)
-        return v.type_as(h) + 1
+        return v.type_as(like) + 1
 
 
 class Region(nn.Module):

@@ -1,0 +1,330 @@
+"""The decode forms ``precast bench --llm`` and the source checkout's decode script build: one
+``Variant`` per form, each built by its own builder from one shared ``Build`` (the fp32 model, its programs).
+
+- ``EAGER``, ``HAND``, ``PRECAST``, ``OPENVINO``, ``VARIANTS``: the forms' names; ``BF16_HAND_FORMS`` and
+  ``FP32_FORMS`` the hand-cast bf16 and fp32 ones (the ratios' references).
+- ``build_variants``: every asked form built (compiled packages reused from a work folder); a form that fails
+  carries its error (a row of the table, not the end of the run).
+- ``convert_llm``, ``check_reload``: precast's conversion of the decoder and its ``load_weights`` check.
+
+Input: form names, a shape, a work folder. Output: ``Variant`` objects (a callable, bytes, what a fresh process
+needs to measure its memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from precast.bench import decode_anchor
+from precast.bench.decode_model import Shape, export_decoder, llama, read_bytes, wrapped
+
+EAGER = ("eager_fp32", "eager_autocast", "eager_bf16")
+HAND = ("aoti_fp32", "aoti_fp32_frozen", "aoti_bf16", "aoti_bf16_frozen", "aoti_bf16_autotune")
+PRECAST = (
+    "precast_torch",
+    "precast_torch_default",
+    "precast_auto",
+    "precast_torch_autotune",
+    "precast_auto_autotune",
+)
+OPENVINO = ("precast_openvino", "openvino_anchor", "openvino_anchor_inprocess")
+VARIANTS = EAGER + HAND + PRECAST + OPENVINO
+# max-autotune with Inductor's C++ GEMM template alone: choosing between it and ATen by timing both at compile
+# time is a coin toss on a loaded machine (measured: ATen's mm "0.23 ms" against the template's "20 ms" for one
+# shape, 13 ms against 32 ms for another), so the autotune forms take the template wherever it applies
+CPP_GEMM = {"max_autotune_gemm_backends": "CPP"}
+FP32_FORMS = ("eager_fp32", "aoti_fp32", "aoti_fp32_frozen")
+BF16_HAND_FORMS = ("eager_bf16", "aoti_bf16", "aoti_bf16_frozen", "aoti_bf16_autotune")
+ANCHOR = "openvino_anchor"
+
+
+@dataclasses.dataclass
+class Variant:
+    name: str
+    run: Callable[..., Any] | None  # run(input_ids=, cache_position=) -> logits
+    package: Path | None = None  # a compiled package (for the fresh-process memory), None for eager
+    # precast's packages hold no weights: the fresh process loads the converted program and precast.compile's it
+    compile_spec: dict[str, Any] | None = None
+    stored_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # weights / cache bytes held
+    read_bytes: int = 0  # bytes a decode step reads (every weight but the embedding table, + the whole cache)
+    reloadable: str = ""  # "yes" / "no" / why
+    compile_s: float | None = None
+    error: str | None = None
+    note: str = ""
+    anchors: dict[int, Any] | None = None  # openvino_anchor: its process per thread count
+    rss_mb: float | None = None  # measured by the variant's own fresh process (the anchor)
+
+
+@dataclasses.dataclass
+class Build:
+    """What the builders share: the shape, the fp32 model and the programs the asked forms need."""
+
+    shape: Shape
+    work: Path
+    cache_dir: str | None
+    threads: tuple[int, ...]
+    anchor: str | None
+    fp32: torch.nn.Module
+    ep32: torch.export.ExportedProgram | None
+    bf16: torch.nn.Module | None
+    ep16: torch.export.ExportedProgram | None
+    variants: dict[str, Variant]
+
+    @property
+    def tag(self) -> str:
+        return f"{self.shape.tag()}-torch{torch.__version__}"
+
+
+def state_of(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    return {**ep.state_dict, **{k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}}
+
+
+def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+def call(model: Any) -> Callable[..., Any]:
+    def run(input_ids: torch.Tensor, cache_position: torch.Tensor) -> Any:
+        return model(input_ids=input_ids, cache_position=cache_position)
+
+    return run
+
+
+def aoti(ep: torch.export.ExportedProgram, path: Path, configs: dict[str, Any]) -> tuple[Any, float]:
+    """AOTInductor's package of ``ep`` at ``path`` (compiled there once, reused after) and the seconds it took."""
+    import torch._inductor
+
+    started = time.perf_counter()
+    if not path.exists():
+        tmp = path.with_suffix(".tmp.pt2")
+        with torch.no_grad():  # freezing applies only under no_grad
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=configs)
+        os.replace(tmp, path)
+    return torch._inductor.aoti_load_package(str(path)), time.perf_counter() - started
+
+
+def save_program(ep: torch.export.ExportedProgram, path: Path) -> Path:
+    if not path.exists():
+        tmp = path.with_name(path.name + ".tmp.pt2")
+        torch.export.save(ep, str(tmp))
+        os.replace(tmp, path)
+    return path
+
+
+# ---- builders, one per kind of form ----------------------------------------------------------------------------
+def build_eager(b: Build, v: Variant) -> None:
+    if v.name == "eager_autocast":
+        m = wrapped(llama(b.shape), b.shape).model
+
+        def run(input_ids, cache_position, m=m):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return m(input_ids=input_ids, cache_position=cache_position)
+
+        v.run = run
+    else:
+        m = wrapped(b.fp32 if v.name == "eager_fp32" else b.bf16, b.shape).model
+        v.run = call(m)
+    v.reloadable = "yes (module)"
+    v.stored_bytes, v.read_bytes = read_bytes(module_state(m))
+
+
+def build_hand(b: Build, v: Variant) -> None:
+    """AOTInductor on the fp32 or the hand-cast bf16 program: as compiled, frozen, or max-autotune."""
+    ep = b.ep32 if "fp32" in v.name else b.ep16
+    assert ep is not None
+    configs: dict[str, Any] = {"freezing": True} if v.name.endswith("frozen") else {}
+    if v.name.endswith("autotune"):
+        configs = {"max_autotune": True, **CPP_GEMM}
+    v.package = b.work / f"{v.name}-{b.tag}.pt2"
+    model, v.compile_s = aoti(ep, v.package, configs)
+    v.run = call(model)
+    v.reloadable = {"freezing": "no (frozen)", "max_autotune": "no (packed copies)"}.get(
+        next(iter(configs), ""), "yes (load_constants)"
+    )
+    v.stored_bytes, v.read_bytes = read_bytes(state_of(ep))
+
+
+def build_precast(b: Build, v: Variant) -> None:
+    """precast.convert (policy torch or auto, bf16, cache bf16) then precast.compile: no options (the form this
+    CPU implies), Inductor's defaults, or max-autotune with the C++ GEMM template."""
+    import precast
+
+    assert b.ep32 is not None
+    res = convert_llm(b.ep32, v.name.split("_")[1])
+    v.note = res.note
+    mode = {"autotune": "max-autotune", "default": "default"}.get(v.name.rsplit("_", 1)[1], "auto")
+    configs = CPP_GEMM if mode == "max-autotune" else None
+    started = time.perf_counter()
+    cm = precast.compile(
+        res.program, cache_dir=b.cache_dir, dynamic=False, mode=mode, inductor_configs=configs
+    )
+    v.compile_s = time.perf_counter() - started
+    v.package, v.run = cm.package_path, call(cm)
+    if mode == "auto":
+        v.note = (v.note + "; " if v.note else "") + f"form {cm.form['name']}: {cm.form['why']}"
+    program = save_program(res.program, b.work / f"{v.name}-{b.tag}.program.pt2")
+    v.compile_spec = {
+        "program": str(program),
+        "cache_dir": b.cache_dir,
+        "mode": mode,
+        "inductor_configs": configs,
+    }
+    v.stored_bytes, v.read_bytes = read_bytes(state_of(res.program))
+    v.reloadable = check_reload(cm, {k: t.detach().clone() for k, t in b.ep32.state_dict.items()})
+
+
+def build_precast_openvino(b: Build, v: Variant) -> None:
+    """precast's plan on OpenVINO, the KV cache as OpenVINO state: one compiled model per thread count (OpenVINO
+    fixes its threads at compile time)."""
+    import precast
+
+    assert b.ep32 is not None
+    res = convert_llm(b.ep32, "torch")
+    started = time.perf_counter()
+    models = {
+        t: precast.compile(res.program, backend="openvino", precision_hint="bf16", threads=t)
+        for t in b.threads
+    }
+    v.compile_s = (time.perf_counter() - started) / len(models)
+
+    def run(input_ids, cache_position, models=models):
+        return models[torch.get_num_threads()](input_ids=input_ids, cache_position=cache_position)
+
+    v.run, v.reloadable, v.note = run, "-", "bf16 hint, cache bf16"
+    program = save_program(res.program, b.work / f"{v.name}-{b.tag}.program.pt2")
+    v.compile_spec = {"program": str(program), "backend": "openvino"}
+    v.stored_bytes, v.read_bytes = read_bytes(state_of(res.program))
+
+
+def build_anchor(b: Build, v: Variant) -> None:
+    """OpenVINO's own export of the same weights, in the anchor's environment: one process per thread count."""
+    python = decode_anchor.anchor_python(b.anchor)
+    if python is None:
+        raise RuntimeError(
+            f"no anchor environment ({decode_anchor.ANCHOR_ENV}; build it with precast bench --llm "
+            "--build-anchor-env, or give --anchor-python)"
+        )
+    folder = decode_anchor.save_for_anchor(b.fp32, b.work / f"anchor-{b.tag}")
+    v.anchors = {t: decode_anchor.AnchorProcess(python, folder, b.shape, t) for t in b.threads}
+    first = v.anchors[b.threads[0]].info
+    v.compile_s, v.rss_mb = first.get("export_s"), first.get("rss_mb")
+    v.note = f"optimum-intel export, bf16 hint + bf16 KV cache; {first.get('versions')}"
+    v.run, v.reloadable = (lambda **kw: None), "-"
+    # OpenVINO runs bf16 weights under the bf16 hint: the bytes the hand-cast bf16 model holds
+    v.stored_bytes, v.read_bytes = read_bytes(
+        module_state(wrapped(llama(b.shape, torch.bfloat16), b.shape).model)
+    )
+
+
+def build_anchor_inprocess(b: Build, v: Variant) -> None:
+    v.run, v.note = decode_anchor.anchor_in_process(
+        b.variants.get(ANCHOR), b.work / f"anchor-{b.tag}-ov", b.threads
+    )
+    v.reloadable = "-"
+    v.stored_bytes, v.read_bytes = read_bytes(
+        module_state(wrapped(llama(b.shape, torch.bfloat16), b.shape).model)
+    )
+
+
+BUILDERS: dict[str, Callable[[Build, Variant], None]] = {
+    **dict.fromkeys(EAGER, build_eager),
+    **dict.fromkeys(HAND, build_hand),
+    **dict.fromkeys(PRECAST, build_precast),
+    "precast_openvino": build_precast_openvino,
+    ANCHOR: build_anchor,
+    "openvino_anchor_inprocess": build_anchor_inprocess,
+}
+
+
+def build_variants(
+    names: tuple[str, ...],
+    shape: Shape,
+    work: Path,
+    cache_dir: str | None,
+    log: Callable[[str], None],
+    threads: tuple[int, ...] = (1, 2),
+    anchor: str | None = None,
+) -> tuple[dict[str, Variant], dict[str, torch.Tensor]]:
+    """Every asked form built (compiled packages reused from ``work`` when the shape matches); a form that fails
+    carries its error. Also returns the fp32 state dict by original name (for load_weights)."""
+    fp32 = llama(shape)
+    fp32_state = {k: v.detach().clone() for k, v in fp32.state_dict().items()}
+    need_bf16_ep = any(n.startswith("aoti_bf16") for n in names)
+    t0 = time.perf_counter()
+    bf16 = llama(shape, torch.bfloat16) if need_bf16_ep or "eager_bf16" in names else None
+    b = Build(
+        shape,
+        work,
+        cache_dir,
+        tuple(threads),
+        anchor,
+        fp32,
+        export_decoder(fp32, shape) if any(n.startswith(("aoti_fp32", "precast")) for n in names) else None,
+        bf16,
+        export_decoder(bf16, shape) if need_bf16_ep and bf16 is not None else None,
+        {},
+    )
+    log(f"exported in {time.perf_counter() - t0:.1f}s")
+    for name in names:
+        log(f"building {name}")
+        v = Variant(name, None)
+        try:
+            BUILDERS[name](b, v)
+        except Exception as exc:  # noqa: BLE001 - one form failing is a row of the table, not the end of the run
+            v.run, v.error = (
+                None,
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+            )
+            log(f"  {name} failed: {v.error}")
+            if os.environ.get("LLM_DECODE_DEBUG"):
+                import traceback
+
+                traceback.print_exc()
+        b.variants[name] = v
+    return b.variants, fp32_state
+
+
+@dataclasses.dataclass
+class Converted:
+    program: torch.export.ExportedProgram
+    note: str
+
+
+def convert_llm(ep: torch.export.ExportedProgram, policy: str) -> Converted:
+    """``precast.convert(ep, policy=..., dtype=bf16, cache_dtype=bf16)``."""
+    import precast
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = precast.convert(ep, policy=policy, dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
+    note = ""
+    if policy == "auto":
+        mms = [r for r in res.report.nodes if r.op.split(".")[-2:][0] in ("mm", "addmm", "bmm", "linear")]
+        low = sum(1 for r in mms if r.dtype and "bf" in r.dtype)
+        note = f"auto: {low} of {len(mms)} matmuls bf16"
+    return Converted(res.program, note)
+
+
+def check_reload(cm: Any, fp32_state: dict[str, torch.Tensor]) -> str:
+    """load_weights by original names: other weights (every matmul weight halved) must move the logits, and the
+    original ones must bring them back bit for bit; 'yes' when both hold, else what failed."""
+    ids, pos = torch.zeros(1, 1, dtype=torch.long), torch.tensor([0])
+    other = {k: v * 0.5 if k.endswith("proj.weight") or "lm_head" in k else v for k, v in fp32_state.items()}
+    with torch.no_grad():
+        before = cm(input_ids=ids, cache_position=pos).clone()
+        try:
+            cm.load_weights(other)
+            moved = not torch.equal(cm(input_ids=ids, cache_position=pos), before)
+            cm.load_weights(fp32_state)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            return f"no ({str(exc)[:120]})"
+        back = torch.equal(cm(input_ids=ids, cache_position=pos), before)
+    return "yes" if moved and back else f"no (new weights moved the logits: {moved}; restored: {back})"
