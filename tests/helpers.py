@@ -56,3 +56,23 @@ def casts_per_producer(ep: ExportedProgram) -> dict:
             key = (n.args[0].name, n.kwargs["dtype"])
             counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def openvino_native_bf16() -> bool:
+    """What OpenVINO reports about this CPU: its default inference precision is bf16 (native bf16 arithmetic)."""
+    import openvino as ov
+
+    from precast.backends.openvino_precision import native_bf16
+
+    return native_bf16(ov.Core())
+
+
+def openvino_emulated_only(plan) -> bool:
+    """Every layer OpenVINO ran off precast's plan is one the CPU's capabilities imply: under the f32 hint, on a
+    CPU without native bf16 (plain AVX2), a bf16 layer computed in fp32 (OpenVINO has no bf16 kernels there).
+    On a CPU with native bf16 nothing may be overridden."""
+    if openvino_native_bf16():
+        return plan.overridden == []
+    return plan.hint == "f32" and all(
+        set(x.planned) - {"fp32"} == {"bf16"} and x.runtime == ("fp32",) for x in plan.overridden
+    )

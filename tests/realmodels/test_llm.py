@@ -36,6 +36,7 @@ from torch.export.graph_signature import InputKind
 pytest.importorskip("transformers")
 
 import precast  # noqa: E402
+from tests.helpers import openvino_emulated_only, openvino_native_bf16  # noqa: E402
 from tests.realmodels import llm  # noqa: E402
 
 # Six families in CI (the table script runs every family in llm.FAMILIES): a plain decoder (llama), qkv biases
@@ -508,7 +509,9 @@ def test_openvino_decode_matches_converted_program(llms, openvino_models, family
     assert llm.all_finite(got)
     assert greedy_disagreements(got, want) == []
     assert cos >= OPENVINO_MIN_COSINE[case_id], cos
-    assert model.plan.overridden == [], model.plan.summary()
+    # every layer runs precast's plan (on a CPU without native bf16, OpenVINO's f32 hint computes the bf16
+    # layers in fp32: the only override allowed there)
+    assert openvino_emulated_only(model.plan), model.plan.summary()
     assert (model.growing is not None) == (family in OPENVINO_GROWS), model.cache_form
     layers = [
         op.get_rt_info()["layerType"].astype(str)
@@ -576,7 +579,20 @@ def test_openvino_cut_back_a_bf16_cache_is_a_fresh_start_there(llms):
     model.reset()
     model(input_ids=tokens[:, :back], cache_position=torch.arange(back))
     fresh = model(input_ids=other, cache_position=torch.arange(back, back + 2))
-    assert cut.dtype == fresh.dtype and torch.equal(cut, fresh)
+    assert cut.dtype == fresh.dtype
+    if openvino_native_bf16():
+        assert torch.equal(cut, fresh)
+    else:
+        # no native bf16 (plain AVX2): OpenVINO computes in fp32, and its fp32 GEMMs round differently at the two
+        # prefill lengths that wrote the cache (PROMPT against PROMPT - 2 rows), before the bf16 cache rounds
+        # them: the same computation within a few bf16 ulps, not bitwise
+        assert (
+            float(torch.nn.functional.cosine_similarity(cut.float().flatten(), fresh.float().flatten(), 0))
+            > 0.999
+        )
+        assert (cut.float() - fresh.float()).abs().max() <= 8 * torch.finfo(
+            torch.bfloat16
+        ).eps * fresh.float().abs().max()
 
 
 @pytest.mark.parametrize("case_id", OPENVINO_CASES)
