@@ -30,9 +30,9 @@ Variants (``--variant`` picks a subset):
   precast_torch_autotune / precast_auto_autotune   the same through ``precast.compile(..., mode="max-autotune",
                       inductor_configs={"max_autotune_gemm_backends": "CPP"})``
                       (load_weights repacks the template's copies)
-  precast_openvino    policy torch bf16 + bf16 cache through ``precast.compile(backend="openvino",
-                      precision_hint="bf16")`` (the cache as OpenVINO state; a row error where this precast refuses
-                      a program that writes buffers)
+  precast_openvino    policy torch bf16 + bf16 cache through ``precast.compile(backend="openvino")``, the default
+                      call (the hint this CPU implies; the cache as OpenVINO state; a row error where this precast
+                      refuses a program that writes buffers)
   openvino_anchor     OpenVINO's own export of the same seeded weights (``save_pretrained``, then optimum-intel
                       ``OVModelForCausalLM.from_pretrained(export=True)``, stateful), ``INFERENCE_PRECISION_HINT`` and
                       ``KV_CACHE_PRECISION`` bf16, in its own environment (optimum-intel 2.2 needs transformers

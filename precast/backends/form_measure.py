@@ -91,6 +91,32 @@ def load_average() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
 
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds every process has used since boot, hypervisor steal included; CPU seconds this process and its
+    waited-for children have used), or None where ``/proc/stat`` is not there. Their difference over a window is
+    what other processes took while precast timed (a load average counts this process's own compiles too)."""
+    import resource
+
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields)
+    except (OSError, ValueError):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+    return (user + nice + system + irq + softirq + steal) / ticks, own
+
+
+def others_busy(
+    before: tuple[float, float] | None, after: tuple[float, float] | None, wall: float
+) -> float | None:
+    """The cores other processes kept busy on average between two ``cpu_seconds`` readings ``wall`` s apart."""
+    if before is None or after is None or wall <= 0:
+        return None
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / wall)
+
+
 def cores() -> int:
     """The cores this process may run on."""
     if hasattr(os, "sched_getaffinity"):

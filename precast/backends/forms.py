@@ -24,7 +24,8 @@ The choice is cached in ``<cache dir>/forms.json`` (JSON, written atomically und
 keyed by the CPU (model name and flags), torch's capability level, the thread count, torch's version and commit,
 precast's version, the dtype, the shape set, M and the candidates: a cached choice is reused without timing; a
 malformed file is measured again with a warning. The ``Form`` records the times, the thread count, the load
-average during the timing and the cores left (``"under_load"`` when the load exceeded them), and why. The chosen
+average during the timing, the cores other processes kept busy meanwhile (``"under_load"`` past half a core; where
+the system cannot say, when the load average exceeded the cores left), and why. The chosen
 name is in the compile's cache key (``aoti.compile``), like the configs it implies.
 
 No measurement: fp32 programs (ATen's fp32 GEMV measured fastest at M=1: ``default``), other devices
@@ -56,9 +57,11 @@ from precast.backends.form_measure import (
     M,
     Shapes,
     cores,
+    cpu_seconds,
     load_average,
     load_choices,
     measure_forms,
+    others_busy,
     store_choice,
 )
 from precast.cpu import capabilities as cpu_capabilities
@@ -264,6 +267,7 @@ def measured_form(
                 store_choice(path, key, entry)
     name, why = pick(entry["times_ms"], exclude)
     record = {k: entry[k] for k in ("times_ms", "threads", "load", "cores_left", "under_load", "m")}
+    record["others_busy"] = entry.get("others_busy")
     return Form(name, dict(FORM_CONFIGS[name]), _why(entry, name, why), record)
 
 
@@ -276,7 +280,7 @@ def _measure_entry(
     compile_fn: Callable[..., Any] | None,
 ) -> dict[str, Any]:
     """Time the candidates now; the cache entry: times, threads, the load average during the timing, why."""
-    load_before = load_average()
+    load_before, busy_before, started = load_average(), cpu_seconds(), time.perf_counter()
     if measure is None:
         if compile_fn is None:  # forms.py does not import aoti.py (it imports this module)
             raise PrecastError("choose_form: measuring needs compile_fn=precast.backends.aoti.compile")
@@ -285,13 +289,19 @@ def _measure_entry(
     else:
         times = dict(measure(dtype, shapes, CANDIDATES))
     load = max(load_before, load_average())
+    others = others_busy(busy_before, cpu_seconds(), time.perf_counter() - started)
     cores_left = max(cores() - threads, 0)
+    # under load: other processes kept more than half a core busy while precast compiled and timed (where the
+    # system says; else the load average beyond the cores the timing leaves free, which counts precast's own
+    # compiles too)
+    under_load = others > 0.5 if others is not None else load > cores_left
     return {
         "times_ms": {n: round(t * 1e3, 4) if isinstance(t, float) else str(t) for n, t in times.items()},
         "threads": threads,
         "load": round(load, 2),
+        "others_busy": None if others is None else round(others, 2),
         "cores_left": cores_left,
-        "under_load": load > cores_left,
+        "under_load": under_load,
         "dtype": str(dtype).removeprefix("torch."),
         "shapes": [list(s) for s in shapes],
         "m": M,
@@ -321,6 +331,8 @@ def _why(entry: Mapping[str, Any], name: str, why: str) -> str:
         for n, t in entry["times_ms"].items()
     )
     load = f"load average {entry['load']} with {entry['cores_left']} core(s) left"
+    if entry.get("others_busy") is not None:
+        load += f", other processes busy on {entry['others_busy']} core(s)"
     if entry["under_load"]:
         load = f"measured under load: {load}"
     return (

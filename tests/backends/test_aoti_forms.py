@@ -145,6 +145,7 @@ def test_a_cached_choice_is_reused_without_timing(measured):
 
 def test_load_during_the_timing_is_recorded(measured, monkeypatch):
     monkeypatch.setattr(form_measure.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.setattr(forms, "others_busy", lambda before, after, wall: None)  # no /proc/stat: load average
     form = choose_form(linear_program(torch.bfloat16), cache_dir=measured, measure=Timings(ZEN4))
     assert form.record["under_load"] and form.record["load"] == 64.0
     assert "measured under load: load average 64.0" in form.why
@@ -332,3 +333,21 @@ def test_measure_forms_times_what_precast_compiles(tmp_path):
     times = form_measure.measure_forms(torch.bfloat16, ((16, 32),), {"default": {}}, tmp_path, aoti_compile)
     assert set(times) == {"default"} and isinstance(times["default"], float) and times["default"] > 0
     assert not list((tmp_path / "tmp").glob("forms.*"))
+
+
+def test_other_processes_busy_during_the_timing_is_under_load(measured, monkeypatch):
+    """What other processes took while precast timed (all CPU time less this process's and its children's), not
+    the load average, which counts precast's own compiles just before the timing."""
+    assert form_measure.others_busy((100.0, 10.0), (103.0, 10.5), 2.0) == 1.25  # 3 s in all, 0.5 s precast's
+    assert form_measure.others_busy((0.0, 0.0), (1.0, 1.0), 2.0) == 0.0  # only precast itself
+    assert form_measure.others_busy(None, (1.0, 1.0), 2.0) is None  # no /proc/stat
+    assert form_measure.cpu_seconds() is None or len(form_measure.cpu_seconds()) == 2
+    monkeypatch.setattr(forms, "others_busy", lambda before, after, wall: 1.25)
+    monkeypatch.setattr(form_measure.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    form = choose_form(linear_program(torch.bfloat16), cache_dir=measured, measure=Timings(ZEN4))
+    assert form.record["under_load"] and form.record["others_busy"] == 1.25
+    assert "other processes busy on 1.25 core(s)" in form.why
+    monkeypatch.setattr(forms, "others_busy", lambda before, after, wall: 0.1)
+    torch.set_num_threads(torch.get_num_threads())
+    calm = choose_form(linear_program(torch.float16), cache_dir=measured, measure=Timings(ZEN4))
+    assert not calm.record["under_load"]
