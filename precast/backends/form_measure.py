@@ -11,20 +11,19 @@ Input: a dtype, weight shapes, each form's configs, a compile function. Output: 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from precast.entries import read_entries, write_entries
 from precast.errors import PrecastError, first_line
-from precast.io import CACHE_ENV, atomic_path, cache_root, file_lock, private_dir
+from precast.io import cache_root, private_dir
 
 FORMS_FILE = "forms.json"
 FORMS_VERSION = 1
@@ -51,39 +50,12 @@ def _entry_ok(e: Any) -> bool:
 
 
 def load_choices(path: Path) -> dict[str, dict[str, Any]]:
-    """The cached choices; a file that is not JSON, or JSON of another shape, is measured again with a warning."""
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        warnings.warn(f"form cache {path}: unreadable ({first_line(exc)}); measuring again", stacklevel=3)
-        return {}
-    if not isinstance(data, dict) or data.get("version") != FORMS_VERSION:
-        return {}
-    entries = data.get("entries")
-    if not isinstance(entries, dict):
-        warnings.warn(f"form cache {path}: malformed (no entries table); measuring again", stacklevel=3)
-        return {}
-    good = {k: e for k, e in entries.items() if _entry_ok(e)}
-    if len(good) != len(entries):
-        warnings.warn(
-            f"form cache {path}: {len(entries) - len(good)} malformed entries ignored", stacklevel=3
-        )
-    return good
+    """The cached choices; a malformed file or entry is measured again with a warning (``entries.read_entries``)."""
+    return read_entries(path, "form cache", FORMS_VERSION, _entry_ok)
 
 
 def store_choice(path: Path, key: str, entry: dict[str, Any]) -> None:
-    try:
-        private_dir(path.parent)
-        with file_lock(str(path) + ".lock", "the form cache"):
-            entries = {**load_choices(path), key: entry}
-            with atomic_path(path) as tmp:
-                Path(tmp).write_text(json.dumps({"version": FORMS_VERSION, "entries": entries}, indent=1))
-    except OSError as exc:
-        raise PrecastError(
-            f"form cache {path}: cannot write it ({exc.strerror}); set {CACHE_ENV} to a writable directory"
-        ) from exc
+    write_entries(path, "form cache", FORMS_VERSION, _entry_ok, {key: entry})
 
 
 def load_average() -> float:

@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,8 +32,9 @@ from torch.export import ExportedProgram
 
 from precast import cpu
 from precast.dtypes import dtype_name
-from precast.errors import PrecastError, first_line
-from precast.io import CACHE_ENV, atomic_path, cache_root, file_lock, private_dir
+from precast.entries import read_entries, write_entries
+from precast.errors import first_line
+from precast.io import cache_root
 from precast.ir.program import Program, private_state
 from precast.ir.regions import innermost_region
 from precast.policy.auto import OpLatency, is_measured
@@ -75,48 +75,19 @@ def cache_path(cache_dir: str | os.PathLike | None = None) -> Path:
     return cache_root(cache_dir) / CACHE_FILE
 
 
+def _entry_ok(e: Any) -> bool:
+    return isinstance(e, dict) and all(
+        type(e.get(f)) in (int, float) for f in ("fp32", "low", "cast_in", "cast_out")
+    )
+
+
 def _load(path: Path) -> dict:
-    """The cached entries; a file that is not JSON, or JSON of another shape, is a miss with a warning (the
-    measurements are taken again and the file rewritten), never a crash."""
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        warnings.warn(f"latency cache {path}: unreadable ({first_line(exc)}); measuring again", stacklevel=2)
-        return {}
-    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
-        return {}
-    entries = data.get("entries")
-    if not isinstance(entries, dict):
-        warnings.warn(f"latency cache {path}: malformed (no entries table); measuring again", stacklevel=2)
-        return {}
-    fields = ("fp32", "low", "cast_in", "cast_out")
-    good = {
-        k: e
-        for k, e in entries.items()
-        if isinstance(e, dict) and all(type(e.get(f)) in (int, float) for f in fields)
-    }
-    if len(good) != len(entries):
-        warnings.warn(
-            f"latency cache {path}: {len(entries) - len(good)} malformed entries ignored (measured again)",
-            stacklevel=2,
-        )
-    return good
+    """The cached entries; a malformed file or entry is a miss with a warning, never a crash (``entries.read_entries``)."""
+    return read_entries(path, "latency cache", CACHE_VERSION, _entry_ok)
 
 
 def _store(path: Path, new: dict) -> None:
-    try:
-        private_dir(path.parent)
-        with file_lock(str(path) + ".lock", "the latency cache"):
-            entries = _load(path)
-            entries.update(new)
-            with atomic_path(path) as tmp:
-                Path(tmp).write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}, indent=1))
-    except OSError as exc:
-        raise PrecastError(
-            f"latency cache {path}: cannot write it ({exc.strerror}); set {CACHE_ENV} to a writable directory"
-        ) from exc
+    write_entries(path, "latency cache", CACHE_VERSION, _entry_ok, new)
 
 
 # ---- measuring -------------------------------------------------------------------------------------------
