@@ -14,10 +14,8 @@ applies to, or refused with one line.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,22 +53,6 @@ class ConvertResult:
         return guard_module(self.program.module())
 
 
-def options_record(front: Callable[..., ConvertResult]) -> Callable[..., ConvertResult]:
-    """``convert``'s keywords as one record: each call bound by the signature ``front`` declares (so a keyword
-    renamed there is renamed everywhere, and an unknown one is a TypeError), ``ConvertOptions.from_keywords``
-    picks the rules keywords by ``RulesPolicy``'s field names, and ``convert_with`` runs the conversion."""
-    signature = inspect.signature(front)
-
-    @functools.wraps(front)
-    def call(*args: Any, **kwargs: Any) -> ConvertResult:
-        given = dict(signature.bind(*args, **kwargs).arguments)
-        source, inputs = given.pop("program_or_module"), given.pop("example_inputs", None)
-        return convert_with(source, inputs, ConvertOptions.from_keywords(given))
-
-    return call
-
-
-@options_record
 def convert(
     program_or_module: ExportedProgram | torch.nn.Module,
     example_inputs: Any = None,
@@ -97,11 +79,12 @@ def convert(
     cache_dtype: torch.dtype | str | None = None,
     weights: str | os.PathLike | None = None,
     weights_out: str | os.PathLike | None = None,
+    weight_format: Any = None,
 ) -> ConvertResult:
     """Convert a program (or module + example inputs) to explicit mixed precision. See the README.
 
-    The keywords are bound by this signature into one ``ConvertOptions`` (``precast/pipeline/options.py``: the
-    rules keywords by ``RulesPolicy``'s field names), checked there, and converted by ``convert_with``.
+    The keywords become one ``ConvertOptions`` (``precast/pipeline/options.py``; the rules keywords by
+    ``RulesPolicy``'s field names), checked there, and converted by ``convert_with``.
 
     ``policy``: None (the program's own autocast regions), "torch" / ``TorchPolicy(device_type, dtype)`` (eager
     autocast semantics), "rules" / ``RulesPolicy(...)`` (everything low except what rules keep fp32; the rules
@@ -117,8 +100,42 @@ def convert(
     itself need not hold (exported with fake or meta weights, docs/streaming.md): the conversion decides on the
     graph and writes the converted weights into ``weights_out`` one tensor at a time; ``res.program`` then holds
     meta tensors for them (``precast.compile(res.program, weights=weights_out)`` runs it).
+    ``weight_format``: store the weights of linears and embeddings in 8 or 4 bits, dequantized in the graph
+    (``"int8"``: per output channel; ``"int4"``: groups of 64, ``"int4-g32"``/``"int4-g128"``; or a mapping of
+    glob patterns over weight names to formats, first match first, ``"float"`` for "as the policy computes";
+    docs/weight_formats.md). Under every policy; the report lists each weight's format, why, and bytes.
     """
-    raise AssertionError("options_record runs convert_with")  # pragma: no cover
+    rules = {
+        "exclude_nodes": exclude_nodes,
+        "exclude_ops": exclude_ops,
+        "include_nodes": include_nodes,
+        "include_ops": include_ops,
+        "data_max": data_max,
+        "init_max": init_max,
+        "max_reduction_depth": max_reduction_depth,
+        "calibration": calibration,
+        "tolerance": tolerance,
+        "custom_rules": custom_rules,
+        "patterns": patterns,
+    }
+    options = ConvertOptions.from_keywords(
+        {
+            **rules,
+            "dtype": dtype,
+            "device_type": device_type,
+            "policy": policy,
+            "keep_io_types": keep_io_types,
+            "dynamic_shapes": dynamic_shapes,
+            "verify": verify,
+            "allow": allow,
+            "plan": plan,
+            "cache_dtype": cache_dtype,
+            "weights": weights,
+            "weights_out": weights_out,
+            "weight_format": weight_format,
+        }
+    )
+    return convert_with(program_or_module, example_inputs, options)
 
 
 def convert_with(

@@ -130,6 +130,13 @@ _CODES = (
         "",
     ),
     Code(
+        "weight-not-quantized",
+        "info",
+        "weight_format= stores the weights of linears and embeddings in 8/4 bits; a 2-d constant another op reads "
+        "as a weight (a matmul through a transpose) stays in the float its op computes in",
+        "express the layer as a linear (`nn.Linear`, `F.linear`) to store its weight in 8/4 bits",
+    ),
+    Code(
         "write-cast",
         "info",
         "a value written in place into a tensor of another dtype (a KV cache's `index_copy_`, `index_put_`, a "

@@ -49,6 +49,15 @@ def add_parser(sub) -> None:
         metavar="DTYPE",
         help="hold the caches the program stores into (a KV cache) in bf16/fp16, under any policy",
     )
+    p.add_argument(
+        "--weight-format",
+        nargs="+",
+        default=None,
+        metavar="FORMAT",
+        help="store linear/embedding weights in int8 (per output channel) or int4 (groups of 64; int4-g32, "
+        "int4-g128): one format for every weight, and/or PATTERN=FORMAT over weight names, first match first "
+        "(e.g. 'lm_head.weight=int8' int4; float: as the policy computes); docs/weight_formats.md",
+    )
     p.add_argument("--exclude-nodes", nargs="*", default=(), metavar="REGEX")
     p.add_argument("--exclude-ops", nargs="*", default=(), metavar="OP")
     p.add_argument(
@@ -147,7 +156,7 @@ NAMED = {
     **FLAGS,
     **{
         n: "--" + n.replace("_", "-")
-        for n in ("dtype", "device_type", "cache_dtype", "weights_out", "weights")
+        for n in ("dtype", "device_type", "cache_dtype", "weights_out", "weights", "weight_format")
     },
     "calibration": "--calibration",
     "allow": "--allow",
@@ -178,7 +187,27 @@ def options_of(args: argparse.Namespace) -> ConvertOptions:
         cache_dtype=getattr(args, "cache_dtype", None),
         weights=weights,
         weights_out=weights_out,
+        weight_format=weight_format_of(getattr(args, "weight_format", None)),
     )
+
+
+def weight_format_of(items: list[str] | None) -> object:
+    """``--weight-format`` as ``convert``'s ``weight_format=``: one FORMAT, or PATTERN=FORMAT rules in order (a
+    bare FORMAT among them is every other weight: ``"*"``)."""
+    if not items:
+        return None
+    if len(items) == 1 and "=" not in items[0]:
+        return items[0]
+    rules: dict[str, str] = {}
+    for item in items:
+        pattern, sep, fmt = item.rpartition("=")
+        key = pattern if sep else "*"
+        if key in rules:
+            raise PrecastError(f"--weight-format: {key!r} is given twice")
+        rules[key] = fmt
+    if "*" in rules:  # every other weight: after the patterns, wherever it was typed
+        rules["*"] = rules.pop("*")
+    return rules
 
 
 def check_options(args: argparse.Namespace) -> ConvertOptions:
@@ -244,6 +273,8 @@ def as_flags(message: str, args: argparse.Namespace) -> str:
     for name in ("dtype", "cache_dtype", "device_type"):  # name=repr: -> --flag value: (the value as typed)
         if message.startswith(f"{name}=") and getattr(args, name, None) is not None:
             message = f"{named[name]} {getattr(args, name)}:" + message.split(":", 1)[1]
+    if message.startswith("weight_format=") and getattr(args, "weight_format", None):
+        message = f"--weight-format {' '.join(args.weight_format)}:" + message.split(":", 1)[1]
     if message.startswith("allow="):
         message = f"--allow {' '.join(args.allow)}:" + message.split(":", 1)[1]
     message = re.sub(r"policy='(\w+)'", r"--policy \1", message)

@@ -38,21 +38,28 @@ META_KEY = "precast"
 @dataclass(frozen=True)
 class ConstantSource:
     """Where a stored constant came from: ``stored`` (FQN in the converted program) holds
-    ``original``'s value cast from ``original_dtype`` to ``dtype``."""
+    ``original``'s value cast from ``original_dtype`` to ``dtype``, or, with ``derive``, one part of its
+    quantized form (``precast.passes.quantize.stored_value`` recomputes either from the original)."""
 
     stored: str
     original: str
     original_dtype: torch.dtype
     dtype: torch.dtype
+    # a quantized weight's part (``precast.ir.weight_formats.derive_tag``: "int8-bf16.q", ...), None for a cast
+    derive: str | None = None
 
 
 class Program:
     """A program under conversion. Owns a deep copy of the graph module; never mutates the input program."""
 
-    def __init__(self, ep: ExportedProgram, cache_dtype: torch.dtype | None = None):
+    def __init__(
+        self, ep: ExportedProgram, cache_dtype: torch.dtype | None = None, weight_rules: object | None = None
+    ):
         self.source = ep
         # cache_dtype=: the dtype lower() stores the program's caches in (precast/passes/caches.py)
         self.cache_dtype = cache_dtype
+        # weight_format=: which weights lower() stores in 8/4 bits (precast/passes/quantize.WeightRules)
+        self.weight_rules = weight_rules
         self.gm: torch.fx.GraphModule = copy.deepcopy(ep.graph_module)
         self.graph = self.gm.graph
         # fx copies node.meta shallowly: the dicts precast writes into (custom meta) must be its own
@@ -125,17 +132,39 @@ class Program:
             name = f"{wanted}_{i}"
         return name
 
-    def add_constant_like(self, like: torch.fx.Node, value: torch.Tensor, suffix: str) -> torch.fx.Node:
-        """A new constant placeholder of the same kind as ``like`` (a constant placeholder), holding ``value``.
+    def add_constant_like(
+        self,
+        like: torch.fx.Node,
+        value: torch.Tensor,
+        suffix: str,
+        *,
+        kind: InputKind | None = None,
+        val: torch.Tensor | None = None,
+        base: str | None = None,
+    ) -> torch.fx.Node:
+        """A new constant placeholder of the same kind as ``like`` (a constant placeholder; ``kind``: another),
+        holding ``value``, named ``base`` (else ``like``'s target) + ``suffix``. Its fake value is ``like``'s in
+        ``value``'s dtype, or ``val`` (another shape).
 
         Inserted right after ``like`` so placeholders stay grouped by kind, as export orders them.
         """
-        spec = self.input_spec[like]
-        target = self._free_name(f"{spec.target}{suffix}")
-        with self.graph.inserting_after(like):
+        like_spec = self.input_spec[like]
+        spec = like_spec if kind is None else InputSpec(kind, like_spec.arg, like_spec.target, persistent=True)
+        target = self._free_name(f"{base or spec.target}{suffix}")
+        anchor = like
+        if kind is not None:  # after the last placeholder of that kind (export's order: parameters, buffers, ...)
+            order = [InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR]
+            before = set(order[: order.index(kind) + 1]) if kind in order else {kind}
+            for n in self.graph.nodes:
+                if n.op == "placeholder" and n in self.input_spec and self.input_spec[n].kind in before:
+                    anchor = n
+        with self.graph.inserting_after(anchor):
             node = self.graph.placeholder(self._free_node_name(like.name + suffix.replace(".", "_")))
         fake = like.meta["val"]
-        node.meta["val"] = fake.to(value.dtype) if isinstance(fake, torch.Tensor) else value
+        if val is not None:
+            node.meta["val"] = val
+        else:
+            node.meta["val"] = fake.to(value.dtype) if isinstance(fake, torch.Tensor) else value
         node.meta["tensor_meta"] = None
         if spec.kind == InputKind.PARAMETER:
             self.state_dict[target] = torch.nn.Parameter(value, requires_grad=False)
@@ -238,6 +267,8 @@ class Program:
                 long_name(src.original_dtype),
                 long_name(src.dtype),
             ]
+            if src.derive is not None:
+                record.append(src.derive)
             for user in _readers(node):
                 custom = user.meta.setdefault("custom", {})
                 entry = custom.setdefault(META_KEY, {})
@@ -306,8 +337,10 @@ def constant_sources(ep: ExportedProgram) -> dict[str, ConstantSource]:
     found: dict[str, ConstantSource] = {}
     for node in ep.graph.nodes:
         entry = (node.meta.get("custom") or {}).get(META_KEY) or {}
-        for stored, (original, odt, dt) in (entry.get("constants") or {}).items():
-            found[stored] = ConstantSource(stored, original, getattr(torch, odt), getattr(torch, dt))
+        for stored, (original, odt, dt, *derive) in (entry.get("constants") or {}).items():
+            found[stored] = ConstantSource(
+                stored, original, getattr(torch, odt), getattr(torch, dt), derive[0] if derive else None
+            )
     for spec in ep.graph_signature.input_specs:
         if spec.kind in CONSTANT_KINDS and spec.target not in found:
             value = ep.state_dict.get(spec.target, ep.constants.get(spec.target))

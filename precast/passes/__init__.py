@@ -15,6 +15,8 @@ each). ``STAGES``: every stage name a conversion reports, in the order ``precast
   rewrite      one cast per (producer, dtype, version) (``insert_casts``)
   fold         casts of read-only constants computed once (``fold_constant_casts``)
   simplify     exact cast rewrites to a fixed point (``simplify_casts``)
+  quantize     weight_format=: linear and embedding weights stored in 8/4 bits, dequantized in the graph
+               (``quantize_weights``)
   restore_io   keep_io_types: outputs cast back to the input program's dtypes
   export       the Program as a standard ExportedProgram
   after        the policy's after-lowering checks: the device fallback (ops without a low-precision kernel
@@ -41,6 +43,7 @@ from precast.passes.caches import HeldCaches, hold_caches
 from precast.passes.classify import classify as classify_program  # keeps the submodule name free
 from precast.passes.classify import classify_error_handler
 from precast.passes.fold import CastCache, fold_constant_casts
+from precast.passes.quantize import QuantizeResult, quantize_weights
 from precast.passes.restore_io import restore_output_dtypes
 from precast.passes.rewrite import insert_casts
 from precast.passes.runner import run_stage
@@ -64,6 +67,7 @@ STAGES = (
     "insert_casts",
     "fold_constant_casts",
     "simplify_casts",
+    "quantize_weights",
     "restore_output_dtypes",
     "export",
     "device_check",
@@ -85,6 +89,7 @@ class LowerStats:
     constants_dropped: list[str] = field(default_factory=list)
     outputs_restored: int = 0
     caches: HeldCaches | None = None  # cache_dtype=: the caches held in the low dtype
+    weights: QuantizeResult | None = None  # weight_format=: each weight's storage
 
 
 def record_unknown_categories(program: Program, log: DiagnosticLog) -> None:
@@ -156,6 +161,15 @@ def lower(
         program, "simplify_casts", lambda p: simplify_casts(p.graph, p.input_spec, p.output_specs), check=True
     )
     stats.casts_simplified = simple.removed
+    if program.weight_rules is not None:
+        stats.weights = run_stage(program, "quantize_weights", quantize_weights, program.weight_rules, check=True)
+        if stats.weights.skipped:
+            diagnostics.record(
+                log,
+                "weight-not-quantized",
+                f"{len(stats.weights.skipped)} weight(s) stay float: "
+                + "; ".join(f"{k} {v}" for k, v in sorted(stats.weights.skipped.items())[:5]),
+            )
     if restore is not None:
         stats.outputs_restored = run_stage(
             program, "restore_output_dtypes", restore_output_dtypes, restore, keep_io, check=True

@@ -61,6 +61,7 @@ class Conversion:
     restore: list[torch.dtype | None]  # the input program's output dtypes, restored with keep_io_types
     keep_io: bool
     cache_dtype: torch.dtype | None = None  # cache_dtype=: the caches held in this dtype (passes/caches.py)
+    weight_rules: Any = None  # weight_format=: the weights stored in 8/4 bits (passes/quantize.WeightRules)
     weights: Any = None  # weights=: the WeightFiles the value-less constants come from (weights/files.py)
     log: DiagnosticLog = field(default_factory=DiagnosticLog)  # the report, as the stages see it
     verification: dict[str, dict] = field(default_factory=dict)  # what after-lowering checks measured
@@ -74,7 +75,9 @@ class Conversion:
     @property
     def unchanged(self) -> bool:
         """Policy None on a program without autocast regions: nothing to convert."""
-        return self.policy is None and not self.regions and self.cache_dtype is None
+        return (
+            self.policy is None and not self.regions and self.cache_dtype is None and self.weight_rules is None
+        )
 
     def decider_for(self, program: Program, **more: Any) -> Policy | None:
         """The decider classify asks for ``program``: the bound one, or the policy itself."""
@@ -86,7 +89,9 @@ class Conversion:
         """Convert a fresh copy of the input program again, the decider bound with ``more`` as well
         (``device_fp32=``, ``all_fp32=``); the previous lowering's diagnostics are recorded afresh."""
         del self.log.diagnostics[self.lowering_mark :]
-        fresh = run_stage(None, "program_copy", lambda _: Program(self.captured, self.cache_dtype))
+        fresh = run_stage(
+            None, "program_copy", lambda _: Program(self.captured, self.cache_dtype, self.weight_rules)
+        )
         fresh.weights = self.weights
         run_stage(fresh, "inline_regions", lambda p: inline_regions(p.gm))
         return self._lower(fresh, self.decider_for(fresh, **more))
@@ -129,7 +134,9 @@ def begin(
         low = low if low is not None else torch.get_autocast_dtype(device)
         policy = hook(policy, "for_device")(device, low)
     inputs = check_example_inputs(ep, example_inputs) if source is ep else None
-    program = run_stage(None, "program_copy", lambda _: Program(ep, options.cache_dtype))
+    program = run_stage(
+        None, "program_copy", lambda _: Program(ep, options.cache_dtype, options.weight_rules)
+    )
     regions = run_stage(program, "inline_regions", lambda p: inline_regions(p.gm))
     keep_io = given.keep_io_types
     keep_io = keep_io if keep_io is not None else bool(policy and hook(policy, "keep_io_types"))
@@ -141,6 +148,7 @@ def begin(
     state = Conversion(
         source, ep, policy, low, device, inputs, program, regions, restore, keep_io, options.cache_dtype
     )
+    state.weight_rules = options.weight_rules
     state.origins = captured.origins
     state.weights = state.program.weights = options.files
     return state

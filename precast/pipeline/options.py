@@ -27,10 +27,11 @@ from precast.errors import PrecastError
 from precast.ir.diagnostics import parse_allow
 from precast.numerics.calibrate import is_given
 from precast.numerics.tolerance_search import parse_tolerance
+from precast.passes.quantize import WeightRules, weight_rules
 from precast.policy.base import Policy
 from precast.policy.hooks import binds, hook
 from precast.policy.pinned import Pinned
-from precast.policy.plan import with_plan
+from precast.policy.plan import load_plan, with_plan
 from precast.policy.resolve import RULE_OPTIONS, resolve_policy, rule_options
 from precast.weights.files import WeightFiles
 from precast.weights.streamed import check_weights_out
@@ -53,6 +54,7 @@ class ConvertOptions:
     cache_dtype: torch.dtype | str | None = None
     weights: str | os.PathLike | None = None
     weights_out: str | os.PathLike | None = None
+    weight_format: Any = None
 
     @classmethod
     def from_keywords(cls, given: Mapping[str, Any]) -> ConvertOptions:
@@ -79,6 +81,7 @@ class ConvertOptions:
                 f"keep_io_types={self.keep_io_types!r}: give True, False or None (the policy's default)"
             )
         allowed = parse_allow(self.allow)
+        weight = self.weight_rules()
         files = self.streamed_files(source)
         rules = rule_options(self.rules)
         policy, custom_rules, dtype, pins = with_plan(
@@ -93,7 +96,18 @@ class ConvertOptions:
             hook(chosen, "options")(low or torch.bfloat16)
             # a tolerance without calibration= measures on the example inputs (prepare says when there are none)
             parse_tolerance(hook(chosen, "tolerance"))
-        return chosen, CheckedOptions(self, low, cache, allowed, files)
+        return chosen, CheckedOptions(self, low, cache, allowed, files, weight)
+
+    def weight_rules(self) -> WeightRules | None:
+        """``weight_format=``, or the weight formats a plan carries (one line when both are given)."""
+        rules = weight_rules(self.weight_format)
+        planned = load_plan(self.plan).weights if self.plan is not None else {}
+        if planned and rules is not None:
+            raise PrecastError(
+                "plan= carries weight formats and weight_format= is given: give one (the plan's are in its "
+                '"weights")'
+            )
+        return WeightRules.exact(planned, "the plan") if planned else rules
 
     def streamed_files(self, source: Any) -> WeightFiles | None:
         """``weights=``: the files, once the options they cannot serve are refused (one line each)."""
@@ -141,6 +155,7 @@ class CheckedOptions:
     cache_dtype: torch.dtype | None = None  # cache_dtype=: the caches held in this dtype
     allowed: list[str] = field(default_factory=list)  # the diagnostic codes whose errors become warnings
     files: WeightFiles | None = None  # weights=: the files the value-less constants come from
+    weight_rules: WeightRules | None = None  # weight_format=: the weights stored in 8/4 bits
 
     @classmethod
     def of(cls, low: torch.dtype | None = None, **given: Any) -> CheckedOptions:

@@ -308,9 +308,12 @@ def verify_conversion(state: Conversion, verification: dict[str, dict]) -> dict[
 
 def promised(state: Conversion) -> bool:
     """Whether the conversion promises its reference bitwise: not when caches are held in a low dtype
-    (``cache_dtype=``), nor when ops are pinned to fp32 over the policy (a plan under policy torch or the regions):
+    (``cache_dtype=``) or weights in 8/4 bits (``weight_format=``), nor when ops are pinned to fp32 over the policy (a plan under policy torch or the regions):
     then the difference from the reference is the measured error of that choice."""
     caches = state.lowered.stats.caches  # type: ignore[union-attr]
     if caches is not None and caches.caches:
         return False
+    weights = state.lowered.stats.weights  # type: ignore[union-attr]
+    if weights is not None and any(r.stored for r in weights.weights.values()):
+        return False  # weights stored in 8/4 bits (weight_format=): their rounding is the measured error
     return bool(getattr(state.policy, "promises_reference", True))

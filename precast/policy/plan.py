@@ -36,6 +36,7 @@ from precast.policy.rules.taxonomy import op_name
 
 FORMAT = "precast-plan"
 VERSION = 1
+WEIGHTS_VERSION = 2  # a plan with weight formats: a precast that would drop them (version 1 only) refuses it
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ class Plan:
     fp32: list[PlanEntry] = field(default_factory=list)
     policy: str = "rules"
     source: str = ""
+    # weight name (the program's FQN: module path + attribute, stable across exports) -> storage format
+    # (``precast.ir.weight_formats``: "int8", "int4-g64", "float"), applied as ``weight_format=``
+    weights: dict[str, str] = field(default_factory=dict)
 
     # ---- making one ------------------------------------------------------------------------------------
     @classmethod
@@ -99,10 +103,14 @@ class Plan:
     def from_result(cls, result: Any, source: str = "") -> Plan:
         """The ops a conversion (``ConvertResult``) kept in fp32 by the policy's rules or the user's."""
         rep = result.report
-        if rep.policy not in ("rules", "auto"):
+        weights = {r["weight"]: r["format"] for r in rep.weight_formats}
+        if rep.policy not in ("rules", "auto") and not weights:
             raise PrecastError(
-                f"plan: a plan records a rules/auto conversion's fp32 ops; this one ran policy {rep.policy!r}"
+                f"plan: a plan records a rules/auto conversion's fp32 ops or a conversion's weight formats; this "
+                f"one ran policy {rep.policy!r} without weight_format="
             )
+        if rep.policy not in ("rules", "auto"):
+            return cls(rep.dtype or "bf16", [], rep.policy or "regions", source, weights)
         # scalar_range / no_low_kernel: facts about the op or the device, found again by any conversion there
         kept = [
             r
@@ -111,24 +119,27 @@ class Plan:
             and r.source in ("rules", "user")
             and r.rule not in ("scalar_range", "no_low_kernel")
         ]
-        return cls.from_nodes(
+        plan = cls.from_nodes(
             result.program.graph,
             [r.name for r in kept],
             rep.dtype,
             why={r.name: r.rule for r in kept},
             source=source,
         )
+        return dataclasses.replace(plan, policy=rep.policy, weights=weights)
 
     # ---- files -----------------------------------------------------------------------------------------
     def to_dict(self, program: Any = None) -> dict:
         d = {
             "format": FORMAT,
-            "version": VERSION,
+            "version": WEIGHTS_VERSION if self.weights else VERSION,
             "dtype": self.dtype,
             "policy": self.policy,
             "source": self.source,
             "fp32": [dataclasses.asdict(e) for e in self.fp32],
         }
+        if self.weights:
+            d["weights"] = dict(self.weights)
         if program is not None:
             d["exports"] = {
                 "modelopt_nodes_to_exclude": self.modelopt_nodes_to_exclude(program),
@@ -146,10 +157,16 @@ class Plan:
                 f'{where}: not a precast plan (no "format": "{FORMAT}"); write one with '
                 "`precast convert --write-plan` or `precast sensitivity --write-plan`"
             )
-        if d.get("version") != VERSION:
+        if d.get("version") not in (VERSION, WEIGHTS_VERSION):
             raise PrecastError(
-                f"{where}: plan version {d.get('version')!r}; this precast reads version {VERSION}"
+                f"{where}: plan version {d.get('version')!r}; this precast reads versions {VERSION} and "
+                f"{WEIGHTS_VERSION}"
             )
+        weights = d.get("weights", {})
+        if not isinstance(weights, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weights.items()
+        ):
+            raise PrecastError(f'{where}: "weights" must map weight names to formats')
         try:
             entries = [
                 PlanEntry(str(e["module"]), str(e["op"]), int(e["occurrence"]), str(e.get("why", "")))
@@ -160,6 +177,7 @@ class Plan:
                 entries,
                 str(d.get("policy", "rules")),
                 str(d.get("source", "")),
+                dict(weights),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PrecastError(f"{where}: malformed plan entry ({type(exc).__name__}: {exc})") from exc

@@ -24,6 +24,7 @@ from precast.ir.graph import constant_bytes, is_cast
 from precast.ir.program import META_KEY, Program
 from precast.numerics.calibration import Calibration
 from precast.numerics.tolerance import tolerance_check
+from precast.passes.quantize import is_dequant
 from precast.passes.runner import timed
 from precast.pipeline.conversion import Conversion
 from precast.policy.rules.options import RuleOptions
@@ -76,7 +77,7 @@ def runtime_casts(graph: torch.fx.Graph) -> list[CastRecord]:
     """One CastRecord per cast node left in ``graph``, with its bytes moved (from the nodes' meta values)."""
     out = []
     for node in graph.nodes:
-        if not is_cast(node):
+        if not is_cast(node) or is_dequant(node):  # a stored weight's decompression: not an activation
             continue
         src = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
         val = node.meta.get("val")
@@ -189,6 +190,7 @@ def fill_report(state: Conversion, rep: Report) -> None:
     rep.casts_folded, rep.casts_simplified = st.casts_folded, st.casts_simplified
     rep.constants_created, rep.constants_dropped = st.constants_created, st.constants_dropped
     rep.cache = st.caches.to_json() if st.caches is not None else {}
+    rep.weight_formats = st.weights.to_json() if st.weights is not None else []
     rep.verification = {**rep.verification, **state.verification}
     with timed("report"):
         rep.nodes = record_decisions(lowered.program.graph)
@@ -219,6 +221,7 @@ def _record_program_info(program: Program, rep: Report) -> None:
         "weight_bytes_before": rep.weight_bytes_before,
         "decomposed": rep.decomposed,
         "cache": rep.cache,
+        "weight_formats": rep.weight_formats,
     }
     first.meta.setdefault("custom", {}).setdefault(META_KEY, {})["program"] = info
 

@@ -63,6 +63,9 @@ class Report(DiagnosticLog):
     # cache_dtype=: {"dtype" (held in), "caches": [{"name" (the program's placeholder), "dtype_before",
     # "dtype_after", "bytes_before", "bytes_after"}], "bytes_before", "bytes_after"} (docs/report.md)
     cache: dict = field(default_factory=dict)
+    # weight_format=: one record per linear/embedding weight: {"weight" (original name), "names" (matched by),
+    # "shape", "format" (float | int8 | int4-gN), "why", "bytes_before", "bytes_after", "reads", "stored"}
+    weight_formats: list[dict] = field(default_factory=list)
     # weights=: {"source", "output", "files", "tensors", "bytes_read", "bytes_written", "clamped", "seconds"}
     weights: dict = field(default_factory=dict)
     verification: dict = field(default_factory=dict)
@@ -120,6 +123,8 @@ class Report(DiagnosticLog):
                 f"caches held in {c['dtype']}: {len(c['caches'])}, {c['bytes_before'] / mb:.2f} MiB -> "
                 f"{c['bytes_after'] / mb:.2f} MiB"
             )
+        if self.weight_formats:
+            lines.append(_weight_formats_line(self.weight_formats))
         if self.weights:
             w = self.weights
             lines.append(
@@ -156,3 +161,18 @@ def _human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def _weight_formats_line(records: list[dict]) -> str:
+    """``weight formats: 30 int8, 1 float (64.5 MiB -> 17.1 MiB)``: the linear/embedding weights by format."""
+    mb = 1024 * 1024
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r["format"]] = counts.get(r["format"], 0) + 1
+    before = sum(r["bytes_before"] for r in records) / mb
+    after = sum(r["bytes_after"] for r in records) / mb
+    return (
+        "weight formats: "
+        + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+        + f" ({before:.2f} MiB -> {after:.2f} MiB; per weight: report.weight_formats)"
+    )

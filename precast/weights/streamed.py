@@ -37,16 +37,18 @@ from torch.export import ExportedProgram
 from precast.errors import NAMES_SHOWN, PrecastError, name_list
 from precast.io import safetensors_header
 from precast.ir.program import constant_sources
+from precast.ir.weight_formats import quantized_part
 from precast.passes.fold import cast_constant
 from precast.progress import ProgressBar
 from precast.weights.files import INDEX, WeightFiles, has_values, streamed_targets, tensor_bytes
 
 
-def _plan(ep: ExportedProgram, files: WeightFiles) -> dict[Path, list[tuple[str, str, torch.dtype, tuple]]]:
-    """input shard -> [(stored name, original name, stored dtype, shape)] for every value-less constant."""
+def _plan(ep: ExportedProgram, files: WeightFiles) -> dict[Path, list[tuple[str, str, torch.dtype, tuple, str | None]]]:
+    """input shard -> [(stored name, original name, stored dtype, shape, derive)] for every value-less constant
+    (``derive``: the part of a weight stored in 8/4 bits, ``ConstantSource.derive``)."""
     sources = constant_sources(ep)
     values = {**ep.state_dict, **ep.constants}
-    plan: dict[Path, list[tuple[str, str, torch.dtype, tuple]]] = {}
+    plan: dict[Path, list[tuple[str, str, torch.dtype, tuple, str | None]]] = {}
     for stored in streamed_targets(ep):
         src = sources.get(stored)
         original = src.original if src is not None else stored
@@ -55,7 +57,8 @@ def _plan(ep: ExportedProgram, files: WeightFiles) -> dict[Path, list[tuple[str,
                 f"internal: {stored} holds no value and its source {original} is not in the weight files"
             )
         v = values[stored]
-        plan.setdefault(files.file_of(original), []).append((stored, original, v.dtype, tuple(v.shape)))
+        derive = src.derive if src is not None else None  # a quantized weight's part (weight_format=)
+        plan.setdefault(files.file_of(original), []).append((stored, original, v.dtype, tuple(v.shape), derive))
     return plan
 
 
@@ -136,7 +139,7 @@ def write_weights(
 def _write(
     ep: ExportedProgram,
     files: WeightFiles,
-    plan: dict[Path, list[tuple[str, str, torch.dtype, tuple]]],
+    plan: dict[Path, list[tuple[str, str, torch.dtype, tuple, str | None]]],
     tmp: Path,
     out: Path,
     out_dir: str | os.PathLike,
@@ -162,15 +165,18 @@ def _write(
             with open(tmp / name, "wb") as f:
                 f.write(
                     safetensors_header(
-                        [(stored, dtype, shape) for stored, _o, dtype, shape in entries],
+                        [(stored, dtype, shape) for stored, _o, dtype, shape, _d in entries],
                         {"format": "pt", "written_by": "precast"},
                         str(out / name),
                     )
                 )
-                for stored, original, dtype, shape in entries:
+                for stored, original, dtype, shape, derive in entries:
                     value = files.read(original)
                     record["bytes_read"] += value.numel() * value.element_size()
-                    low, n = cast_constant(value, dtype) if value.dtype != dtype else (value, 0)
+                    if derive is not None:  # one part of a weight stored in 8/4 bits, from the original
+                        low, n = quantized_part(value, derive), 0
+                    else:
+                        low, n = cast_constant(value, dtype) if value.dtype != dtype else (value, 0)
                     del value
                     if n:
                         clamped[stored] = n

@@ -77,13 +77,25 @@ def _read(folder) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("policy", "dtype"), [(None, "bf16"), ("torch", "bf16"), ("rules", "bf16"), ("rules", "fp16")]
+    ("policy", "dtype", "weight_format"),
+    [
+        (None, "bf16", None),
+        ("torch", "bf16", None),
+        ("rules", "bf16", None),
+        ("rules", "fp16", None),
+        ("torch", "bf16", "int8"),  # weight formats: each part quantized from the original read from its file
+        (None, "bf16", "int4-g32"),
+    ],
 )
-def test_streamed_is_bitwise_the_in_memory_conversion(llama, tmp_path, policy, dtype):
+def test_streamed_is_bitwise_the_in_memory_conversion(llama, tmp_path, policy, dtype, weight_format):
     folder, ep, real, ids = llama
     files_before = {p.name: p.read_bytes() for p in folder.iterdir()}
-    ref = precast.convert(real, policy=policy, dtype=dtype, verify=False)
-    out = precast.convert(ep, policy=policy, dtype=dtype, weights=folder, weights_out=tmp_path / "out")
+    given = dict(policy=policy, dtype=dtype, weight_format=weight_format)
+    ref = precast.convert(real, verify=False, **given)
+    out = precast.convert(ep, weights=folder, weights_out=tmp_path / "out", **given)
+    if weight_format is not None:
+        formats = {r["format"] for r in out.report.weight_formats}
+        assert formats == {weight_format} and out.report.weight_formats == ref.report.weight_formats
     assert out.program.graph_module.code == ref.program.graph_module.code
     written = _read(tmp_path / "out")
     ref_state = {**ref.program.state_dict, **ref.program.constants}

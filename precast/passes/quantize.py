@@ -1,0 +1,389 @@
+"""Store the weights of linears and embeddings in 8 or 4 bits (``weight_format=``), dequantized in the graph.
+
+Runs after the casts are folded and simplified, so a weight is read as the constant its op computes with (the
+policy's low dtype, or fp32). For each such read the rules (``WeightRules``: a format for every weight, or glob
+patterns over weight names) pick a format (``precast.ir.weight_formats``); the weight is quantized from its
+**original** value (the fp32 weight of the program the conversion started from, never the already-rounded bf16
+copy), stored as its parts (int8 ``q`` + ``scale``; int4 packed ``q`` + ``scale`` + ``zero``), and the read becomes:
+
+- linear ``linear(x, w, b)``: ``w = q.to(dt) * scale`` (int8) or the int4 unpack, ``(q - zero).to(dt) * scale``,
+  reshaped to [out, in]: the weight-side decompression OpenVINO fuses into its compressed FullyConnected and
+  the AOTInductor backend turns into torch's int8/int4 kernels (``precast.backends``);
+- embedding ``embedding(w, ids)``: the rows are gathered first, then dequantized (the whole table never is).
+
+The value is ``precast.ir.weight_formats.dequantize``, op for op: an eager run of the converted program gives it
+bitwise. Each part is a persistent buffer recording where it came from (``ConstantSource.derive``), so a compiled
+model's ``load_weights`` and the streamed writer recompute it from the original weight (``stored_value``).
+
+A weight a format cannot store (an int4 group that does not divide its input size) goes one step up (int4 ->
+int8) and says why; a weight another op also reads keeps its float copy for that op. Reads through matmul/mm
+views are left float and listed (``QuantizeResult.skipped``).
+
+Input: a Program after simplify_casts, the rules. Output: ``QuantizeResult`` (one ``WeightRecord`` per weight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.export.graph_signature import InputKind
+
+from precast.errors import PrecastError
+from precast.ir.fake import fake_state
+from precast.ir.mutation import analyze
+from precast.ir.program import ConstantSource, Program
+from precast.ir.weight_formats import (
+    FLOAT,
+    INT8,
+    WeightFormat,
+    derive_tag,
+    fits,
+    parse_format,
+    quantize,
+    quantized_part,
+)
+from precast.passes.fold import cast_constant
+
+aten = torch.ops.aten
+LINEAR = aten.linear.default
+EMBEDDING = aten.embedding.default
+MATMULS = {aten.mm.default, aten.matmul.default, aten.addmm.default, aten.bmm.default}
+META_KEY = "precast"
+DEQUANT = "dequant"  # custom-meta mark of the casts that decompress a stored weight
+
+
+def is_dequant(node: torch.fx.Node) -> bool:
+    return bool(((node.meta.get("custom") or {}).get(META_KEY) or {}).get(DEQUANT))
+
+
+@dataclass(frozen=True)
+class WeightRules:
+    """Which format each weight gets: ``rules`` (glob pattern over weight names -> format), first match wins; a
+    weight no pattern matches keeps the float the policy gives it. ``source``: how the user said it (the report's
+    "why"). Built by ``weight_rules`` from ``weight_format=``."""
+
+    rules: tuple[tuple[str, WeightFormat], ...]
+    source: str
+    literal: bool = False  # one rule per weight name (a plan's): the why is the source alone
+
+    @classmethod
+    def exact(cls, formats: Mapping[str, str], source: str) -> WeightRules:
+        """One rule per weight name (a plan's ``weights``): the names matched literally."""
+        escaped = {name: re.sub(r"([*?\[])", r"[\1]", name) for name in formats}
+        return cls(
+            tuple((escaped[n], parse_format(f, f"{source}: {n}")) for n, f in formats.items()),
+            source,
+            literal=True,
+        )
+
+    def choose(self, names: list[str]) -> tuple[WeightFormat, str]:
+        for pattern, fmt in self.rules:
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                why = self.source if pattern == "*" or self.literal else f"{self.source}: {pattern!r}"
+                return fmt, why
+        return FLOAT, f"{self.source}: no pattern matches"
+
+
+def weight_rules(value: object) -> WeightRules | None:
+    """``weight_format=`` as rules: None; a format for every weight (``"int8"``, ``"int4"``, ``"int4-g128"``); or a
+    mapping of glob patterns over weight names (the program's FQN, or the reading module's path + ``.weight``, e.g.
+    ``lm_head.weight`` for a tied head) to formats, first match first (``"*"``: every other weight). One line for
+    anything else."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        rules = []
+        for pattern, fmt in value.items():
+            if not isinstance(pattern, str) or not pattern:
+                raise PrecastError(
+                    f"weight_format: the keys are glob patterns over weight names; got {pattern!r}"
+                )
+            rules.append((pattern, parse_format(fmt, f"weight_format[{pattern!r}]")))
+        return WeightRules(tuple(rules), "weight_format rules")
+    fmt = parse_format(value)
+    return WeightRules((("*", fmt),), f"weight_format={fmt.name!r}")
+
+
+@dataclass
+class WeightRecord:
+    """One weight's storage: the original name, the names it is known by, its format and why, bytes (the
+    original's, and its stored parts' + any float copy still read), and the reads."""
+
+    weight: str
+    names: list[str]
+    shape: tuple[int, ...]
+    format: str
+    why: str
+    bytes_before: int
+    bytes_after: int
+    reads: list[str] = field(default_factory=list)
+    stored: list[str] = field(default_factory=list)
+
+
+@dataclass
+class QuantizeResult:
+    weights: dict[str, WeightRecord] = field(default_factory=dict)
+
+    def to_json(self) -> list[dict]:
+        """The report's ``weight_formats``: one record per weight, by name."""
+        return [{**dataclasses.asdict(r), "shape": list(r.shape)} for _, r in sorted(self.weights.items())]
+
+    skipped: dict[str, str] = field(
+        default_factory=dict
+    )  # weight -> why it stayed float (read by another op)
+    dropped: list[str] = field(default_factory=list)  # float copies nothing reads any more
+
+
+def stored_value(source: ConstantSource, original: torch.Tensor) -> torch.Tensor:
+    """A stored constant computed from its original weight, as the conversion computed it: a quantized part by
+    its tag, else the cast (``cast_constant``: fp16's clamp included)."""
+    if source.derive is not None:
+        return quantized_part(original, source.derive)
+    if original.dtype == source.dtype:
+        return original
+    return cast_constant(original, source.dtype)[0]
+
+
+def _names(program: Program, const: torch.fx.Node, reader: torch.fx.Node, original: str) -> list[str]:
+    """The names a weight is matched by: its original FQN, its stored one, and the reading module's path +
+    ``.weight`` (a tied head is ``lm_head.weight`` to its linear, ``model.embed_tokens.weight`` in the program)."""
+    names = [original]
+    stack = reader.meta.get("nn_module_stack") or {}
+    if stack:
+        path = list(stack.values())[-1][0]
+        alias = f"{path}.weight" if path else ""
+        if alias and alias not in names:
+            names.append(alias)
+    return names
+
+
+def _original(program: Program, const: torch.fx.Node) -> tuple[str, torch.Tensor]:
+    """The original name and value of the weight a constant was cast from (the program the conversion started
+    from holds it, also when fold dropped it here)."""
+    target = program.constant_target(const)
+    source = program.original_of(target)
+    name = source.original if source is not None else target
+    ep = program.source
+    value = ep.state_dict.get(name, ep.constants.get(name))
+    if not isinstance(value, torch.Tensor):
+        value = program.constant_value(const)
+    return name, value
+
+
+def _reads(program: Program) -> tuple[list[tuple[torch.fx.Node, torch.fx.Node, str]], dict[str, str]]:
+    """(reader, constant, kind) for each linear weight / embedding table read straight from a constant; and the
+    2-d constants read by matmuls another way (left float)."""
+    reads, other = [], {}
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is LINEAR and len(node.args) > 1:
+            const, kind = node.args[1], "linear"
+        elif node.target is EMBEDDING and node.args:
+            const, kind = node.args[0], "embedding"
+        else:
+            if node.target in MATMULS:
+                for arg in node.args:
+                    base = arg
+                    while isinstance(base, torch.fx.Node) and base.op == "call_function" and base.args:
+                        base = base.args[0]
+                    if isinstance(base, torch.fx.Node) and program.constant_target(base):
+                        other[program.constant_target(base)] = (
+                            f"read by {node.target} (only linear and embedding reads are stored in 8/4 bits)"
+                        )
+            continue
+        if isinstance(const, torch.fx.Node) and program.constant_target(const) is not None:
+            value = program.constant_value(const)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 2:
+                reads.append((node, const, kind))
+    return reads, other
+
+
+class _Builder:
+    """Adds the parts of each (weight, format, compute dtype) once, and the dequantizing ops per read."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.state = fake_state(program)
+        self.parts: dict[tuple[str, WeightFormat, torch.dtype], dict[str, torch.fx.Node]] = {}
+
+    def parts_of(
+        self, const: torch.fx.Node, name: str, value: torch.Tensor, fmt: WeightFormat, dt: torch.dtype
+    ) -> dict[str, torch.fx.Node]:
+        key = (name, fmt, dt)
+        if key not in self.parts:
+            values = quantize(value, fmt, dt)
+            nodes = {}
+            for role, part in values.items():
+                suffix = f"_{fmt.kind}" if role == "q" else f"_{fmt.kind}_{role}"
+                device = const.meta["val"].device
+                with self.state.mode:
+                    fake = torch.empty(part.shape, dtype=part.dtype, device=device)
+                node = self.program.add_constant_like(
+                    const, part, suffix, kind=InputKind.BUFFER, val=fake, base=name
+                )
+                stored = self.program.constant_target(node)
+                self.program.sources[stored] = ConstantSource(
+                    stored, name, value.dtype, part.dtype, derive_tag(fmt, dt, role)
+                )
+                nodes[role] = node
+            self.parts[key] = nodes
+        return self.parts[key]
+
+    def op(self, reader: torch.fx.Node, target: object, *args: object, **kwargs: object) -> torch.fx.Node:
+        node = self.program.graph.call_function(target, args, kwargs)
+        for k in ("stack_trace", "nn_module_stack", "precast_regions"):
+            if k in reader.meta:
+                node.meta[k] = reader.meta[k]
+        if target is aten._to_copy.default:  # a weight's decompression, not an activation's cast (the report)
+            node.meta.setdefault("custom", {}).setdefault(META_KEY, {})[DEQUANT] = True
+        return node
+
+    def weight(
+        self, reader: torch.fx.Node, parts: dict, fmt: WeightFormat, dt: torch.dtype, shape
+    ) -> torch.fx.Node:
+        """The dequantized [out, in] weight, inserted before ``reader``."""
+        n, k = shape
+        with self.program.graph.inserting_before(reader):
+            if fmt.kind == "int8":
+                q = self.op(reader, aten._to_copy.default, parts["q"], dtype=dt)
+                return self.op(reader, aten.mul.Tensor, q, parts["scale"])
+            g = fmt.group
+            lo = self.op(reader, aten.bitwise_and.Scalar, parts["q"], 15)
+            hi = self.op(reader, aten.bitwise_right_shift.Tensor_Scalar, parts["q"], 4)
+            q = self.op(reader, aten.stack.default, [lo, hi], -1)
+            q = self.op(reader, aten.view.default, q, [n, k // g, g])
+            q = self.op(reader, aten._to_copy.default, q, dtype=dt)
+            z = self.op(reader, aten._to_copy.default, parts["zero"], dtype=dt)
+            w = self.op(reader, aten.mul.Tensor, self.op(reader, aten.sub.Tensor, q, z), parts["scale"])
+            return self.op(reader, aten.view.default, w, [n, k])
+
+    def rows(
+        self, reader: torch.fx.Node, parts: dict, fmt: WeightFormat, dt: torch.dtype, k: int
+    ) -> torch.fx.Node:
+        """The embedding's rows, gathered from the parts then dequantized, replacing ``reader``."""
+        ids = reader.args[1]
+        n = parts["q"].meta["val"].shape[0]
+        with self.program.graph.inserting_before(reader):
+            if fmt.kind == "int8":
+                scale = self.op(reader, EMBEDDING, parts["scale"], ids)
+                q = self.op(
+                    reader, aten._to_copy.default, self.op(reader, EMBEDDING, parts["q"], ids), dtype=dt
+                )
+                return self.op(reader, aten.mul.Tensor, q, scale)
+            g = fmt.group
+
+            def rows_of(part: torch.fx.Node) -> torch.fx.Node:  # [n, k/g, 1] read as [..., k/g, 1]
+                flat = self.op(reader, aten.view.default, part, [n, k // g])
+                return self.op(reader, aten.unsqueeze.default, self.op(reader, EMBEDDING, flat, ids), -1)
+
+            scale = rows_of(parts["scale"])
+            packed = self.op(reader, EMBEDDING, parts["q"], ids)
+            lo = self.op(reader, aten.bitwise_and.Scalar, packed, 15)
+            hi = self.op(reader, aten.bitwise_right_shift.Tensor_Scalar, packed, 4)
+            q = self.op(reader, aten.stack.default, [lo, hi], -1)
+            q = self.op(
+                reader,
+                aten.unflatten.int,
+                self.op(reader, aten.flatten.using_ints, q, -2, -1),
+                -1,
+                [k // g, g],
+            )
+            q = self.op(reader, aten._to_copy.default, q, dtype=dt)
+            z = self.op(reader, aten._to_copy.default, rows_of(parts["zero"]), dtype=dt)
+            w = self.op(reader, aten.mul.Tensor, self.op(reader, aten.sub.Tensor, q, z), scale)
+            return self.op(reader, aten.flatten.using_ints, w, -2, -1)
+
+
+def _choose(rules: WeightRules, names: list[str], shape: tuple[int, ...]) -> tuple[WeightFormat, str]:
+    fmt, why = rules.choose(names)
+    if fmt.quantized:
+        no = fits(fmt, shape)
+        if no and fmt.kind == "int4" and not fits(INT8, shape):
+            return INT8, f"{why}; int8: {no}"
+        if no:
+            return FLOAT, f"{why}; float: {no}"
+    return fmt, why
+
+
+def quantize_weights(program: Program, rules: WeightRules) -> QuantizeResult:
+    """Store the weights the rules pick in 8/4 bits (the module docstring)."""
+    result = QuantizeResult()
+    alias = analyze(program.graph, program.input_spec, program.output_specs)
+    reads, other = _reads(program)
+    build = _Builder(program)
+    touched: set[torch.fx.Node] = set()
+    for reader, const, kind in reads:
+        if alias.written(const):
+            continue  # a weight the program writes is state, not a weight
+        name, original = _original(program, const)
+        value = program.constant_value(const)
+        shape = tuple(value.shape)
+        names = _names(program, const, reader, name)
+        fmt, why = _choose(rules, names, shape)
+        record = result.weights.get(name)
+        if record is None:
+            record = result.weights[name] = WeightRecord(
+                name, names, shape, fmt.name, why, original.numel() * original.element_size(), 0
+            )
+        elif fmt.name != record.format:
+            record.format, record.why = f"{record.format}+{fmt.name}", f"{record.why}; {why}"
+        record.names.extend(n for n in names if n not in record.names)
+        record.reads.append(reader.name)
+        if not fmt.quantized:
+            continue
+        if original.shape != value.shape:
+            raise PrecastError(
+                f"internal error in pass quantize_weights: {name} is {list(original.shape)} but read as "
+                f"{list(value.shape)}"
+            )
+        dt = value.dtype
+        parts = build.parts_of(const, name, original, fmt, dt)
+        if kind == "linear":
+            reader.replace_input_with(const, build.weight(reader, parts, fmt, dt, shape))
+        else:
+            rows = build.rows(reader, parts, fmt, dt, shape[1])
+            reader.replace_all_uses_with(rows)
+            program.graph.erase_node(reader)
+        _mark(reader if kind == "linear" else rows, name, fmt, why)
+        touched.add(const)
+    for (name, _fmt, _dt), parts in build.parts.items():
+        result.weights[name].stored.extend(program.constant_target(n) for n in parts.values())
+    result.skipped = {k: v for k, v in other.items() if k not in result.weights}
+    for const in touched:
+        if not const.users:
+            target = program.constant_target(const)
+            program.input_spec.pop(const)
+            program.state_dict.pop(target, None)
+            program.constants.pop(target, None)
+            program.sources.pop(target, None)
+            program.graph.erase_node(const)
+            result.dropped.append(target)
+    stored = {}
+    for node, spec in program.input_spec.items():
+        value = program.constant_value(node) if spec.target else None
+        if isinstance(value, torch.Tensor) and node.users:
+            stored[spec.target] = value.numel() * value.element_size()
+    for record in result.weights.values():
+        still_float = [
+            t
+            for t, s in program.sources.items()
+            if s.original == record.weight and s.derive is None and t in stored
+        ]
+        if record.weight in stored and record.weight not in still_float:
+            still_float.append(record.weight)
+        record.bytes_after = sum(stored.get(t, 0) for t in set(record.stored) | set(still_float))
+    return result
+
+
+def _mark(node: torch.fx.Node, weight: str, fmt: WeightFormat, why: str) -> None:
+    """The decision on the op that reads the weight (custom meta: saved with the program)."""
+    custom = node.meta.setdefault("custom", {})
+    entry = custom.setdefault(META_KEY, {})
+    entry["weight_format"] = {"weight": weight, "format": fmt.name, "why": why}
