@@ -18,12 +18,15 @@ warnings.filterwarnings(
 from precast.api import ConvertResult, calibrate, convert  # noqa: E402
 from precast.errors import PrecastError  # noqa: E402
 from precast.explain import Sensitivity, sensitivity  # noqa: E402
+from precast.explain_weights import WeightSensitivity  # noqa: E402
 from precast.guard import guard_module  # noqa: E402
 from precast.ir.program import constant_sources  # noqa: E402
+from precast.ir.weight_formats import WeightFormat  # noqa: E402
 from precast.llm import GenerationResult, LogitsOnly, generate  # noqa: E402
 from precast.numerics.calibration import Calibration  # noqa: E402
 from precast.numerics.calibration_files import load_calibration  # noqa: E402
 from precast.numerics.energies import Energies, load_energies  # noqa: E402
+from precast.pipeline.weight_budget import WeightBudget  # noqa: E402
 from precast.policy.auto import AutoPolicy  # noqa: E402
 from precast.policy.plan import Plan, load_plan  # noqa: E402
 from precast.policy.rules.policy import RulesPolicy  # noqa: E402
@@ -45,6 +48,9 @@ __all__ = [
     "RulesPolicy",
     "TorchPolicy",
     "constant_sources",
+    "WeightBudget",
+    "WeightSensitivity",
+    "WeightFormat",
     "guard_module",
     "calibrate",
     "convert",

@@ -33,6 +33,7 @@ from precast.pipeline.conversion import begin, run_checks
 from precast.pipeline.options import CheckedOptions, ConvertOptions
 from precast.pipeline.prepare import prepare
 from precast.pipeline.verify import verify_conversion
+from precast.pipeline.weight_budget import WeightBudget, choose_weights
 from precast.policy.resolve import POLICY_NAMES, resolve_policy
 from precast.report.build import fill_report, new_report, unchanged_report, write_program_info
 from precast.report.model import Report
@@ -103,7 +104,9 @@ def convert(
     ``weight_format``: store the weights of linears and embeddings in 8 or 4 bits, dequantized in the graph
     (``"int8"``: per output channel; ``"int4"``: groups of 64, ``"int4-g32"``/``"int4-g128"``; or a mapping of
     glob patterns over weight names to formats, first match first, ``"float"`` for "as the policy computes";
-    docs/weight_formats.md). Under every policy; the report lists each weight's format, why, and bytes.
+    docs/weight_formats.md); or ``precast.WeightBudget(kld=..., data=batches)`` (also ``bytes=``, ``bits=``): each
+    weight's format chosen by its measured effect on the outputs, the cheapest that meet the budget. Under every
+    policy; the report lists each weight's format, why, and bytes.
     """
     rules = {
         "exclude_nodes": exclude_nodes,
@@ -149,6 +152,10 @@ def convert_with(
         state = begin(source, example_inputs, policy, checked)  # capture, program copy, regions
         state.log = report = new_report(state, checked.allowed)
         run_checks(state)
+        if isinstance(
+            options.weight_format, WeightBudget
+        ):  # each weight's format measured on its fp32 weights
+            report.weight_budget = choose_weights(state, options.weight_format).to_json(options.weight_format)
         if state.unchanged:  # a program of its own (same graph, its own copies of the state it writes)
             return result(private_state(state.captured), unchanged_report(report), checked)
         prepare(state)  # the policy's prepare steps: calibrate, latency, tolerance search

@@ -16,7 +16,7 @@ Nothing here changes the caller's program or module: every program measured is a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from torch.export import ExportedProgram
 
 from precast.dtypes import dtype_name, parse_low_dtype
 from precast.errors import PrecastError, module_path, user_source_line
+from precast.explain_weights import WeightSensitivity, weight_sensitivity
 from precast.io import atomic_path
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.inputs import check_example_inputs, placeholder_values
@@ -133,7 +134,11 @@ def sensitivity(
     data: Iterable[Any] | None = None,
     group: Any = None,
     energies: Any = None,
-) -> Sensitivity:
+    weight_formats: Sequence[str] | None = None,
+    evaluate: Iterable[Any] | None = None,
+    measure_bits: Sequence[float] = (),
+    probes: int = 8,
+) -> Sensitivity | WeightSensitivity:
     """Rank the ops the policy runs in low precision by the output error their rounding causes (docs/sensitivity.md).
 
     ``inputs``: one batch (as for ``convert``'s ``example_inputs``); ``metric``: "rel" (relative L2 error of an
@@ -144,7 +149,27 @@ def sensitivity(
     measured points, the all-low errors and the non-finite search run on); with torch.distributed initialised
     (or ``group=``; ``group=False``: this process alone) each rank passes its shard and the energies are
     summed over every rank's batches (docs/distributed.md). ``energies``: ``Energies`` or their files (a list:
-    merged) measured before, used instead of measuring."""
+    merged) measured before, used instead of measuring.
+
+    ``weight_formats`` (e.g. ``("int4", "int8")``): rank the linear/embedding weights instead, by the output error
+    storing each in each format causes (``precast.explain_weights``; ``metric`` "kld" for logits, default, or
+    "mse"; ``data``: the calibration batches, default ``[inputs]``; ``evaluate``: the batches the measured points
+    and ``ablation`` run on; ``measure_bits``: bits-per-weight budgets measured on real conversions; ``probes``:
+    backward passes per batch). Returns a ``WeightSensitivity`` (``.plan(bits=4.5)``, ``.curve``, ``.spearman``)."""
+    if weight_formats is not None:
+        return weight_sensitivity(
+            program_or_module,
+            inputs,
+            data=list(data) if data is not None else [inputs],
+            formats=weight_formats,
+            policy=policy,
+            dtype=dtype,
+            metric=metric if metric in ("kld", "mse") else "kld",
+            probes=probes,
+            evaluate=evaluate,
+            measure_bits=measure_bits,
+            ablation=ablation,
+        )
     if metric not in METRICS:
         raise PrecastError(f"metric={metric!r}: choose {', '.join(METRICS)}")
     if not isinstance(measure_points, int) or not 0 <= measure_points <= 3:

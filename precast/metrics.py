@@ -146,3 +146,29 @@ def _flat(out: Any) -> torch.Tensor:
     if not leaves:
         return torch.zeros(0, dtype=torch.float64)
     return torch.cat([t.detach().double().flatten().cpu() for t in leaves])
+
+
+def next_token_metrics(
+    logits: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor | None = None
+) -> dict:
+    """How far a language model's next-token distributions are from the reference's, the metrics users judge an
+    LLM by: ``kld`` (mean KL(reference || logits) per position, nats), ``top1`` (share of positions whose argmax
+    agrees), and with ``labels`` (the next token at each position; -100: none) ``ppl`` and ``reference_ppl``
+    (perplexity of the labels under each). ``logits``/``reference``: [..., vocab], any float dtype (computed in
+    float64)."""
+    vocab = reference.shape[-1]
+    got = torch.log_softmax(logits.detach().reshape(-1, vocab).double(), -1)
+    ref = torch.log_softmax(reference.detach().reshape(-1, vocab).double(), -1)
+    out = {
+        "positions": int(ref.shape[0]),
+        "kld": float((ref.exp() * (ref - got)).sum(-1).mean()),
+        "top1": float((got.argmax(-1) == ref.argmax(-1)).double().mean()),
+    }
+    if labels is not None:
+        flat = labels.reshape(-1)
+        keep = flat != -100
+        if keep.any():
+            idx = flat[keep].unsqueeze(1)
+            out["ppl"] = math.exp(float(-got[keep].gather(1, idx).mean()))
+            out["reference_ppl"] = math.exp(float(-ref[keep].gather(1, idx).mean()))
+    return out

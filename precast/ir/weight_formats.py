@@ -4,7 +4,7 @@ A weight of a linear, matmul or embedding is stored in one of:
 
 - ``float``: the dtype its reader computes in (the policy's low dtype or fp32), as every conversion does;
 - ``int8``: per output channel (row), symmetric: ``q = round(w / s)`` in [-127, 127], ``s = absmax(row) / 127``
-  stored in the compute dtype, value ``q * s``;
+  on the scale grid (``scale_grid``: bf16's values) stored in the compute dtype, value ``q * s``;
 - ``int4`` (``int4-g32``, ``int4-g64``, ``int4-g128``): grouped along the input dimension, asymmetric with an
   integer zero point: ``s = (max - min) / 15``, ``z = round(-min / s)`` in [0, 15], ``q = round(w / s) + z`` in
   [0, 15], value ``(q - z) * s``; two values packed per byte (low nibble the even index), ``z`` one byte per
@@ -104,6 +104,14 @@ def fits(fmt: WeightFormat, shape: tuple[int, ...]) -> str | None:
     if fmt.kind == "int4" and (shape[1] % fmt.group or shape[1] % 2):
         return f"its input size {shape[1]} is not a multiple of the int4 group {fmt.group}"
     return None
+
+
+def scale_grid(dtype: torch.dtype) -> torch.dtype:
+    """The values a weight's scales take when it is read in ``dtype``: bf16's (8 significant bits, fp32's range)
+    for bf16 and fp32 reads, so that one set of integers serves a weight read in both (a tied embedding table:
+    fp32 under autocast, bf16 as the head) with each read's scales exact in its dtype; fp16's for fp16 reads. The
+    integers are rounded against the scale as stored: no accuracy is lost to the grid."""
+    return torch.float16 if dtype == torch.float16 else torch.bfloat16
 
 
 def _scale_of(peak: torch.Tensor, levels: int, scale_dtype: torch.dtype) -> torch.Tensor:

@@ -25,9 +25,6 @@ Input: a Program after simplify_casts, the rules. Output: ``QuantizeResult`` (on
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -44,11 +41,12 @@ from precast.ir.weight_formats import (
     WeightFormat,
     derive_tag,
     fits,
-    parse_format,
     quantize,
     quantized_part,
+    scale_grid,
 )
 from precast.passes.fold import cast_constant
+from precast.passes.weight_rules import WeightRules
 
 aten = torch.ops.aten
 LINEAR = aten.linear.default
@@ -60,54 +58,6 @@ DEQUANT = "dequant"  # custom-meta mark of the casts that decompress a stored we
 
 def is_dequant(node: torch.fx.Node) -> bool:
     return bool(((node.meta.get("custom") or {}).get(META_KEY) or {}).get(DEQUANT))
-
-
-@dataclass(frozen=True)
-class WeightRules:
-    """Which format each weight gets: ``rules`` (glob pattern over weight names -> format), first match wins; a
-    weight no pattern matches keeps the float the policy gives it. ``source``: how the user said it (the report's
-    "why"). Built by ``weight_rules`` from ``weight_format=``."""
-
-    rules: tuple[tuple[str, WeightFormat], ...]
-    source: str
-    literal: bool = False  # one rule per weight name (a plan's): the why is the source alone
-
-    @classmethod
-    def exact(cls, formats: Mapping[str, str], source: str) -> WeightRules:
-        """One rule per weight name (a plan's ``weights``): the names matched literally."""
-        escaped = {name: re.sub(r"([*?\[])", r"[\1]", name) for name in formats}
-        return cls(
-            tuple((escaped[n], parse_format(f, f"{source}: {n}")) for n, f in formats.items()),
-            source,
-            literal=True,
-        )
-
-    def choose(self, names: list[str]) -> tuple[WeightFormat, str]:
-        for pattern, fmt in self.rules:
-            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
-                why = self.source if pattern == "*" or self.literal else f"{self.source}: {pattern!r}"
-                return fmt, why
-        return FLOAT, f"{self.source}: no pattern matches"
-
-
-def weight_rules(value: object) -> WeightRules | None:
-    """``weight_format=`` as rules: None; a format for every weight (``"int8"``, ``"int4"``, ``"int4-g128"``); or a
-    mapping of glob patterns over weight names (the program's FQN, or the reading module's path + ``.weight``, e.g.
-    ``lm_head.weight`` for a tied head) to formats, first match first (``"*"``: every other weight). One line for
-    anything else."""
-    if value is None:
-        return None
-    if isinstance(value, Mapping):
-        rules = []
-        for pattern, fmt in value.items():
-            if not isinstance(pattern, str) or not pattern:
-                raise PrecastError(
-                    f"weight_format: the keys are glob patterns over weight names; got {pattern!r}"
-                )
-            rules.append((pattern, parse_format(fmt, f"weight_format[{pattern!r}]")))
-        return WeightRules(tuple(rules), "weight_format rules")
-    fmt = parse_format(value)
-    return WeightRules((("*", fmt),), f"weight_format={fmt.name!r}")
 
 
 @dataclass
@@ -144,7 +94,7 @@ def stored_value(source: ConstantSource, original: torch.Tensor) -> torch.Tensor
     """A stored constant computed from its original weight, as the conversion computed it: a quantized part by
     its tag, else the cast (``cast_constant``: fp16's clamp included)."""
     if source.derive is not None:
-        return quantized_part(original, source.derive)
+        return quantized_part(original, source.derive).to(source.dtype)
     if original.dtype == source.dtype:
         return original
     return cast_constant(original, source.dtype)[0]
@@ -211,30 +161,53 @@ class _Builder:
     def __init__(self, program: Program):
         self.program = program
         self.state = fake_state(program)
+        # (weight, format, grid) -> its parts; (weight, format, dtype) -> a scale read in another dtype
         self.parts: dict[tuple[str, WeightFormat, torch.dtype], dict[str, torch.fx.Node]] = {}
+        self.scales: dict[tuple[str, WeightFormat, torch.dtype], torch.Tensor] = {}
+        self.scale_nodes: dict[tuple[str, WeightFormat, torch.dtype], torch.fx.Node] = {}
+        self.stored: dict[str, list[str]] = {}  # weight -> its stored parts' names
 
     def parts_of(
         self, const: torch.fx.Node, name: str, value: torch.Tensor, fmt: WeightFormat, dt: torch.dtype
     ) -> dict[str, torch.fx.Node]:
-        key = (name, fmt, dt)
-        if key not in self.parts:
-            values = quantize(value, fmt, dt)
-            nodes = {}
-            for role, part in values.items():
-                suffix = f"_{fmt.kind}" if role == "q" else f"_{fmt.kind}_{role}"
-                device = const.meta["val"].device
-                with self.state.mode:
-                    fake = torch.empty(part.shape, dtype=part.dtype, device=device)
-                node = self.program.add_constant_like(
-                    const, part, suffix, kind=InputKind.BUFFER, val=fake, base=name
-                )
-                stored = self.program.constant_target(node)
-                self.program.sources[stored] = ConstantSource(
-                    stored, name, value.dtype, part.dtype, derive_tag(fmt, dt, role)
-                )
-                nodes[role] = node
-            self.parts[key] = nodes
-        return self.parts[key]
+        grid = scale_grid(dt)
+        key = (name, fmt, grid)
+        if key not in self.parts:  # the integers: one copy per weight and grid, whatever dtypes read it
+            values = quantize(value, fmt, grid)
+            self.parts[key] = {
+                role: self._add(const, name, part, fmt, grid, role)
+                for role, part in values.items()
+                if role != "scale"
+            }
+            self.scales[key] = values["scale"]
+        skey = (name, fmt, dt)
+        if (
+            skey not in self.scale_nodes
+        ):  # the scales in the dtype of this read (exact: the grid's values are its)
+            self.scale_nodes[skey] = self._add(const, name, self.scales[key].to(dt), fmt, grid, "scale")
+        return {**self.parts[key], "scale": self.scale_nodes[skey]}
+
+    def _add(
+        self,
+        const: torch.fx.Node,
+        name: str,
+        part: torch.Tensor,
+        fmt: WeightFormat,
+        grid: torch.dtype,
+        role: str,
+    ) -> torch.fx.Node:
+        suffix = f"_{fmt.kind}" if role == "q" else f"_{fmt.kind}_{role}"
+        with self.state.mode:
+            fake = torch.empty(part.shape, dtype=part.dtype, device=const.meta["val"].device)
+        node = self.program.add_constant_like(const, part, suffix, kind=InputKind.BUFFER, val=fake, base=name)
+        stored = self.program.constant_target(node)
+        original = self.program.source.state_dict.get(name, self.program.source.constants.get(name))
+        odt = original.dtype if isinstance(original, torch.Tensor) else torch.float32
+        self.program.sources[stored] = ConstantSource(
+            stored, name, odt, part.dtype, derive_tag(fmt, grid, role)
+        )
+        self.stored.setdefault(name, []).append(stored)
+        return node
 
     def op(self, reader: torch.fx.Node, target: object, *args: object, **kwargs: object) -> torch.fx.Node:
         node = self.program.graph.call_function(target, args, kwargs)
@@ -353,8 +326,8 @@ def quantize_weights(program: Program, rules: WeightRules) -> QuantizeResult:
             program.graph.erase_node(reader)
         _mark(reader if kind == "linear" else rows, name, fmt, why)
         touched.add(const)
-    for (name, _fmt, _dt), parts in build.parts.items():
-        result.weights[name].stored.extend(program.constant_target(n) for n in parts.values())
+    for name, stored in build.stored.items():
+        result.weights[name].stored.extend(stored)
     result.skipped = {k: v for k, v in other.items() if k not in result.weights}
     for const in touched:
         if not const.users:

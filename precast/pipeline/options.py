@@ -27,7 +27,8 @@ from precast.errors import PrecastError
 from precast.ir.diagnostics import parse_allow
 from precast.numerics.calibrate import is_given
 from precast.numerics.tolerance_search import parse_tolerance
-from precast.passes.quantize import WeightRules, weight_rules
+from precast.passes.weight_rules import WeightRules, weight_rules
+from precast.pipeline.weight_budget import WeightBudget
 from precast.policy.base import Policy
 from precast.policy.hooks import binds, hook
 from precast.policy.pinned import Pinned
@@ -100,8 +101,18 @@ class ConvertOptions:
 
     def weight_rules(self) -> WeightRules | None:
         """``weight_format=``, or the weight formats a plan carries (one line when both are given)."""
-        rules = weight_rules(self.weight_format)
         planned = load_plan(self.plan).weights if self.plan is not None else {}
+        if isinstance(self.weight_format, WeightBudget):
+            self.weight_format.check()
+            if planned:
+                raise PrecastError("plan= carries weight formats and weight_format= is a budget: give one")
+            if self.weights is not None:
+                raise PrecastError(
+                    "weight_format=WeightBudget(...) measures the weights, which streamed weights cannot give (no "
+                    "values in memory); convert in memory, or give the formats (a plan written by one that did)"
+                )
+            return None  # chosen after capture, on the program's weights (pipeline/weight_budget.py)
+        rules = weight_rules(self.weight_format)
         if planned and rules is not None:
             raise PrecastError(
                 "plan= carries weight formats and weight_format= is given: give one (the plan's are in its "

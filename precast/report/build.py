@@ -222,6 +222,7 @@ def _record_program_info(program: Program, rep: Report) -> None:
         "decomposed": rep.decomposed,
         "cache": rep.cache,
         "weight_formats": rep.weight_formats,
+        "weight_budget": rep.weight_budget,
     }
     first.meta.setdefault("custom", {}).setdefault(META_KEY, {})["program"] = info
 

@@ -66,6 +66,9 @@ class Report(DiagnosticLog):
     # weight_format=: one record per linear/embedding weight: {"weight" (original name), "names" (matched by),
     # "shape", "format" (float | int8 | int4-gN), "why", "bytes_before", "bytes_after", "reads", "stored"}
     weight_formats: list[dict] = field(default_factory=list)
+    # weight_format=WeightBudget(...): {"budget", "metric", "estimate", "bytes", "bits_per_weight", "formats",
+    # "probes", "positions", "seconds"}
+    weight_budget: dict = field(default_factory=dict)
     # weights=: {"source", "output", "files", "tensors", "bytes_read", "bytes_written", "clamped", "seconds"}
     weights: dict = field(default_factory=dict)
     verification: dict = field(default_factory=dict)
@@ -125,6 +128,12 @@ class Report(DiagnosticLog):
             )
         if self.weight_formats:
             lines.append(_weight_formats_line(self.weight_formats))
+        if self.weight_budget:
+            b = self.weight_budget
+            lines.append(
+                f"weight budget {b['budget']}: estimated {b['metric']} {b['estimate']:.3g} at "
+                f"{b['bits_per_weight']:.2f} bits per weight, measured in {b['seconds']:.1f} s"
+            )
         if self.weights:
             w = self.weights
             lines.append(

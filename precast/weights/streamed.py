@@ -174,7 +174,7 @@ def _write(
                     value = files.read(original)
                     record["bytes_read"] += value.numel() * value.element_size()
                     if derive is not None:  # one part of a weight stored in 8/4 bits, from the original
-                        low, n = quantized_part(value, derive), 0
+                        low, n = quantized_part(value, derive).to(dtype), 0
                     else:
                         low, n = cast_constant(value, dtype) if value.dtype != dtype else (value, 0)
                     del value

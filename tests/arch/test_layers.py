@@ -39,7 +39,7 @@ LAYERS = (
     ("numerics", ("numerics", "weights")),  # one layer: neither needs the other's code
     ("pipeline", ("pipeline",)),
     ("report", ("report",)),
-    ("api", ("api", "guard", "explain")),
+    ("api", ("api", "guard", "explain", "explain_weights")),
     ("backends", ("backends", "llm", "__init__")),  # the precast facade re-exports api and backends
     ("bench", ("bench",)),
     ("cli", ("cli", "__main__")),

@@ -23,6 +23,7 @@ from precast.ir.weight_formats import (
     parse_format,
     parse_tag,
     quantize,
+    scale_grid,
 )
 from precast.passes.quantize import stored_value
 from tests.helpers import assert_bitwise
@@ -53,13 +54,20 @@ def _net(tied: bool = True) -> tuple[Net, tuple]:
     return model, (ids,)
 
 
+def _value(w: torch.Tensor, fmt: WeightFormat, dtype: torch.dtype) -> torch.Tensor:
+    """What a weight stored in ``fmt`` and read in ``dtype`` stands for: its scales on the grid, read in ``dtype``."""
+    parts = quantize(w, fmt, scale_grid(dtype))
+    parts["scale"] = parts["scale"].to(dtype)
+    return dequantize(parts, fmt, dtype)
+
+
 def _dequantized(model: Net, fmt: WeightFormat, dtype: torch.dtype, names: list[str]) -> Net:
     """The model with each named weight replaced by the value its stored parts stand for (as fp32)."""
     out = copy.deepcopy(model)
     with torch.no_grad():
         for name in names:
             p = out.get_parameter(name)
-            p.copy_(dequantize(quantize(p, fmt, dtype), fmt, dtype).float())
+            p.copy_(_value(p, fmt, dtype).float())
     return out
 
 
@@ -169,17 +177,32 @@ def test_policy_torch_is_bitwise_eager_autocast_of_the_dequantized_model():
     f = parse_format("int8")
     ref = _dequantized(model, f, torch.bfloat16, ["up.weight", "down.weight", "head.weight"])
     with torch.no_grad():  # the embedding runs fp32 under autocast: its parts are fp32
-        ref.emb.weight.copy_(dequantize(quantize(model.emb.weight, f, torch.float32), f, torch.float32))
+        ref.emb.weight.copy_(_value(model.emb.weight, f, torch.float32))
     with torch.autocast("cpu", torch.bfloat16):
         want = ref(*inputs)
     assert_bitwise(res.program.module()(*inputs), want)
-    scales = {k: v.dtype for k, v in res.program.state_dict.items() if k.endswith("_scale")}
+    scales = {k: v.dtype for k, v in res.program.state_dict.items() if "_scale" in k}
     assert scales == {
         "emb.weight_int8_scale": torch.float32,
         "up.weight_int8_scale": torch.bfloat16,
         "down.weight_int8_scale": torch.bfloat16,
         "head.weight_int8_scale": torch.bfloat16,
     }
+
+
+def test_a_tied_table_read_in_two_dtypes_stores_its_integers_once():
+    model, inputs = _net(tied=True)  # the embedding reads it in fp32 under autocast, the head in bf16
+    res = precast.convert(model, inputs, policy="torch", weight_format="int8")
+    state = res.program.state_dict
+    ints = [k for k, v in state.items() if v.dtype == torch.int8]
+    assert sorted(ints) == ["down.weight_int8", "head.weight_int8", "up.weight_int8"]
+    scales = sorted((k, v.dtype) for k, v in state.items() if k.startswith("head.weight_int8_scale"))
+    assert sorted(str(d) for _, d in scales) == ["torch.bfloat16", "torch.float32"]
+    by = {d: state[k] for k, d in scales}
+    bf16, fp32 = by[torch.bfloat16], by[torch.float32]
+    assert torch.equal(bf16.float(), fp32)  # the same values: the grid is bf16's
+    (head,) = [r for r in res.report.weight_formats if r["weight"] == "head.weight"]
+    assert head["bytes_after"] == 96 * 64 + 96 * 2 + 96 * 4
 
 
 @pytest.mark.parametrize("policy", [None, "torch", "rules"])
@@ -189,9 +212,12 @@ def test_every_stored_part_is_recomputed_from_the_original(policy):
     originals = dict(model.named_parameters(remove_duplicate=False))
     sources = precast.constant_sources(res.program)
     derived = [s for s in sources.values() if s.derive is not None]
-    # three parts per (weight, compute dtype): the tied table under policy torch is read in fp32 (embedding) and
-    # bf16 (head), each with its own scales
-    assert len(derived) == 3 * len({(s.original, parse_tag(s.derive)[1]) for s in derived})
+    # three parts per weight (the tied table under policy torch, read in fp32 and bf16, has a second scale)
+    roles = [(s.original, parse_tag(s.derive)[2]) for s in derived]
+    assert sorted(r for _, r in roles if _ != "head.weight") == ["q", "q", "scale", "scale", "zero", "zero"]
+    assert sorted(r for o, r in roles if o == "head.weight") == (
+        ["q", "scale", "scale", "zero"] if policy == "torch" else ["q", "scale", "zero"]
+    )
     for src in sources.values():
         if src.original in originals:
             got = stored_value(src, originals[src.original].detach())
