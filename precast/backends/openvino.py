@@ -63,6 +63,7 @@ from precast.backends.openvino_state import (
 from precast.backends.openvino_state import (
     to_torch as _to_torch,
 )
+from precast.backends.openvino_weights import WeightCheck, check_weights, stored_weights, warn_uncompressed
 from precast.backends.owner import StateOwner, holds_state
 from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError
@@ -92,6 +93,8 @@ class OpenVINOModel:
         precision_hint: str | None,
         threads: int | None,
         compile_seconds: float,
+        weight_check: WeightCheck | None = None,
+        dynamic_quantization: bool = False,
     ):
         self.ov_model = ov_model  # the openvino.Model (what ``save`` writes)
         self.compiled = compiled  # the openvino.CompiledModel
@@ -100,6 +103,10 @@ class OpenVINOModel:
         # not keep those alive itself, and a caller who dropped the program would leave it reading freed memory
         self._weights = weights
         self.plan = plan
+        # the weights the program stores as int8/int4, and which OpenVINO runs compressed (openvino_weights)
+        self.weights = weight_check if weight_check is not None else WeightCheck()
+        # whether OpenVINO quantizes those layers' activations on the fly (DYNAMIC_QUANTIZATION_GROUP_SIZE)
+        self.dynamic_quantization = dynamic_quantization
         self.precision_hint = precision_hint
         self.threads = threads
         self.compile_seconds = compile_seconds
@@ -176,6 +183,12 @@ class OpenVINOModel:
                 return {k: v.clone() for k, v in self._initial.items()}
             return state_values(self._request)
 
+    @property
+    def compressed(self) -> dict[str, str]:
+        """Each weight the program stores as int8/int4 that OpenVINO runs compressed -> the element type it reads
+        it in (``i8``, ``u4``); ``model.weights.uncompressed`` lists the others (warned about at compile)."""
+        return self.weights.compressed
+
     def runtime_precision(self) -> str:
         """The inference precision the compiled model runs with (OpenVINO's INFERENCE_PRECISION_HINT: f32, bf16, f16)."""
         return self.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
@@ -193,6 +206,7 @@ def compile_openvino(
     threads: int | None = None,
     precision_hint: str | None = "auto",
     warn: bool = True,
+    dynamic_quantization: bool = False,
 ) -> OpenVINOModel:
     """Convert ``program`` with ``openvino.convert_model`` and compile it for the CPU.
 
@@ -207,6 +221,10 @@ def compile_openvino(
     the layers that do not run precast's dtype (``model.plan.overridden`` lists them), one line when auto gave up
     the faster hint. Under the bf16 hint the ops the plan keeps fp32 are marked to stay in f32
     (``openvino_precision.keep_plan_fp32``); ``model.plan.reason`` says why the hint was chosen.
+    Weights the program stores as int8/int4 run compressed where OpenVINO can (``model.compressed``; one
+    ``CompressedWeightWarning`` line names those it runs on an f32 copy). ``dynamic_quantization``: let OpenVINO
+    quantize the activations of those layers to 8 bits on the fly (its ``DYNAMIC_QUANTIZATION_GROUP_SIZE``, on CPUs
+    with VNNI): off by default, since the program computes them in its own dtype (``openvino_weights``).
     """
     require_openvino()
     ep = exported_program(program, "precast.compile(backend='openvino')")
@@ -217,6 +235,10 @@ def compile_openvino(
         )
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise PrecastError(f"precast.compile(backend='openvino'): threads={threads!r}; give a positive int")
+    if not isinstance(dynamic_quantization, bool):
+        raise PrecastError(
+            f"precast.compile(backend='openvino'): dynamic_quantization={dynamic_quantization!r}; give True or False"
+        )
     _check_cpu_tensors(ep)
     state = carried(ep, "precast.compile(backend='openvino')")
     started = time.perf_counter()
@@ -227,11 +249,17 @@ def compile_openvino(
     kv_precision = _kv_precision(ov_model) if growing is not None and growing.grown else None
     if kv_precision is not None:  # carried by the IR too: plain OpenVINO's default for this cache is u8
         ov_model.set_rt_info(kv_precision, ["runtime_options", "KV_CACHE_PRECISION"])
-    compiled, plan = _compile_for_plan(ov_model, graph_module, precision_hint, threads, kv_precision)
+    options = {"KV_CACHE_PRECISION": kv_precision} if kv_precision is not None else {}
+    if stored_weights(graph_module) and not dynamic_quantization:  # the IR carries it too
+        options["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
+        ov_model.set_rt_info("0", ["runtime_options", "DYNAMIC_QUANTIZATION_GROUP_SIZE"])
+    compiled, plan = _compile_for_plan(ov_model, graph_module, precision_hint, threads, kv_precision, options)
+    weight_check = check_weights(compiled, graph_module)
     hint = plan.hint
     plan.batch_norms = rounded_batch_norms(ep.graph)
     if warn:
         warn_overrides(plan, stacklevel=4)
+        warn_uncompressed(weight_check, stacklevel=4)
         if any(r.get("source") == "auto" for r in node_records(ep).values()):
             warnings.warn(AUTO_NOTE, stacklevel=3)
     return OpenVINOModel(
@@ -244,6 +272,8 @@ def compile_openvino(
         precision_hint=hint,
         threads=threads,
         compile_seconds=time.perf_counter() - started,
+        weight_check=weight_check,
+        dynamic_quantization=dynamic_quantization,
     )
 
 
@@ -253,6 +283,7 @@ def _compile_for_plan(
     precision_hint: str | None,
     threads: int | None,
     kv_precision: str | None,
+    options: dict[str, Any],
 ) -> tuple[Any, PlanCheck]:
     """Compile with each hint ``hints_to_try`` gives until one honours the plan (the last is kept regardless);
     the plan check says which hint, why it was chosen, and why an earlier one was given up."""
@@ -266,7 +297,7 @@ def _compile_for_plan(
         prepared, form = prepare(
             ov_model, hint, fused_cache=kv_precision is not None, graph_module=graph_module
         )
-        compiled = _compile(core, prepared, hint, threads, kv_precision)
+        compiled = _compile(core, prepared, hint, threads, options)
         plan = check_plan(compiled, graph_module)
         plan.form = form
         if not plan.overridden or hint == hints[-1]:
@@ -293,11 +324,9 @@ def _kv_precision(ov_model: Any) -> str:
 
 
 def _compile(
-    core: Any, model: Any, hint: str | None, threads: int | None, kv_precision: str | None = None
+    core: Any, model: Any, hint: str | None, threads: int | None, options: dict[str, Any] | None = None
 ) -> Any:
-    config: dict[str, Any] = {}
-    if kv_precision is not None:
-        config["KV_CACHE_PRECISION"] = kv_precision
+    config: dict[str, Any] = dict(options or {})  # KV_CACHE_PRECISION, DYNAMIC_QUANTIZATION_GROUP_SIZE
     if hint is not None:
         config["INFERENCE_PRECISION_HINT"] = hint
     if threads is not None:

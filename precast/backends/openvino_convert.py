@@ -25,6 +25,7 @@ from precast.backends.openvino_fusions import fold_scalar_casts, rotation_reads_
 from precast.backends.openvino_kv import Growing, grow_caches
 from precast.backends.openvino_precision import exact_attention_scales
 from precast.backends.openvino_state import make_stateful, stateful_module
+from precast.backends.openvino_weight_forms import compressible_weights
 from precast.errors import PrecastError, first_line
 
 EXTRA = "pip install 'precast[openvino]' (openvino==2026.4.1)"
@@ -91,12 +92,14 @@ def convert(
                 # each input's type stated: the frontend would read a held cache's (cache_dtype) from the
                 # tensor metadata export wrote before precast retyped it
                 rotation_reads_promoted(module)
+                compressible_weights(module)  # int8/int4 weights in the forms OpenVINO keeps compressed
                 decoder = TorchFXPythonDecoder(
                     module, input_shapes=shapes, input_types=dtypes, dynamic_shapes=True
                 )
             else:  # what TorchFXPythonDecoder.from_exported_program does, the rotations rewritten between
                 module = _decomposed(ep).module()
                 rotation_reads_promoted(module)
+                compressible_weights(module)
                 decoder = TorchFXPythonDecoder(module, dynamic_shapes=True)
             model = ov.convert_model(decoder, input=shapes)
             fold_scalar_casts(model)

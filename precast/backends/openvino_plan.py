@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from precast.backends.openvino_weights import decompression_nodes
 from precast.ir.program import META_KEY
 
 # OpenVINO element type names -> precast's dtype names
@@ -145,9 +146,13 @@ class PlanCheck:
 
 def planned_dtypes(graph_module: torch.fx.GraphModule) -> dict[str, tuple[str, str]]:
     """FX node name -> (precast's dtype name, the precast node's name), for nodes precast decided a float
-    dtype for (from the decision record a conversion writes into custom meta; it survives saving)."""
+    dtype for (from the decision record a conversion writes into custom meta; it survives saving). The nodes that
+    only dequantize an int8/int4 weight are left out (``openvino_weights.decompression_nodes``)."""
     out = {}
+    skip = decompression_nodes(graph_module)
     for node in graph_module.graph.nodes:
+        if node.name in skip:
+            continue
         decision = ((node.meta.get("custom") or {}).get(META_KEY) or {}).get("decision") or {}
         if decision.get("dtype") in _PLANNED:
             out[node.name] = (decision["dtype"], decision.get("name", node.name))
@@ -158,7 +163,10 @@ def computed_dtypes(graph_module: torch.fx.GraphModule) -> dict[str, str]:
     """FX node name -> the dtype name of the floating value it makes (its first tensor), for fp32/bf16/fp16."""
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     out = {}
+    skip = decompression_nodes(graph_module)  # an int8/int4 weight's dequantization: not held to a dtype
     for node in graph_module.graph.nodes:
+        if node.name in skip:
+            continue
         val = node.meta.get("val")
         first = next(
             (v for v in (val if isinstance(val, (tuple, list)) else (val,)) if isinstance(v, torch.Tensor)),
@@ -181,6 +189,10 @@ def _rt(info: Any, key: str) -> str:
 
 def _runtime(op: Any, layer_type: str, info: Any) -> tuple[str, ...]:
     precision = _OV_DTYPES.get(_rt(info, "runtimePrecision"))
+    if precision is None and layer_type == "FullyConnected" and op.get_input_size():
+        # a compressed weight (openvino_weights): runtimePrecision is the weight's type (i8, u4), the layer
+        # computes in its activation's
+        precision = _OV_DTYPES.get(str(op.get_input_element_type(0).get_type_name()))
     if layer_type != "Subgraph":
         return (precision,) if precision else ()
     # a fused elementwise subgraph computes each op in its own type: the precisions at its boundaries

@@ -41,6 +41,7 @@ PUBLIC = [
     "cache_dtype",
     "weights",
     "weights_out",
+    "weight_format",
 ]
 
 

