@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         ablate(ep, calib[-1:], costs, "int4-g64")
         names = list(costs.weights)
         rho = spearman(
-            [costs.weights[n].estimate["int4-g64"] for n in names], [costs.weights[n].truth["int4-g64"] for n in names]
+            [costs.weights[n].estimate["int4-g64"] for n in names],
+            [costs.weights[n].truth["int4-g64"] for n in names],
         )
         result["ablation"] = {"spearman": rho, "seconds": time.perf_counter() - started, "tokens": w}
         print(f"ablation (int4-g64, one window): Spearman {rho:.3f}", file=sys.stderr)
@@ -142,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         rules = {re.sub(r"([*?\[])", r"[\1]", n): f for n, f in formats.items()}
         t = time.perf_counter()
         res = precast.convert(
-            ep, policy="torch", dtype=torch.bfloat16, cache_dtype="bf16", weight_format=rules or None, verify=False
+            ep,
+            policy="torch",
+            dtype=torch.bfloat16,
+            cache_dtype="bf16",
+            weight_format=rules or None,
+            verify=False,
         )
         convert_s = time.perf_counter() - t
         stored = sum(r["bytes_after"] for r in res.report.weight_formats) if formats else None
@@ -172,8 +178,12 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
     result["rows"] = rows
-    print(f"CPU: {cpu_line()}; load {load:.1f} -> {os.getloadavg()[0]:.1f}; {len(evaluation) - 1} tokens, window {w}")
-    print("| plan | KLD vs fp32 | top-1 | perplexity | bits/weight | estimated KLD (weights) |\n|---|---|---|---|---|---|")
+    print(
+        f"CPU: {cpu_line()}; load {load:.1f} -> {os.getloadavg()[0]:.1f}; {len(evaluation) - 1} tokens, window {w}"
+    )
+    print(
+        "| plan | KLD vs fp32 | top-1 | perplexity | bits/weight | estimated KLD (weights) |\n|---|---|---|---|---|---|"
+    )
     for label, r in rows.items():
         print(
             f"| {label} | {r['kld']:.5f} | {100 * r['top1']:.1f}% | {r['ppl']:.2f} | {r['bits_per_weight']:.2f} | "

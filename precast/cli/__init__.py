@@ -1,6 +1,7 @@
-"""The ``precast`` command line: convert, report, check, sensitivity, compile, generate, bench, demo.
+"""The ``precast`` command line: convert, report, check, sensitivity, compile, generate, export-llm, bench, demo.
 
-Each subcommand lives in ``precast/cli/<name>.py`` with ``add_parser(subparsers)`` and ``run(args) -> int``.
+Each subcommand lives in ``precast/cli/<name>.py`` (``export-llm``: ``export_llm.py``) with
+``add_parser(subparsers)`` and ``run(args) -> int``.
 User errors (PrecastError, bad options, an OSError such as a full disk or a read-only destination) print one
 line and exit with status 2, no traceback; Ctrl-C exits 130 and SIGTERM 143, after the file being written is
 removed (writes go to a temporary file renamed into place). Commands check every option they can before loading
@@ -20,7 +21,7 @@ import threading
 from precast.errors import PrecastError
 from precast.progress import quiet_libraries, verbose
 
-COMMANDS = ("convert", "report", "check", "sensitivity", "compile", "generate", "bench", "demo")
+COMMANDS = ("convert", "report", "check", "sensitivity", "compile", "generate", "export-llm", "bench", "demo")
 
 
 class Parser(argparse.ArgumentParser):
@@ -42,10 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
+        module_name = f"precast.cli.{name.replace('-', '_')}"
         try:
-            module = importlib.import_module(f"precast.cli.{name}")
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            if exc.name != f"precast.cli.{name}":
+            if exc.name != module_name:
                 raise
             continue
         module.add_parser(sub)

@@ -1,10 +1,11 @@
-"""precast generate IN.pt2 (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json) --max-new-tokens N
+"""precast generate IN.pt2|DIR (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json) --max-new-tokens N
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop-tokens 2,3]
                    [--backend aoti|openvino|eager] [--cache-dir DIR] [--weights DIR]
 
 Input: a decoder program saved with torch.export.save (transformers' recipe: ``input_ids``, ``cache_position``, a
-static KV cache), converted or not. Output: the new tokens on stdout as they come (ids, comma-separated, or text
-through the tokenizer), and one line of timings on stderr.
+static KV cache), converted or not; or the folder ``precast export-llm`` wrote (its program.pt2, its tokenizer.json
+unless --tokenizer is given, its end-of-sequence tokens unless --stop-tokens is given). Output: the new tokens on
+stdout as they come (ids, comma-separated, or text through the tokenizer), and one line of timings on stderr.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 
 from precast.errors import PrecastError
 from precast.paths import check_input_file
@@ -27,7 +29,11 @@ def add_parser(sub) -> None:
         "with AOTInductor (cached, default), OpenVINO, or run eagerly. Greedy unless a sampling option is "
         "given. The new tokens go to stdout as they come; timings to stderr.",
     )
-    p.add_argument("source", help="a program saved with torch.export.save (.pt2), e.g. by 'precast convert'")
+    p.add_argument(
+        "source",
+        help="a program saved with torch.export.save (.pt2), e.g. by 'precast convert', or the folder 'precast "
+        "export-llm' wrote (its program, tokenizer and end-of-sequence tokens)",
+    )
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument(
         "--prompt-ids", metavar="IDS", help="the prompt's token ids, comma-separated: 1,17,42"
@@ -106,6 +112,14 @@ def run(args: argparse.Namespace) -> int:
     from precast.llm.sampling import sampler
     from precast.pipeline.load import load_program
 
+    stops_given = None
+    if Path(args.source).is_dir():  # an export-llm folder: its program, tokenizer and stop tokens
+        from precast.cli.artifact import artifact_files
+
+        program_file, tokenizer_file, stops_given = artifact_files(Path(args.source))
+        args.source = str(program_file)
+        if args.tokenizer is None and tokenizer_file is not None:
+            args.tokenizer = str(tokenizer_file)
     if args.backend != "aoti" and (args.cache_dir or args.weights):
         option = "--cache-dir" if args.cache_dir else "--weights"
         raise PrecastError(f"{option} applies to --backend aoti only; drop it for --backend {args.backend}")
@@ -119,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         if args.prompt_ids is not None
         else tokenizer.encode(args.prompt).ids
     )
-    stops = _ids(args.stop_tokens, "--stop-tokens") if args.stop_tokens is not None else None
+    stops = _ids(args.stop_tokens, "--stop-tokens") if args.stop_tokens is not None else stops_given or None
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     sampler(None, generator=None, **sampling)  # a bad sampling option is one line before anything loads
     program = load_program(args.source, trust_pickle=args.trust_pickle)

@@ -149,10 +149,14 @@ class Program:
         Inserted right after ``like`` so placeholders stay grouped by kind, as export orders them.
         """
         like_spec = self.input_spec[like]
-        spec = like_spec if kind is None else InputSpec(kind, like_spec.arg, like_spec.target, persistent=True)
+        spec = (
+            like_spec if kind is None else InputSpec(kind, like_spec.arg, like_spec.target, persistent=True)
+        )
         target = self._free_name(f"{base or spec.target}{suffix}")
         anchor = like
-        if kind is not None:  # after the last placeholder of that kind (export's order: parameters, buffers, ...)
+        if (
+            kind is not None
+        ):  # after the last placeholder of that kind (export's order: parameters, buffers, ...)
             order = [InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR]
             before = set(order[: order.index(kind) + 1]) if kind in order else {kind}
             for n in self.graph.nodes:

@@ -162,7 +162,9 @@ def lower(
     )
     stats.casts_simplified = simple.removed
     if program.weight_rules is not None:
-        stats.weights = run_stage(program, "quantize_weights", quantize_weights, program.weight_rules, check=True)
+        stats.weights = run_stage(
+            program, "quantize_weights", quantize_weights, program.weight_rules, check=True
+        )
         if stats.weights.skipped:
             diagnostics.record(
                 log,

@@ -76,7 +76,10 @@ class Conversion:
     def unchanged(self) -> bool:
         """Policy None on a program without autocast regions: nothing to convert."""
         return (
-            self.policy is None and not self.regions and self.cache_dtype is None and self.weight_rules is None
+            self.policy is None
+            and not self.regions
+            and self.cache_dtype is None
+            and self.weight_rules is None
         )
 
     def decider_for(self, program: Program, **more: Any) -> Policy | None:

@@ -43,7 +43,9 @@ from precast.progress import ProgressBar
 from precast.weights.files import INDEX, WeightFiles, has_values, streamed_targets, tensor_bytes
 
 
-def _plan(ep: ExportedProgram, files: WeightFiles) -> dict[Path, list[tuple[str, str, torch.dtype, tuple, str | None]]]:
+def _plan(
+    ep: ExportedProgram, files: WeightFiles
+) -> dict[Path, list[tuple[str, str, torch.dtype, tuple, str | None]]]:
     """input shard -> [(stored name, original name, stored dtype, shape, derive)] for every value-less constant
     (``derive``: the part of a weight stored in 8/4 bits, ``ConstantSource.derive``)."""
     sources = constant_sources(ep)
@@ -58,7 +60,9 @@ def _plan(ep: ExportedProgram, files: WeightFiles) -> dict[Path, list[tuple[str,
             )
         v = values[stored]
         derive = src.derive if src is not None else None  # a quantized weight's part (weight_format=)
-        plan.setdefault(files.file_of(original), []).append((stored, original, v.dtype, tuple(v.shape), derive))
+        plan.setdefault(files.file_of(original), []).append(
+            (stored, original, v.dtype, tuple(v.shape), derive)
+        )
     return plan
 
 

@@ -335,13 +335,25 @@ def test_the_cli_flag_takes_a_format_and_pattern_rules(tmp_path, capfd):
     src, out = tmp_path / "net.pt2", tmp_path / "int.pt2"
     torch.export.save(torch.export.export(model, inputs), src)
     argv = ["convert", str(src), "--policy", "torch", "-o", str(out), "--no-verify"]
-    assert main([*argv, "--weight-format", "int8", "up.weight=int4-g32"]) == 0  # rules first, a bare format last
+    assert (
+        main([*argv, "--weight-format", "int8", "up.weight=int4-g32"]) == 0
+    )  # rules first, a bare format last
     formats = {r["weight"]: r["format"] for r in precast.report(torch.export.load(out)).weight_formats}
-    assert formats == {"up.weight": "int4-g32", "down.weight": "int8", "head.weight": "int8", "emb.weight": "int8"}
+    assert formats == {
+        "up.weight": "int4-g32",
+        "down.weight": "int8",
+        "head.weight": "int8",
+        "emb.weight": "int8",
+    }
     out.unlink()
     capfd.readouterr()
     assert main([*argv, "--weight-format", "int5"]) == 2
     err = capfd.readouterr().err.strip()
-    assert err.endswith("--weight-format int5: give 'int8', 'int4' (group 64), 'int4-g32', 'int4-g128' or 'float' "
-                        "(stored in the dtype its op computes in)") and "\n" not in err
+    assert (
+        err.endswith(
+            "--weight-format int5: give 'int8', 'int4' (group 64), 'int4-g32', 'int4-g128' or 'float' "
+            "(stored in the dtype its op computes in)"
+        )
+        and "\n" not in err
+    )
     assert not out.exists()

@@ -1,0 +1,216 @@
+"""The folder ``precast export-llm`` writes, and reads back for ``precast generate DIR``.
+
+- ``check_output_dir(out, inputs)``: before anything loads: ``-o`` is a new folder or an empty one, in a writable
+  folder, and none of the files written there is an input.
+- ``staged(out)``: a hidden folder beside ``out`` that the block writes into, renamed onto ``out`` only when the
+  block succeeds, removed otherwise (an exception, Ctrl-C, SIGTERM): never a partial artifact.
+- ``write_converted`` / ``write_tokenizer`` / ``write_openvino`` / ``write_aoti`` / ``write_manifest``: the files.
+- ``read_manifest(folder)``: ``export.json``, the artifact's own record (its files, the stop tokens), for
+  ``precast generate DIR``.
+
+Input: paths. Output: the folder, written whole or not at all; one-line PrecastErrors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from precast.errors import PrecastError, first_line
+from precast.io import loads_bounded
+from precast.paths import PathArg, check_input_file, check_outputs
+
+MANIFEST = "export.json"
+FORMAT = "precast-llm-export"
+VERSION = 1
+PROGRAM = "program.pt2"
+TOKENIZER = "tokenizer.json"
+PLAN = "plan.json"
+REPORT = "report.json"
+OPENVINO = "model.xml"
+AOTI = "model.aoti.pt2"
+MANIFEST_LIMIT = 1 << 20  # export.json is a few KiB; a larger one is not ours
+
+
+def check_output_dir(out: str | os.PathLike, inputs: list[PathArg], names: list[str]) -> Path:
+    """``out`` as a Path when the artifact can be written there: absent or an empty folder, its parent a
+    writable folder, none of ``names`` (the files written into it) an input; else one line."""
+    p = Path(out)
+    for source in inputs:
+        if source is not None and _inside(Path(source), p):
+            raise PrecastError(f"-o {p}: holds the input {source}; give another folder")
+    if p.exists() or p.is_symlink():
+        if not p.is_dir():
+            raise PrecastError(f"-o {p}: is a file; give a new or empty folder for the artifact")
+        if any(p.iterdir()):
+            raise PrecastError(
+                f"-o {p}: exists and is not empty; give a new or empty folder (nothing is ever overwritten)"
+            )
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise PrecastError(f"-o {p}: folder {parent} does not exist; create it first")
+    check_outputs({f"-o's {n}": p / n for n in names}, inputs)
+    try:  # a real probe: a read-only file system passes os.access for root
+        _new_dir(p).rmdir()
+    except OSError as exc:
+        raise PrecastError(
+            f"-o {p}: cannot write in {parent} ({exc.strerror}); choose another folder"
+        ) from exc
+    return p
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    with contextlib.suppress(OSError, ValueError):
+        path.resolve().relative_to(folder.resolve())
+        return True
+    return False
+
+
+def _new_dir(p: Path) -> Path:
+    """A new empty folder beside ``p``, hidden; mode 0777 minus the umask (the kernel applies it)."""
+    parent = p.parent if str(p.parent) else Path(".")
+    for _ in range(100):
+        tmp = parent / f".{p.name}.tmp-{secrets.token_hex(6)}"
+        try:
+            tmp.mkdir(0o777)
+        except FileExistsError:
+            continue
+        return tmp
+    raise PrecastError(f"-o {p}: cannot create a temporary folder beside it")
+
+
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """Yields an empty temporary folder beside ``out``; renamed onto ``out`` (absent, or still empty) only when
+    the block succeeds, removed with everything in it otherwise."""
+    tmp = _new_dir(out)
+    try:
+        yield tmp
+        try:  # onto an empty folder too (rename(2)); one that is no longer empty is refused by the system
+            os.rename(tmp, out)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise PrecastError(
+                    f"-o {out}: something was written into it meanwhile; nothing was written"
+                ) from None
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_converted(stage: Path, res: Any, model: Any, source: str, output: str) -> dict[str, str]:
+    """program.pt2 (serialized in memory first: a full disk is one line), the tokenizer, plan.json, report.json."""
+    import torch
+
+    import precast
+    from precast.io import write_bytes
+    from precast.threads import TORCH_LOCK
+
+    buffer = io.BytesIO()
+    try:
+        with TORCH_LOCK:
+            torch.export.save(res.program, buffer)
+    except Exception as exc:
+        raise PrecastError(f"{output}: could not save the converted program: {first_line(exc)}") from exc
+    write_bytes(stage / PROGRAM, buffer.getvalue())
+    del buffer
+    files = {"program": PROGRAM, "report": REPORT}
+    write_bytes(stage / REPORT, (res.report.to_json() + "\n").encode())
+    if res.report.weight_formats:
+        plan = precast.Plan.from_result(res, source=f"precast export-llm {source}")
+        write_bytes(stage / PLAN, plan.to_json(res.program).encode())
+        files["plan"] = PLAN
+    if model.tokenizer is not None:
+        write_tokenizer(stage, model)
+        if (stage / TOKENIZER).is_file():
+            files["tokenizer"] = TOKENIZER
+    return files
+
+
+def write_tokenizer(stage: Path, model: Any) -> None:
+    """The checkpoint folder's own tokenizer files, copied as they are; else (a GGUF) transformers' save of the
+    tokenizer it read."""
+    from precast.io import write_bytes
+    from precast.llm.checkpoint import TOKENIZER_FILES, quiet_transformers
+
+    folder = model.source.folder
+    if model.source.gguf is None and (folder / TOKENIZER).is_file():
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file():
+                write_bytes(
+                    stage / name, check_input_file(folder / name, "the tokenizer's file").read_bytes()
+                )
+        return
+    with quiet_transformers():
+        model.tokenizer.save_pretrained(stage)
+
+
+def write_openvino(stage: Path, program: Any) -> str:
+    import precast
+
+    precast.compile(program, backend="openvino").save(stage / OPENVINO)
+    return OPENVINO
+
+
+def write_aoti(stage: Path, program: Any) -> str:
+    """A self-contained package (the weights inside), as ``precast compile -o`` writes one."""
+    from precast.backends import aoti
+    from precast.io import write_bytes
+
+    cm = aoti.compile(program, inductor_configs={aoti.IN_SO: True})
+    write_bytes(stage / AOTI, cm.package_path.read_bytes())
+    return AOTI
+
+
+def write_manifest(folder: Path, record: dict[str, Any]) -> None:
+    from precast.io import write_bytes
+
+    body = {"format": FORMAT, "version": VERSION, **record}
+    write_bytes(folder / MANIFEST, (json.dumps(body, indent=2) + "\n").encode())
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """An artifact folder's ``export.json`` (``{}`` when there is none); one line when it is not ours."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        return {}
+    try:
+        if path.stat().st_size > MANIFEST_LIMIT:
+            raise ValueError("too large")
+        data = loads_bounded(path.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise PrecastError(f"{path}: not an export-llm manifest ({exc})") from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise PrecastError(f'{path}: not an export-llm manifest (no "format": "{FORMAT}")')
+    return data
+
+
+def artifact_files(folder: Path) -> tuple[Path, Path | None, list[int]]:
+    """(program, tokenizer.json or None, stop tokens) of an artifact folder ``precast export-llm`` wrote."""
+    manifest = read_manifest(folder)
+    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    names = {
+        k: str(files.get(k) or default) for k, default in (("program", PROGRAM), ("tokenizer", TOKENIZER))
+    }
+    for name in names.values():
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise PrecastError(f"{folder / MANIFEST}: file {name!r} is not a name in the folder")
+    program = folder / names["program"]
+    if not program.is_file():
+        raise PrecastError(
+            f"{folder}: no {program.name} in it; give a folder precast export-llm wrote, or a program .pt2"
+        )
+    tokenizer = folder / names["tokenizer"]
+    stops = manifest.get("stop_tokens") or []
+    if not isinstance(stops, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
+        raise PrecastError(f"{folder / MANIFEST}: stop_tokens must be a list of token ids")
+    return program, (tokenizer if tokenizer.is_file() else None), stops
