@@ -90,7 +90,7 @@ tests() {  # tests LANE [pytest args]: the whole suite in an installed lane; ret
   local venv start=$SECONDS rc=0
   venv="$(venv_of "$lane")"
   echo "dev.sh: ---- $lane lane: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)') ----" >&2
-  PRECAST_LANE="$lane" "$venv/bin/python" -m pytest -q "$@" || rc=$?
+  PRECAST_LANE="$lane" "$venv/bin/python" -m pytest -q --durations=30 "$@" || rc=$?
   echo "dev.sh: $lane lane tests took $((SECONDS - start)) s (exit $rc)" >&2
   return "$rc"
 }
@@ -110,6 +110,9 @@ case "$cmd" in
       # printed when both have ended.
       setup floor
       setup latest
+      # one intra-op thread per lane: two lanes of two OpenMP threads each on two cores spin against each other
+      # (a test that wants more threads sets them itself); a caller's own OMP_NUM_THREADS is kept
+      export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
       log="$(mktemp "${TMPDIR:-/tmp}/precast-latest-lane.XXXXXX")"
       echo "dev.sh: the latest lane runs beside the floor lane; its output: $log (printed at the end)" >&2
       tests latest "$@" >"$log" 2>&1 &

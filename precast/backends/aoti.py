@@ -40,6 +40,7 @@ Input: an ExportedProgram (converted or not) and compile options. Output: a ``Co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -52,6 +53,8 @@ import torch
 from torch.export import ExportedProgram
 
 from precast.backends.aoti_build import IN_SO, build_locked, load_package, loader_constants
+from precast.backends.aoti_int import int_kernel_configs, plan_int_weights, warn_int_weights
+from precast.backends.aoti_int_rewrite import apply_int_weights
 from precast.backends.cache import (
     PACKAGE,
     cache_key,
@@ -142,17 +145,24 @@ def compile(
     device = _check_fake(ep, fake, weights)
     form = _form(ep, mode, device, bool(fake), cache_dir)
     configs = compile_configs(mode, inductor_configs, form)
+    # int8 / int4 weights: the linears a low-bit kernel will read (aoti_int; one warning line for the others);
+    # those kernels are ATen's, so a GEMM backend list without ATEN gets it added
+    ints = plan_int_weights(ep, device)
+    configs, int_why = int_kernel_configs(configs, ints)
     form = as_configured(form, configs)  # what the final configs compile, not what the form asked for
+    if int_why:
+        form = dataclasses.replace(form, why=f"{form.why}; {int_why}")
     _check_fake_configs(fake, configs)
     root = resolve_cache_dir(cache_dir)
+    warn_int_weights(ints, freezing=bool(configs.get("freezing")))
     options = json.dumps(
         {"configs": configs, "dynamic": dynamic, "root": str(root), "form": form.name},
         sort_keys=True,
         default=str,
     )
     # by content; the form is in the configs, and the CPU's flags are in the key: a package built for AMX is
-    # never served to a CPU without it
-    key = cache_key(ep, {**configs, "precast.form": form.name}, dynamic)  # weights changed in place: new key
+    # never served to a CPU without it; the int weights' rewrite is a function of the program and its plan
+    key = cache_key(ep, {**configs, "precast.form": form.name, **ints.key()}, dynamic)
     with _MEMO_LOCK:
         model = None if weights is not None else _MEMO.get(ep, {}).get(options)
     if model is not None and model.key == key and not model.weights_replaced:
@@ -172,8 +182,11 @@ def compile(
     compile_seconds = 0.0
     manifest, _ = read_entry(entry, key)
     if manifest is None:
+        rewritten, derived = apply_int_weights(
+            ep, ints
+        )  # a private copy; the caller's program stays as it is
         compile_seconds, manifest = build_locked(
-            with_placeholders(ep, device) if fake else ep,
+            with_placeholders(rewritten, device) if fake else rewritten,
             root,
             key,
             configs,
@@ -183,6 +196,8 @@ def compile(
             lock_timeout,
             fake=bool(fake),
             form=form,
+            derived=derived,
+            int_weights=ints.to_dict() if ints.key() else None,
         )
     from_cache = compile_seconds == 0.0  # published by an earlier run or by a process we waited for
     layout = manifest["weights"]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from precast.backends.aoti_int_rewrite import inline_recipes
 from precast.backends.cache import (
     FORMAT,
     MANIFEST,
@@ -48,6 +49,7 @@ from precast.backends.packed import (
     recipe_sources,
     record_folded_constants,
     record_new_constants,
+    record_scalar_constants,
     replay,
 )
 from precast.backends.signature import ProgramSignature
@@ -112,8 +114,15 @@ def build_locked(
     lock_timeout: float | None,
     fake: bool = False,
     form: Form | None = None,
+    derived: dict[str, Any] | None = None,
+    int_weights: dict[str, Any] | None = None,
 ) -> tuple[float, dict[str, Any]]:
     """Compile and publish the entry for ``key`` unless another process did it while we waited for the lock.
+
+    ``derived``: the recipes of constants ``ep`` holds that the caller's program does not (``aoti_int``: the
+    int4 kernel's packed weights), over the caller's stored names; written with freezing's folded constants
+    (those folded from a derived one are stated over the caller's names too), so every load recomputes them.
+    ``int_weights``: the manifest's record of which int weights a low-bit kernel reads.
 
     Returns the seconds spent compiling (0.0 if another process published the entry first) and the manifest."""
     entry = root / "aoti" / key
@@ -138,7 +147,9 @@ def build_locked(
                 ),
                 TORCH_LOCK,
             ):
-                compiled, packed = _aoti_compile(ep, build / PACKAGE, configs, dynamic)
+                compiled, packed = _with_derived(
+                    _aoti_compile(ep, build / PACKAGE, configs, dynamic), derived
+                )
                 layout = _layout(build / PACKAGE, ep, packed, configs)
                 if layout is None:  # the code reads constants precast cannot hand it: they go in the .so
                     if fake:
@@ -146,7 +157,9 @@ def build_locked(
                             "precast.compile: AOTInductor computed constants from the weights' values, which a "
                             "program with fake or meta weights does not have; load the weights into the program"
                         )
-                    compiled, packed = _aoti_compile(ep, build / PACKAGE, {**configs, IN_SO: True}, dynamic)
+                    compiled, packed = _with_derived(
+                        _aoti_compile(ep, build / PACKAGE, {**configs, IN_SO: True}, dynamic), derived
+                    )
                     layout = {"external": False, "every": [], "unread": []}
             seconds = time.perf_counter() - started
             manifest = {
@@ -162,10 +175,12 @@ def build_locked(
                 "created": time.time(),
                 "constants": {
                     name: [st.source.original, str(st.source.original_dtype), str(st.source.dtype)]
+                    + ([st.source.derive] if getattr(st.source, "derive", None) else [])
                     for name, st in stored.items()
                 },
                 "packed": packed,
                 "weights": layout,
+                **({"int_weights": int_weights} if int_weights else {}),
             }
             write_durable(build / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=str))
             fsync_dir(build)
@@ -176,6 +191,17 @@ def build_locked(
             raise
         notify_compiled(key, seconds, root)
         return seconds, manifest
+
+
+def _with_derived(
+    compiled: tuple[ExportedProgram, dict[str, Any]], derived: dict[str, Any] | None
+) -> tuple[ExportedProgram, dict[str, Any]]:
+    """The compile's packed/folded plan with ``derived``'s recipes added and inlined into the folded ones."""
+    program, packed = compiled
+    if not derived:
+        return program, packed
+    folded = {n: inline_recipes(r, derived) for n, r in packed.get("folded", {}).items()}
+    return program, {**packed, "folded": {**derived, **folded}}
 
 
 def _layout(
@@ -221,7 +247,11 @@ def _aoti_compile(
     with torch.no_grad():
         program = dynamic_batch(ep) if dynamic else ep
         try:
-            with record_new_constants() as added, record_folded_constants() as folded:
+            with (
+                record_new_constants() as added,
+                record_folded_constants() as folded,
+                record_scalar_constants() as scalars,
+            ):
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(package), inductor_configs=dict(configs)
                 )
@@ -238,7 +268,9 @@ def _aoti_compile(
     # a program constant Inductor registers under its own name (a 3-d buffer the code writes: a KV cache) is not a
     # packed copy; counted as one it was "unmatched", which put the constants in the .so and refused load_weights
     plans, unmatched = match_packed({n: t for n, t in added.items() if n not in sources}, sources)
-    recipes, _ = match_folded(folded, sources)  # one the code reads without a recipe: _layout refuses it
+    # one the code reads without a recipe: _layout refuses it; a lowering's own 0-d constants (the int4 kernel's
+    # group size) are literals the loader is handed like the folded ones
+    recipes, _ = match_folded({**scalars, **folded}, sources)
     return program, {"plans": plans, "unmatched": unmatched, "folded": recipes}
 
 

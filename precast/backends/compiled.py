@@ -20,6 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
+from precast.backends.aoti_int_rewrite import derived_copy, original_shape
 from precast.backends.cache import StoredConstant
 from precast.backends.owner import StateOwner, holds_state
 from precast.backends.packed import gemm_pack, recipe_sources, replay
@@ -206,8 +207,9 @@ class CompiledModel:
                     nodata.append(name)
                     nodata_why.setdefault(why, name)
                     continue
-            if meta[0] != want.shape:
-                problems.append(f"{name} has shape {meta[0]}, expected {want.shape}")
+            shape = original_shape(by_original[name])
+            if shape is not None and meta[0] != shape:
+                problems.append(f"{name} has shape {meta[0]}, expected {shape}")
             if meta[1] != want.source.original_dtype:
                 problems.append(f"{name} has dtype {meta[1]}, expected {want.source.original_dtype}")
         folded = sorted(
@@ -259,8 +261,12 @@ class CompiledModel:
                 if not st.read:
                     continue  # never read by the graph (e.g. num_batches_tracked): checked above, nothing to swap
                 # a fresh contiguous copy in the stored dtype: cast_constant, the rounding and fp16 clamping
-                # fold_constant_casts and the streamed writer apply
-                update[st.source.stored] = _stored_copy(value, st.device, st.source.dtype)
+                # fold_constant_casts and the streamed writer apply; a quantized part (int8 / int4 weights:
+                # ``derive``) computed from the original as the conversion computed it
+                if getattr(st.source, "derive", None):
+                    update[st.source.stored] = derived_copy(value, st)
+                else:
+                    update[st.source.stored] = _stored_copy(value, st.device, st.source.dtype)
         for (
             name,
             plan,

@@ -192,7 +192,8 @@ def choose_form(
         return Form(
             "default",
             {},
-            "most matmul weight bytes are fp32 (or there are none): ATen's fp32 GEMV is the fastest measured form",
+            "most float matmul weight bytes are fp32, or there are none (int8/int4 weights run torch's own kernels "
+            "in every form): ATen's fp32 GEMV is the fastest measured form",
         )
     override = os.environ.get(FORM_ENV, "").strip()
     if override == "flags":

@@ -17,7 +17,7 @@ import torch
 
 @contextlib.contextmanager
 def record_new_constants() -> Iterator[dict[str, torch.Tensor]]:
-    """Record the 3-d floating constants Inductor adds while lowering, by the name the package gives them.
+    """Record the 3-d constants Inductor adds while lowering, by the name the package gives them.
 
     The C++ GEMM template (CPU, ``max_autotune``) adds one per weight it uses: the weight blocked into
     ``[n / block_n, k, block_n]`` (VNNI-interleaved for 16-bit types), computed from the weight's value at
@@ -32,8 +32,41 @@ def record_new_constants() -> Iterator[dict[str, torch.Tensor]]:
         # no failure is swallowed here (no silent except in the core): these reads cannot fail on a tensor, and a
         # copy not recorded is named by load_weights' refusal
         real = type(data) is torch.Tensor or type(data) is torch.nn.Parameter
-        if real and data.dim() == 3 and data.is_floating_point() and not data.is_mkldnn:
+        # name None: made by the lowering (the template's copies); the program's own constants come with their
+        # names (a 3-d KV cache, aoti_int's [K/g, N, 2] int4 scales). Integer copies too (the template on an int8
+        # weight): matched like the others, or unmatched and refused by load_weights, never served stale
+        if name is None and real and data.dim() == 3 and not data.is_mkldnn and not data.is_complex():
             added[box.get_name()] = data
+        return box
+
+    GraphLowering.add_tensor_constant = add_tensor_constant  # type: ignore[method-assign]
+    try:
+        yield added
+    finally:
+        GraphLowering.add_tensor_constant = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def record_scalar_constants() -> Iterator[dict[str, tuple[Any, torch.Tensor]]]:
+    """Record the 0-d constants Inductor adds while lowering (the int4 kernel's group size, ``constantN``) as
+    ``{name: (recipe, value)}``, each recipe a literal (``aten::scalar_tensor``) that ``replay`` rebuilds: with
+    the constants outside the package the loader must be handed them. Call under ``TORCH_LOCK``."""
+    from torch._inductor.graph import GraphLowering
+
+    added: dict[str, tuple[Any, torch.Tensor]] = {}
+    original = GraphLowering.add_tensor_constant
+
+    def add_tensor_constant(self: Any, data: torch.Tensor, name: str | None = None) -> Any:
+        box = original(self, data, name)
+        # name None: made by a lowering, not one of the program's constants (those come with their names)
+        real = type(data) is torch.Tensor and not data.is_mkldnn and data.device.type != "meta"
+        if name is None and real and data.dim() == 0 and not data.is_complex():
+            kwargs = {
+                "dtype": {"dtype": str(data.dtype).removeprefix("torch.")},
+                "device": {"device": str(data.device)},
+            }
+            recipe = {"op": "aten::scalar_tensor.default", "args": [data.item()], "kwargs": kwargs}
+            added[box.get_name()] = (recipe, data)
         return box
 
     GraphLowering.add_tensor_constant = add_tensor_constant  # type: ignore[method-assign]
@@ -62,7 +95,7 @@ def match_packed(
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """For each packed constant, the stored weight and the ``gemm_pack`` arguments that reproduce it bit for bit
     (``{name: {"source", "transposed", "block_n", "vnni"}}``), and the names of those no weight reproduces."""
-    candidates = [(name, w) for name, w in sources.items() if w.dim() == 2 and w.is_floating_point()]
+    candidates = [(name, w) for name, w in sources.items() if w.dim() == 2]
     plans: dict[str, dict[str, Any]] = {}
     unmatched: list[str] = []
     for pname, packed in added.items():
@@ -232,7 +265,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         )
     if a.stride() != b.stride():
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    # flattened first: a 0-d tensor (a lowering's literal) has no byte view of its own
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 def match_folded(
