@@ -138,3 +138,23 @@ def compiled_decoder(tiny_decoder, aoti_cache):
     import precast
 
     return precast.compile(tiny_decoder, cache_dir=aoti_cache, progress=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """In ``./dev.sh``'s lanes (``PRECAST_LANE``), a test listed in tests/lanes.py runs in its one lane and is
+    skipped, saying where it runs, in the other."""
+    from tests.lanes import ONE_LANE, lane_of, matches
+
+    lane = os.environ.get("PRECAST_LANE")
+    if lane not in ("floor", "latest"):
+        return
+    for item in items:
+        entry = lane_of(item.nodeid)
+        if entry is not None and entry[0] != lane:
+            item.add_marker(pytest.mark.skip(reason=f"runs in the {entry[0]} lane only: {entry[1]}"))
+    # an entry whose file was collected must name a test of it (a renamed test would silently run in both lanes)
+    files = {item.nodeid.split("::", 1)[0] for item in items}
+    for prefix in ONE_LANE:
+        path = prefix.split("::", 1)[0]
+        if any(matches(path, f) for f in files) and not any(matches(prefix, item.nodeid) for item in items):
+            raise pytest.UsageError(f"tests/lanes.py: {prefix!r} names no test of {path}")
