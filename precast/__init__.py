@@ -68,7 +68,7 @@ __all__ = [
     "GenerationResult",
     "LogitsOnly",
 ]
-__version__ = "0.1.0"
+from precast.version import __version__ as __version__  # noqa: E402 - one home for the version
 
 
 def __getattr__(name: str):

@@ -153,7 +153,7 @@ def toolchain() -> dict[str, str]:
     """What besides the program changes the package: read now (inductor's config may change in process)."""
     import torch._inductor.config as inductor_config
 
-    from precast import __version__
+    from precast.version import __version__
 
     env = {k: v for k, v in os.environ.items() if k.startswith(TOOLCHAIN_ENV_PREFIXES) or k in TOOLCHAIN_ENV}
     return {

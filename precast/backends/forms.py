@@ -225,7 +225,7 @@ def flags_form(dtype: torch.dtype, caps: Mapping[str, Any], exclude: tuple[str, 
 # ---- the measured choice -------------------------------------------------------------------------------------
 def choice_key(dtype: torch.dtype, shapes: Shapes, threads: int, candidates: tuple[str, ...]) -> str:
     """What a measured choice depends on, hashed: the CPU, torch, precast, threads, dtype, shapes, M, candidates."""
-    from precast import __version__
+    from precast.version import __version__
 
     parts = {
         "cpu": cpu.identity(),

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from precast import __version__
+    from precast.version import __version__
 
     return __version__
 

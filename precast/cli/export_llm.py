@@ -350,7 +350,7 @@ def _record(args: argparse.Namespace, source: Any, about: dict, cache: int, *fac
     import torch
     import transformers
 
-    from precast import __version__
+    from precast.version import __version__
 
     calibration, files, seconds = facts
     budget = _budget(args)

@@ -147,9 +147,10 @@ class ConvertOptions:
                 "tolerance= runs the converted program on data, which streamed weights cannot (no values in "
                 "memory); convert in memory, or leave it out"
             )
-        if self.policy == "auto" or type(self.policy).__name__ == "AutoPolicy":
+        times = not isinstance(self.policy, str) and binds(self.policy)
+        if self.policy == "auto" or (times and "latency" in hook(self.policy, "prepare_steps")):
             raise PrecastError(
-                "policy='auto' times the converted program, which streamed weights cannot run; use 'torch', "
+                "policy='auto' (a policy that times ops) runs the converted program, which streamed weights cannot; use 'torch', "
                 "'rules' or a plan"
             )
         files = WeightFiles(self.weights)

@@ -1,7 +1,7 @@
 """The one-way architecture, enforced: a module imports only its own layer or lower (read with ``ast``, imports
 inside functions included), and no two modules import each other, directly or in a cycle.
 
-Layers, lowest first (docs/architecture.md): base (errors, dtypes, codes, metrics, paths, io, entries, progress, examples, threads, cpu) ->
+Layers, lowest first (docs/architecture.md): base (errors, dtypes, codes, metrics, paths, io, entries, progress, examples, threads, cpu, version) ->
 ir -> policy -> passes -> numerics, weights -> pipeline -> report -> api -> backends -> bench -> cli (and the
 ``precast`` facade).
 """
@@ -31,6 +31,7 @@ LAYERS = (
             "examples",
             "threads",
             "cpu",
+            "version",
         ),
     ),
     ("ir", ("ir",)),

@@ -171,6 +171,8 @@ def test_refusals_are_one_line(llama, tmp_path):
         (dict(weights_out=tmp_path / "o"), "give weights="),
         (dict(weights=folder, weights_out=folder / "sub"), "overwrite the input weights"),
         (dict(weights=folder, weights_out=tmp_path / "o", policy="auto"), "policy='auto'"),
+        # an instance, as a policy of the user's that times ops would be: asked through its hooks, not its class
+        (dict(weights=folder, weights_out=tmp_path / "o", policy=precast.AutoPolicy()), "policy='auto'"),
         (
             dict(
                 weights=folder,
