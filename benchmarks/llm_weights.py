@@ -87,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a file keeping the estimate between runs (read when it exists; the caller keys it by the arguments)",
     )
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="BITS",
+        help="only time what a user runs: precast.convert(..., weight_format=WeightBudget(bits=BITS, data=the "
+        "calibration windows)), the estimate included, and print its seconds",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     import precast
@@ -104,6 +112,24 @@ def main(argv: list[str] | None = None) -> int:
         for s in range(0, args.calibration - w + 1, w)
     ]
     ep = export(model, w)
+    if args.time_budget is not None:
+        started = time.perf_counter()
+        res = precast.convert(
+            ep,
+            policy="torch",
+            dtype=torch.bfloat16,
+            cache_dtype="bf16",
+            weight_format=precast.WeightBudget(bits=args.time_budget, data=calib, probes=args.probes),
+            verify=False,
+        )
+        seconds = time.perf_counter() - started
+        chosen = Counter(r["format"] for r in res.report.weight_formats)
+        print(
+            f"{cpu_line()}; load {load:.1f} before, {os.getloadavg()[0]:.1f} after; torch {torch.__version__}\n"
+            f"convert with WeightBudget(bits={args.time_budget}) on {len(calib)} x {w} calibration tokens, "
+            f"{args.probes} probes: {seconds:.0f} s (threads {torch.get_num_threads()}); formats {dict(chosen)}"
+        )
+        return 0
     started = time.perf_counter()
     if args.costs_cache is not None and args.costs_cache.exists():
         costs = pickle.loads(args.costs_cache.read_bytes())

@@ -388,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precast-plans", nargs="*", default=list(PRECAST_PLANS))
     ap.add_argument("--no-precast", action="store_true")
     ap.add_argument("--precast-eager", action="store_true", help="precast's eager (torch) rows as well")
+    ap.add_argument(
+        "--precast-fp32",
+        nargs="*",
+        default=["int8", "int4-g64"],
+        help="formats for precast with policy=None (fp32 compute) on OpenVINO: the rounding alone, like the anchors",
+    )
     ap.add_argument("--fresh", action="store_true", help="redo the NNCF compressions (exports are reused)")
     ap.add_argument(
         "--work", type=Path, default=Path(os.environ.get("PRECAST_BENCH_WORK", "/tmp/precast-bench"))
@@ -417,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     w = args.window
     calibration = [ids[s : s + w].tolist() for s in range(0, args.calibration - w + 1, w)]
     evaluation = ids[args.calibration :]
-    reference_run = program_runner(export(model, w))
+    ep = export(model, w)
+    reference_run = program_runner(ep)
     references = []
     with torch.no_grad():
         for s in range(0, len(evaluation) - 1, w):
@@ -434,10 +441,65 @@ def main(argv: list[str] | None = None) -> int:
         print(f"optimum-cli --weight-format {fmt}: {out}" + (f" ({seconds:.0f} s)" if seconds else " (reused)"),
               file=sys.stderr)  # fmt: skip
 
-    # 2. NNCF's mixed int4/int8 at precast's budgets, and its default int4
+    # 2. precast's own rows, the same evaluation (llm_weights); first: NNCF is matched to their stored bytes too
+    precast_result = None
+    precast_rows: dict[str, dict] = {}
+    if not args.no_precast and args.precast_plans:
+        from benchmarks import llm_weights
+
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
+            llm_weights.main(
+                ["--tokens", str(args.tokens), "--calibration", str(args.calibration), "--window", str(w),
+                 "--bits", *map(str, args.bits), "--openvino", *([] if args.precast_eager else ["--no-eager"]), "--only", *args.precast_plans,
+                 "--work", str(args.work), "--out", tmp, "--costs-cache",
+                 str(work / f"precast-costs-c{args.calibration}-w{w}-p8.pkl")]
+            )  # fmt: skip
+            precast_result = json.loads((Path(tmp) / "llm_weights.json").read_text())
+        for label, r in precast_result["rows"].items():
+            where = "eager (torch)" if label.endswith("[eager]") else "precast.compile(backend='openvino')"
+            precast_rows[f"precast {label}"] = {
+                "kld": r["kld"],
+                "top1": r["top1"],
+                "ppl": r["ppl"],
+                "bits_per_weight": r["bits_per_weight"],
+                "stored_bytes": r["stored_bytes"],
+                "stored_bits_per_weight": 8 * r["stored_bytes"] / precast_result["elements"]
+                if r["stored_bytes"]
+                else None,
+                "how": f"policy torch bf16, cache bf16, {where}",
+                "formats": r.get("formats"),
+            }
+
+    if not args.no_precast:
+        import precast
+        from benchmarks.llm_accuracy import openvino_runner
+
+        for fmt in args.precast_fp32:
+            res = precast.convert(ep, policy=None, weight_format=fmt, verify=False)
+            stored = sum(r["bytes_after"] for r in res.report.weight_formats)
+            run, how = openvino_runner(res.program)
+            r = _evaluate(run, references)
+            del run, res
+            elements = weight_storage(exports["fp32"]["xml"])["elements"]
+            precast_rows[f"precast {fmt}, policy None (fp32 compute) [openvino]"] = {
+                **r,
+                "bits_per_weight": 8 * stored / elements,
+                "stored_bytes": stored,
+                "how": f"precast.convert(policy=None, weight_format={fmt!r}), {how.split(': ', 1)[-1]}",
+            }
+            print(
+                f"precast {fmt} policy None [openvino]: KLD {r['kld']:.5f}, top-1 {100 * r['top1']:.1f}%",
+                file=sys.stderr,
+            )
+
+    # 3. NNCF's mixed int4/int8 at precast's budgets and at its measured plans' stored bytes; its plain int4
+    budgets = {b: f"precast's budget {b}" for b in args.bits}
+    for label, r in precast_rows.items():
+        if label.startswith("precast measured") and r["stored_bytes"]:
+            budgets.setdefault(round(r["stored_bits_per_weight"], 4), f"{label.split(' [')[0]} as stored")
     targets = [
         {"name": f"nncf mixed {b} bits", "bits": b, "all_layers": True, "out": str(work / f"nncf-{b}bits")}
-        for b in args.bits
+        for b in budgets
     ]
     targets += [
         {"name": "nncf int4 defaults", "ratio": 1.0, "all_layers": False, "out": str(work / "nncf-int4")},
@@ -470,14 +532,17 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
     nncf_result = {"targets": [json.loads(Path(t["result"]).read_text()) for t in targets]}
 
-    # 3. evaluate every OpenVINO model under each mode
+    # 4. evaluate every OpenVINO model under each mode
     models = {
         "OpenVINO fp32 export (optimum-cli --weight-format fp32)": (exports["fp32"]["xml"], None),
         "OpenVINO int8 export (optimum-cli --weight-format int8)": (exports["int8"]["xml"], None),
     }
     for t in nncf_result["targets"]:
         if "bits" in t:
-            label = f"NNCF int4-g{args.group_size}/int8, {t['bits']} bits ({args.metric}, all_layers, R={t['ratio']:.4f})"
+            label = (
+                f"NNCF int4-g{args.group_size}/int8 at {t['bits']} bits ({budgets.get(t['bits'], '')}; {args.metric}, "
+                f"all_layers, R={t['ratio']:.4f})"
+            )
         else:
             label = f"NNCF int4-g{args.group_size}, ratio=1, " + (
                 "all_layers=True (every weight int4)"
@@ -507,31 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label} [{mode}]: KLD {r['kld']:.5f}, top-1 {100 * r['top1']:.1f}%, ppl {r['ppl']:.2f}, "
                   f"{r['bits_per_weight']:.3f} bits", file=sys.stderr)  # fmt: skip
 
-    # 4. precast's own rows, the same evaluation (llm_weights)
-    precast_result = None
-    if not args.no_precast and args.precast_plans:
-        from benchmarks import llm_weights
-
-        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
-            llm_weights.main(
-                ["--tokens", str(args.tokens), "--calibration", str(args.calibration), "--window", str(w),
-                 "--bits", *map(str, args.bits), "--openvino", *([] if args.precast_eager else ["--no-eager"]), "--only", *args.precast_plans,
-                 "--work", str(args.work), "--out", tmp, "--costs-cache",
-                 str(work / f"precast-costs-c{args.calibration}-w{w}-p8.pkl")]
-            )  # fmt: skip
-            precast_result = json.loads((Path(tmp) / "llm_weights.json").read_text())
-        for label, r in precast_result["rows"].items():
-            where = "eager (torch)" if label.endswith("[eager]") else "precast.compile(backend='openvino')"
-            rows[f"precast {label}"] = {
-                "kld": r["kld"],
-                "top1": r["top1"],
-                "ppl": r["ppl"],
-                "bits_per_weight": r["bits_per_weight"],
-                "stored_bytes": r["stored_bytes"],
-                "how": f"policy torch bf16, cache bf16, {where}",
-                "formats": r.get("formats"),
-            }
-
+    rows.update(precast_rows)
     cpu = f"{cpu_line()}; VNNI: {', '.join(vnni()) or 'none'}"
     print(
         f"CPU: {cpu}; load {load:.1f} -> {os.getloadavg()[0]:.1f}; {len(evaluation) - 1} tokens after "
@@ -540,10 +581,16 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "| plan | KLD vs fp32 (nats/token) | top-1 | perplexity | bits/weight | how |\n|---|---|---|---|---|---|"
     )
+
+    def bits(r: dict) -> str:
+        stored = r.get("stored_bits_per_weight")
+        if stored is None or abs(stored - r["bits_per_weight"]) < 5e-4:
+            return f"{r['bits_per_weight']:.3f}"
+        return f"{r['bits_per_weight']:.3f} (stored {stored:.3f})"
+
     for label, r in rows.items():
         print(
-            f"| {label} | {r['kld']:.5f} | {100 * r['top1']:.1f}% | {r['ppl']:.2f} | {r['bits_per_weight']:.3f} | "
-            f"{r['how']} |"
+            f"| {label} | {r['kld']:.5f} | {100 * r['top1']:.1f}% | {r['ppl']:.2f} | {bits(r)} | {r['how']} |"
         )
     same = [
         label
