@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--context must be below --cache-len")
     repeats = args.repeats or (3 if args.quick else 15)
     steps = args.steps or (4 if args.quick else 8)
-    names = tuple(n for n in (args.variant or VARIANTS) if n not in args.skip)
+    names = tuple(n for n in (args.variant or decode_forms.DEFAULT_VARIANTS) if n not in args.skip)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
 

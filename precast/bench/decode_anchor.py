@@ -108,6 +108,7 @@ class AnchorProcess:
         threads: int,
         hint: str = "bf16",
         timeout: float = 900,
+        weight_format: str | None = None,
     ):
         self.threads = threads
         self.proc = subprocess.Popen(
@@ -125,6 +126,7 @@ class AnchorProcess:
                 "context": shape.context,
                 "cache_len": shape.cache_len,
                 "vocab": shape.vocab,
+                **({"weight_format": weight_format} if weight_format else {}),
             },
             timeout,
         )

@@ -1,8 +1,9 @@
 """The decode forms ``precast bench --llm`` and the source checkout's decode script build: one
 ``Variant`` per form, each built by its own builder from one shared ``Build`` (the fp32 model, its programs).
 
-- ``EAGER``, ``HAND``, ``PRECAST``, ``OPENVINO``, ``VARIANTS``: the forms' names; ``BF16_HAND_FORMS`` and
-  ``FP32_FORMS`` the hand-cast bf16 and fp32 ones (the ratios' references).
+- ``EAGER``, ``HAND``, ``PRECAST``, ``OPENVINO``, ``WEIGHTS``, ``VARIANTS``: the forms' names (``WEIGHTS``:
+  int8/int4 weights, outside ``DEFAULT_VARIANTS``); ``BF16_HAND_FORMS`` and ``FP32_FORMS`` the hand-cast bf16 and
+  fp32 ones (the ratios' references).
 - ``build_variants``: every asked form built (compiled packages reused from a work folder); a form that fails
   carries its error (a row of the table, not the end of the run).
 - ``convert_llm``, ``check_reload``: precast's conversion of the decoder and its ``load_weights`` check.
@@ -36,7 +37,18 @@ PRECAST = (
     "precast_auto_autotune",
 )
 OPENVINO = ("precast_openvino", "openvino_anchor", "openvino_anchor_inprocess")
-VARIANTS = EAGER + HAND + PRECAST + OPENVINO
+# weights stored in 8/4 bits (issue 41): precast's plan with weight_format= on AOTInductor (the default form) and
+# OpenVINO (the default call), and OpenVINO's own export with optimum-cli --weight-format int8; not in the default
+# table (benchmarks/llm_decode_weights.py runs them beside their bf16 forms)
+WEIGHTS = (
+    "precast_torch_int8",
+    "precast_torch_int4",
+    "precast_openvino_int8",
+    "precast_openvino_int4",
+    "openvino_anchor_int8",
+)
+DEFAULT_VARIANTS = EAGER + HAND + PRECAST + OPENVINO
+VARIANTS = DEFAULT_VARIANTS + WEIGHTS
 # max-autotune with Inductor's C++ GEMM template alone: choosing between it and ATen by timing both at compile
 # time is a coin toss on a loaded machine (measured: ATen's mm "0.23 ms" against the template's "20 ms" for one
 # shape, 13 ms against 32 ms for another), so the autotune forms take the template wherever it applies
@@ -152,13 +164,21 @@ def build_hand(b: Build, v: Variant) -> None:
     v.stored_bytes, v.read_bytes = read_bytes(state_of(ep))
 
 
+def weight_format_of(name: str) -> str | None:
+    """The weight format a form's name ends with (``precast_torch_int8`` -> ``int8``), or None."""
+    last = name.rsplit("_", 1)[1]
+    return last if last in ("int8", "int4") else None
+
+
 def build_precast(b: Build, v: Variant) -> None:
-    """precast.convert (policy torch or auto, bf16, cache bf16) then precast.compile: no options (the form this
-    CPU implies), Inductor's defaults, or max-autotune with the C++ GEMM template."""
+    """precast.convert (policy torch or auto, bf16, cache bf16; the weight format the name ends with) then
+    precast.compile: no options (the form this CPU implies), Inductor's defaults, or max-autotune with the C++ GEMM
+    template."""
     import precast
 
     assert b.ep32 is not None
-    res = convert_llm(b.ep32, v.name.split("_")[1])
+    fmt = weight_format_of(v.name)
+    res = convert_llm(b.ep32, v.name.split("_")[1], fmt)
     v.note = res.note
     mode = {"autotune": "max-autotune", "default": "default"}.get(v.name.rsplit("_", 1)[1], "auto")
     configs = CPP_GEMM if mode == "max-autotune" else None
@@ -170,6 +190,8 @@ def build_precast(b: Build, v: Variant) -> None:
     v.package, v.run = cm.package_path, call(cm)
     if mode == "auto":
         v.note = (v.note + "; " if v.note else "") + f"form {cm.form['name']}: {cm.form['why']}"
+    if fmt:
+        v.note = (v.note + "; " if v.note else "") + f"weights {fmt}"
     program = save_program(res.program, b.work / f"{v.name}-{b.tag}.program.pt2")
     v.compile_spec = {
         "program": str(program),
@@ -187,7 +209,8 @@ def build_precast_openvino(b: Build, v: Variant) -> None:
     import precast
 
     assert b.ep32 is not None
-    res = convert_llm(b.ep32, "torch")
+    fmt = weight_format_of(v.name)
+    res = convert_llm(b.ep32, "torch", fmt)
     started = time.perf_counter()
     models = {
         t: precast.compile(res.program, backend="openvino", threads=t)  # the default call
@@ -198,7 +221,8 @@ def build_precast_openvino(b: Build, v: Variant) -> None:
     def run(input_ids, cache_position, models=models):
         return models[torch.get_num_threads()](input_ids=input_ids, cache_position=cache_position)
 
-    v.run, v.reloadable, v.note = run, "-", "bf16 hint, cache bf16"
+    v.run, v.reloadable = run, "-"
+    v.note = "default call, cache bf16" + (f", weights {fmt}" if fmt else "")
     program = save_program(res.program, b.work / f"{v.name}-{b.tag}.program.pt2")
     v.compile_spec = {"program": str(program), "backend": "openvino"}
     v.stored_bytes, v.read_bytes = read_bytes(state_of(res.program))
@@ -213,11 +237,19 @@ def build_anchor(b: Build, v: Variant) -> None:
             "--build-anchor-env, or give --anchor-python)"
         )
     folder = decode_anchor.save_for_anchor(b.fp32, b.work / f"anchor-{b.tag}")
-    v.anchors = {t: decode_anchor.AnchorProcess(python, folder, b.shape, t) for t in b.threads}
+    fmt = weight_format_of(v.name)
+    v.anchors = {
+        t: decode_anchor.AnchorProcess(python, folder, b.shape, t, weight_format=fmt) for t in b.threads
+    }
     first = v.anchors[b.threads[0]].info
     v.compile_s, v.rss_mb = first.get("export_s"), first.get("rss_mb")
-    v.note = f"optimum-intel export, bf16 hint + bf16 KV cache; {first.get('versions')}"
+    how = f"optimum-cli --weight-format {fmt}" if fmt else "optimum-intel export"
+    v.note = f"{how}, bf16 hint + bf16 KV cache; {first.get('versions')}"
     v.run, v.reloadable = (lambda **kw: None), "-"
+    if fmt:  # the IR's weight file: every weight, its scales and zero points
+        bin_bytes = (folder.parent / f"{folder.name}-ov-{fmt}" / "openvino_model.bin").stat().st_size
+        v.stored_bytes = {"weights": bin_bytes}
+        return
     # OpenVINO runs bf16 weights under the bf16 hint: the bytes the hand-cast bf16 model holds
     v.stored_bytes, v.read_bytes = read_bytes(
         module_state(wrapped(llama(b.shape, torch.bfloat16), b.shape).model)
@@ -238,8 +270,13 @@ BUILDERS: dict[str, Callable[[Build, Variant], None]] = {
     **dict.fromkeys(EAGER, build_eager),
     **dict.fromkeys(HAND, build_hand),
     **dict.fromkeys(PRECAST, build_precast),
+    "precast_torch_int8": build_precast,
+    "precast_torch_int4": build_precast,
     "precast_openvino": build_precast_openvino,
+    "precast_openvino_int8": build_precast_openvino,
+    "precast_openvino_int4": build_precast_openvino,
     ANCHOR: build_anchor,
+    "openvino_anchor_int8": build_anchor,
     "openvino_anchor_inprocess": build_anchor_inprocess,
 }
 
@@ -298,13 +335,15 @@ class Converted:
     note: str
 
 
-def convert_llm(ep: torch.export.ExportedProgram, policy: str) -> Converted:
-    """``precast.convert(ep, policy=..., dtype=bf16, cache_dtype=bf16)``."""
+def convert_llm(ep: torch.export.ExportedProgram, policy: str, weight_format: str | None = None) -> Converted:
+    """``precast.convert(ep, policy=..., dtype=bf16, cache_dtype=bf16, weight_format=...)``."""
     import precast
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = precast.convert(ep, policy=policy, dtype=torch.bfloat16, cache_dtype=torch.bfloat16)
+        res = precast.convert(
+            ep, policy=policy, dtype=torch.bfloat16, cache_dtype=torch.bfloat16, weight_format=weight_format
+        )
     note = ""
     if policy == "auto":
         mms = [r for r in res.report.nodes if r.op.split(".")[-2:][0] in ("mm", "addmm", "bmm", "linear")]

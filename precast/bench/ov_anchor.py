@@ -3,9 +3,12 @@
 Runs in the anchor's own environment (optimum-intel 2.2, transformers < 5.6;
 ``decode_anchor.anchor_env_commands``), never imports precast. Protocol on stdin / stdout, one JSON object a line:
 
-  {"model_dir", "threads", "hint", "context", "cache_len", "vocab"}  -> {"export_s", "rss_mb", "versions"}
+  {"model_dir", "threads", "hint", "context", "cache_len", "vocab", "weight_format"?}
+      -> {"export_s", "rss_mb", "versions"}
       exports ``model_dir`` with ``OVModelForCausalLM.from_pretrained(export=True)`` (stateful KV cache) into
-      ``<model_dir>-ov`` in a child process (timed; reused when present), then loads that IR here with
+      ``<model_dir>-ov`` in a child process (timed; reused when present); with ``weight_format`` ("int8",
+      "int4"), with ``optimum-cli export openvino --weight-format FORMAT`` (what its users run) into
+      ``<model_dir>-ov-FORMAT``; then loads that IR here with
       ``INFERENCE_PRECISION_HINT`` and ``KV_CACHE_PRECISION`` = ``hint`` and ``INFERENCE_NUM_THREADS`` =
       ``threads``, and runs a prefill and a step: ``rss_mb`` is what this fresh process gained.
   {"sample": steps}  -> {"prefill_ms", "decode_ms"}
@@ -32,7 +35,16 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def export(model_dir: str, out: str) -> None:
+def export(model_dir: str, out: str, weight_format: str | None = None) -> None:
+    if weight_format:  # the command optimum-intel's users run, from this environment
+        cli = Path(sys.executable).parent / "optimum-cli"
+        subprocess.run(
+            [str(cli), "export", "openvino", "--model", model_dir, "--task", "text-generation-with-past",
+             "--weight-format", weight_format, out],
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
+        return
     from optimum.intel import OVModelForCausalLM
 
     model = OVModelForCausalLM.from_pretrained(model_dir, export=True, compile=False, stateful=True)
@@ -40,8 +52,8 @@ def export(model_dir: str, out: str) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) == 4 and sys.argv[1] == "--export":
-        export(sys.argv[2], sys.argv[3])
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "--export":
+        export(sys.argv[2], sys.argv[3], *sys.argv[4:])
         return 0
     from importlib.metadata import version
 
@@ -57,12 +69,21 @@ def main() -> int:
         try:
             if "model_dir" in request:
                 spec = request
-                out = request["model_dir"].rstrip("/") + "-ov"
+                fmt = request.get("weight_format")
+                out = request["model_dir"].rstrip("/") + "-ov" + (f"-{fmt}" if fmt else "")
                 export_s = None
                 if not (Path(out) / "openvino_model.xml").exists():
                     started = time.perf_counter()
                     subprocess.run(
-                        [sys.executable, "-P", __file__, "--export", request["model_dir"], out],
+                        [
+                            sys.executable,
+                            "-P",
+                            __file__,
+                            "--export",
+                            request["model_dir"],
+                            out,
+                            *([fmt] if fmt else []),
+                        ],
                         check=True,
                         capture_output=True,
                     )
