@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import precast
+import precast.version
 from benchmarks.cli_bad_inputs import FACTORIES
 from precast.backends.aoti import compile_configs
 from precast.backends.cache import cache_key, resolve_cache_dir
@@ -120,7 +121,7 @@ def test_cache_key_covers_the_toolchain(converted_a, monkeypatch):
             m.setenv(var, value)
             assert cache_key(ep, {}, True) != base, var
     with monkeypatch.context() as m:
-        m.setattr(precast, "__version__", "99.0")
+        m.setattr(precast.version, "__version__", "99.0")  # where the cache key reads it
         assert cache_key(ep, {}, True) != base
     with monkeypatch.context() as m:
         m.setattr(torch.version, "git_version", "0" * 40)
