@@ -24,7 +24,16 @@ def test_weight_format_of_a_form_name():
 def test_quick_openvino_bf16_and_int8(tmp_path):
     from benchmarks import llm_decode_weights
 
-    argv = ["--quick", "--forms", "precast_openvino", "precast_openvino_int8", "--threads", "1", "--repeats", "2"]
+    argv = [
+        "--quick",
+        "--forms",
+        "precast_openvino",
+        "precast_openvino_int8",
+        "--threads",
+        "1",
+        "--repeats",
+        "2",
+    ]
     argv += ["--steps", "2", "--no-rss", "--work", str(tmp_path / "work"), "--out", str(tmp_path)]
     assert llm_decode_weights.main(argv) == 0
     payload = json.loads((tmp_path / "llm_decode_weights.json").read_text())
