@@ -67,6 +67,20 @@ def random_plan(costs, target_bytes: int, seed: int = 0) -> dict[str, str]:
     return plan
 
 
+def convert(ep: torch.export.ExportedProgram, weight_format: object):
+    """The conversion every row measures: policy torch, bf16, cache bf16, with ``weight_format``."""
+    import precast
+
+    return precast.convert(
+        ep,
+        policy="torch",
+        dtype=torch.bfloat16,
+        cache_dtype="bf16",
+        weight_format=weight_format,
+        verify=False,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
@@ -114,14 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ep = export(model, w)
     if args.time_budget is not None:
         started = time.perf_counter()
-        res = precast.convert(
-            ep,
-            policy="torch",
-            dtype=torch.bfloat16,
-            cache_dtype="bf16",
-            weight_format=precast.WeightBudget(bits=args.time_budget, data=calib, probes=args.probes),
-            verify=False,
-        )
+        res = convert(ep, precast.WeightBudget(bits=args.time_budget, data=calib, probes=args.probes))
         seconds = time.perf_counter() - started
         chosen = Counter(r["format"] for r in res.report.weight_formats)
         print(
@@ -186,14 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, formats in plans.items():
         rules = {re.sub(r"([*?\[])", r"[\1]", n): f for n, f in formats.items()}
         t = time.perf_counter()
-        res = precast.convert(
-            ep,
-            policy="torch",
-            dtype=torch.bfloat16,
-            cache_dtype="bf16",
-            weight_format=rules or None,
-            verify=False,
-        )
+        res = convert(ep, rules or None)
         convert_s = time.perf_counter() - t
         stored = sum(r["bytes_after"] for r in res.report.weight_formats) if formats else None
         runners = {} if args.no_eager and args.openvino else {"eager": program_runner(res.program)}
