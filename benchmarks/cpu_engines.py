@@ -16,7 +16,7 @@ Variants: ``AOTI fp32`` and ``precast -> AOTI`` (``precast.compile``), ``ORT fp3
 has no bf16 kernels), ``OpenVINO fp32`` (the fp32 program, ``INFERENCE_PRECISION_HINT=f32``), ``OpenVINO default``
 (the fp32 program, OpenVINO's default: bf16 wherever its heuristics allow on this CPU) and ``precast -> OpenVINO``
 (``precast.compile(program, backend="openvino")``: precast's dtypes; OpenVINO's bf16 hint where every layer then
-honours the plan, else the f32 hint, see ``precast.backends.openvino_precision``). Latency: median of interleaved
+honours the plan, else the f32 hint, see ``precast.backends.openvino.precision``). Latency: median of interleaved
 repeats (every variant timed in turn within each repeat), per thread count, one process. Accuracy: cosine and max
 |diff| against the eager fp32 model. Plan: ``OpenVINOModel.plan`` of precast -> OpenVINO (each executed layer's
 runtime precision against precast's decisions). Target (printed, never asserted): precast -> OpenVINO >= 0.97x
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import precast  # noqa: E402
-from precast.backends.openvino import compile_openvino  # noqa: E402
+from precast.backends.openvino.model import compile_openvino  # noqa: E402
 from precast.bench import interleaved_latency, machine_info  # noqa: E402
 from precast.metrics import flat_error  # noqa: E402
 
@@ -114,8 +114,8 @@ def export(model: torch.nn.Module, inputs: tuple) -> torch.export.ExportedProgra
 
 def build(name: str, threads: list[int], cache: Path, work: Path) -> tuple[dict, dict, dict]:
     """Per thread count, the variants' callables; their outputs; facts (plan, compile seconds)."""
-    from precast.backends.onnx import export_onnx
-    from precast.backends.onnx_runtime import ort_runner, ort_session, run_onnx
+    from precast.backends.onnx.export import export_onnx
+    from precast.backends.onnx.runtime import ort_runner, ort_session, run_onnx
 
     model, inputs = MODELS[name]()
     with torch.no_grad():

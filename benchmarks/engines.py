@@ -7,7 +7,7 @@ Per model: the fp32 program is ``torch.export`` with a dynamic batch; "after pre
 ``precast.convert(fp32_program, policy="torch", dtype=D)`` for D in bf16 and fp16 (eager autocast's semantics).
 Engines: eager (``program.module()``), torch.compile (inductor, default configs), AOTInductor
 (``precast.compile``; runs? and max diff come from a fresh process that imports only torch and loads the package with
-``torch._inductor.aoti_load_package``), ONNX Runtime CPU (``precast.backends.onnx``), OpenVINO
+``torch._inductor.aoti_load_package``), ONNX Runtime CPU (``precast.backends.onnx.export``), OpenVINO
 (``precast.compile(program, backend="openvino")``: the program's own dtypes; and "OpenVINO default": OpenVINO's own
 precision hint, bf16 wherever it chooses on a CPU with native bf16) and ExecuTorch (``precast.backends.executorch``)
 when installed. Latency: median of interleaved repeats in this process (each
@@ -158,8 +158,8 @@ def engine_variants(
         out = aoti_fresh(cm.package_path, inputs, work)
         return (lambda: cm(*inputs)), out, cm.package_path.stat().st_size
     if engine == "ONNX Runtime":
-        from precast.backends.onnx import export_onnx
-        from precast.backends.onnx_runtime import ort_runner, ort_session, run_onnx
+        from precast.backends.onnx.export import export_onnx
+        from precast.backends.onnx.runtime import ort_runner, ort_session, run_onnx
 
         path = work / f"{tag}.onnx"
         with warnings.catch_warnings():
@@ -169,7 +169,7 @@ def engine_variants(
         out = run_onnx(session, inputs)
         return ort_runner(session, inputs), out, path.stat().st_size
     if engine in ("OpenVINO", "OpenVINO default"):
-        from precast.backends.openvino import compile_openvino
+        from precast.backends.openvino.model import compile_openvino
 
         hint = "auto" if engine == "OpenVINO" else None
         model = compile_openvino(ep, threads=THREADS, precision_hint=hint, warn=False)

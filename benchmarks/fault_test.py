@@ -56,7 +56,7 @@ def run_child(seed: int, cache: Path, kill_after: float | None) -> tuple[int, st
 
 
 def compile_trials(n: int, rng: random.Random, failures: list[str]) -> int:
-    from precast.backends.cache import read_entry
+    from precast.backends.aoti.package_cache import read_entry
 
     kills = 0
     with tempfile.TemporaryDirectory(prefix="precast-fault-") as tmp:

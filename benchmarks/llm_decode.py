@@ -23,7 +23,7 @@ Variants (``--variant`` picks a subset):
   aoti_bf16_autotune  ... with ``max_autotune=True``, C++ GEMM backend (the template packs weights at compile time)
   precast_torch       ``precast.convert(ep, policy="torch", cache_dtype=bf16)`` then ``precast.compile`` with no
                       options: the form measured fastest here at the largest --threads value
-                      (precast/backends/forms.py; the note says which, with the times; run --threads 1 and
+                      (precast/backends/aoti/forms.py; the note says which, with the times; run --threads 1 and
                       --threads 2 separately for each count's own choice)
   precast_torch_default   the same with ``mode="default"`` (Inductor's defaults: ATen mm on unpacked weights)
   precast_auto        ``policy="auto"`` (each matmul kept fp32 unless bf16 is faster here at its shapes)
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
 
     load_start = decode.load_average()
     log(f"load average (1, 5, 15 min) at the start: {load_start}")
-    # precast.compile() measures its form at the thread count it compiles under (backends/forms.py): a run with
+    # precast.compile() measures its form at the thread count it compiles under (backends/aoti/forms.py): a run with
     # one --threads value compiles at that count, so `--threads 1` and `--threads 2` runs each get their own choice
     torch.set_num_threads(max(args.threads))
     variants, fp32_state = build_variants(

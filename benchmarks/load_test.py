@@ -33,7 +33,7 @@ CHILD = r"""
 import json, sys, warnings
 warnings.filterwarnings("ignore")
 import torch, precast
-from precast.backends.cache import observe_compiles
+from precast.backends.aoti.package_cache import observe_compiles
 from tests.conftest import small_model
 seed, cache = int(sys.argv[1]), sys.argv[2]
 model, inputs = small_model(seed)
@@ -91,7 +91,7 @@ def converter_threads(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from precast.backends.cache import read_entry
+    from precast.backends.aoti.package_cache import read_entry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)

@@ -25,7 +25,7 @@ import openvino as ov
 import torch
 
 import precast
-import precast.backends.openvino as ov_backend
+import precast.backends.openvino.model as ov_backend
 
 
 def _perf_compile(core: Any, *args: Any) -> Any:

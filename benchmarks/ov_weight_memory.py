@@ -56,8 +56,8 @@ def program(name: str) -> tuple[torch.export.ExportedProgram, tuple]:
 
 
 def compiled(prog: torch.export.ExportedProgram, form: str, threads: int):
-    from precast.backends import openvino_precision
-    from precast.backends.openvino import compile_openvino
+    from precast.backends.openvino import precision as openvino_precision
+    from precast.backends.openvino.model import compile_openvino
 
     keep = openvino_precision._reads_compressed
     if form == "folded":  # the control: every bf16 weight read through a plain cast, which OpenVINO folds
@@ -143,7 +143,7 @@ def main() -> None:
 
     import openvino as ov
 
-    from precast.backends.openvino_precision import native_bf16
+    from precast.backends.openvino.precision import native_bf16
 
     if not native_bf16(ov.Core()):
         sys.exit(

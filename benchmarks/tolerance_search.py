@@ -1,6 +1,6 @@
 """The tolerance search on all-MiniLM-L6-v2 (real weights, ``precast.bench.minilm``): forwards, wall time and ops
 kept in fp32 for ``policy="rules", tolerance={"cosine": 0.99996}`` on the first 8 sample sentences (one
-calibration batch), as ``tests/test_minilm.py`` runs it.
+calibration batch), as ``tests/realmodels/test_minilm.py`` runs it.
 
     .venv/bin/python -m benchmarks.tolerance_search [--dtype bfloat16|float16] [--before]
 
@@ -14,7 +14,7 @@ by a script that wrapped ``MixedInterpreter.run`` and ``check_program`` in ``pre
     convert 56.6 s wall (26 s CPU; the machine was shared), kept 15 of 37 candidates in fp32:
     layer_norm_2 to layer_norm_12 (11), add_7, add_8, add_9, add_11 -> cosine 0.999961
 
-(On ``tests/test_minilm.py``'s transformers BertModel: 52 forwards, 28.7 s, 18 of 38 kept, cosine 0.999966.)
+(On ``tests/realmodels/test_minilm.py``'s transformers BertModel: 52 forwards, 28.7 s, 18 of 38 kept, cosine 0.999966.)
 
 ``--before`` runs that old search again (kept here only, ``_old_search``: the interpreter and the ranking as
 they were; its one change: the old ``RulesDecider.force`` / ``.fallback`` mutation is done by a wrapper around

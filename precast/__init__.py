@@ -72,14 +72,13 @@ from precast.version import __version__ as __version__  # noqa: E402 - one home 
 
 
 def __getattr__(name: str):
-    # compile pulls in torch._inductor: import it only when asked for (the module is precast.backends.aoti, so the
-    # function precast.compile is never shadowed by a submodule of the same name)
+    # compile pulls in torch._inductor: import it only when asked for
     if name == "compile":  # backend="aoti" (default) or "openvino": precast.backends.compile dispatches
         from precast.backends import compile
 
         return compile
     if name == "CompiledModel":
-        from precast.backends import aoti
+        from precast.backends.aoti.model import CompiledModel
 
-        return aoti.CompiledModel
+        return CompiledModel
     raise AttributeError(f"module 'precast' has no attribute {name!r}")

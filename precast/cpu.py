@@ -2,9 +2,9 @@
 torch's capability level, and what they imply for low precision.
 
 Every reader goes through here: the latency cache's device key and auto's "native bf16" note
-(``numerics/latency.py``), the compile cache's ISA key (``backends/cache.py``: inductor builds with
+(``numerics/latency.py``), the compile cache's ISA key (``backends/aoti/package_cache.py``: inductor builds with
 ``-march=native``), ``precast bench``'s machine record (``bench/measure.py``), and any choice that depends on the
-CPU (the compile form, ``backends/forms.py``; a test's expectation): ask ``has_native(dtype)``, ``flags()``,
+CPU (the compile form, ``backends/aoti/forms.py``; a test's expectation): ask ``has_native(dtype)``, ``flags()``,
 ``capability()``, ``capabilities()`` (torch's own report, AMX usable or not).
 
 Input: nothing (the machine). Output: strings and sets; None where the platform does not say.

@@ -165,7 +165,7 @@ def main() -> None:
         "bench",
     )
     from precast.backends.executorch import export_executorch
-    from precast.backends.onnx import export_onnx
+    from precast.backends.onnx.export import export_onnx
 
     for call, extra in (
         (lambda: precast.compile(res.program, backend="openvino"), "openvino"),

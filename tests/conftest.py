@@ -55,7 +55,7 @@ def _append_compile(event: dict) -> None:
 @contextlib.contextmanager
 def record_compiles():
     """Record every AOTInductor compile of this process in ``<cache dir>/test-compiles.jsonl``."""
-    from precast.backends.cache import observe_compiles
+    from precast.backends.aoti.package_cache import observe_compiles
 
     with observe_compiles(_append_compile):
         yield
@@ -63,10 +63,10 @@ def record_compiles():
 
 @pytest.fixture(scope="session", autouse=True)
 def _form_from_flags():
-    """``precast.compile``'s measured form choice (backends/forms.py) costs a few compiles per machine and varies
+    """``precast.compile``'s measured form choice (backends/aoti/forms.py) costs a few compiles per machine and varies
     with load: the suite takes the form the CPU's capabilities imply (deterministic, children inherit it); the
-    measured path is tested with injected timings (tests/backends/test_aoti_forms.py)."""
-    from precast.backends.forms import FORM_ENV
+    measured path is tested with injected timings (tests/backends/aoti/test_forms.py)."""
+    from precast.backends.aoti.forms import FORM_ENV
 
     before = os.environ.get(FORM_ENV)
     os.environ[FORM_ENV] = "flags"

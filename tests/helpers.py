@@ -62,7 +62,7 @@ def openvino_native_bf16() -> bool:
     """What OpenVINO reports about this CPU: its default inference precision is bf16 (native bf16 arithmetic)."""
     import openvino as ov
 
-    from precast.backends.openvino_precision import native_bf16
+    from precast.backends.openvino.precision import native_bf16
 
     return native_bf16(ov.Core())
 

@@ -25,15 +25,15 @@ _OV = (
 
 ONE_LANE: dict[str, tuple[str, str]] = {
     # ---- floor lane only ----
-    "tests/backends/test_trust.py": (
+    "tests/backends/aoti/test_package_cache_trust.py": (
         FLOOR,
         "which files and caches precast trusts, and its atomic writes: its own code",
     ),
-    "tests/backends/test_aoti.py::test_two_processes_on_a_cold_key_compile_once": (FLOOR, _CACHE),
-    "tests/backends/test_aoti.py::test_killed_compile_leaves_no_loadable_entry": (FLOOR, _CACHE),
-    "tests/backends/test_aoti.py::test_tampered_entry_is_rebuilt": (FLOOR, _CACHE),
-    "tests/backends/test_aoti.py::test_second_compile_in_fresh_process_loads_fast": (FLOOR, _CACHE),
-    "tests/backends/test_aoti.py::test_cli_compile_copies_package": (FLOOR, _CACHE),
+    "tests/backends/aoti/test_compile.py::test_two_processes_on_a_cold_key_compile_once": (FLOOR, _CACHE),
+    "tests/backends/aoti/test_compile.py::test_killed_compile_leaves_no_loadable_entry": (FLOOR, _CACHE),
+    "tests/backends/aoti/test_compile.py::test_tampered_entry_is_rebuilt": (FLOOR, _CACHE),
+    "tests/backends/aoti/test_compile.py::test_second_compile_in_fresh_process_loads_fast": (FLOOR, _CACHE),
+    "tests/backends/aoti/test_compile.py::test_cli_compile_copies_package": (FLOOR, _CACHE),
     "tests/cli/test_cli.py": (FLOOR, _CLI),
     "tests/cli/test_cli_bad_inputs.py": (FLOOR, _CLI),
     "tests/cli/test_cli_generate.py": (FLOOR, _CLI),
@@ -49,11 +49,11 @@ ONE_LANE: dict[str, tuple[str, str]] = {
         "tested in both lanes in one process",
     ),
     # ---- one parametrization in each lane: the same check on the other dtype or family ----
-    "tests/backends/test_aoti.py::test_load_weights_swaps_every_weight_whatever_its_size[bf16-region]": (
+    "tests/backends/aoti/test_compile.py::test_load_weights_swaps_every_weight_whatever_its_size[bf16-region]": (
         FLOOR,
         "the fp16-region case runs in the latest lane, no-region in both",
     ),
-    "tests/backends/test_aoti.py::test_load_weights_swaps_every_weight_whatever_its_size[fp16-region]": (
+    "tests/backends/aoti/test_compile.py::test_load_weights_swaps_every_weight_whatever_its_size[fp16-region]": (
         LATEST,
         "the bf16-region case runs in the floor lane, no-region in both",
     ),

@@ -13,23 +13,23 @@ _AOTI_ONLY = ("mode", "cache_dir", "inductor_configs", "progress", "weights")
 
 
 def compile(program: Any, *, backend: str = "aoti", **options: Any) -> Any:
-    """``precast.compile``: ``backend="aoti"`` (default) is ``precast.backends.aoti.compile`` (a cached
+    """``precast.compile``: ``backend="aoti"`` (default) is ``precast.backends.aoti.compiler.compile`` (a cached
     AOTInductor package, a ``CompiledModel``); ``backend="openvino"`` is
-    ``precast.backends.openvino.compile_openvino`` (an ``OpenVINOModel``). Options another backend has no use
+    ``precast.backends.openvino.model.compile_openvino`` (an ``OpenVINOModel``). Options another backend has no use
     for are refused with one line."""
     from precast.errors import PrecastError
 
     if backend == "aoti":
-        from precast.backends import aoti
+        from precast.backends.aoti import compiler
 
-        return aoti.compile(program, **options)
+        return compiler.compile(program, **options)
     if backend == "openvino":
         given = [name for name in _AOTI_ONLY if name in options]
         if given:
             raise PrecastError(
                 f"precast.compile: {given[0]}= applies to backend='aoti' only; drop it for backend='openvino'"
             )
-        from precast.backends import openvino
+        from precast.backends.openvino import model
 
-        return openvino.compile_openvino(program, **options)
+        return model.compile_openvino(program, **options)
     raise PrecastError(f"precast.compile: backend={backend!r}; choose one of {', '.join(BACKENDS)}")

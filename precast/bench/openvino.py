@@ -4,7 +4,7 @@ run as precast decided (``precast.compile(program, backend="openvino")``).
   ov_default   the model with its autocast regions off, compiled with OpenVINO's default precision hint (bf16
                on CPUs with native bf16: it lowers whatever its own heuristics allow)
   ov_precast   ``precast.convert(model, inputs)`` (the model's regions at --dtype) compiled with
-               ``precast.compile(backend="openvino")``'s hint (see precast.backends.openvino_precision), so
+               ``precast.compile(backend="openvino")``'s hint (see precast.backends.openvino.precision), so
                OpenVINO runs the dtypes the graph states; the note carries the plan check's summary
 
 Needs ``pip install 'precast[openvino]'``; without it both rows say so. Policy ``auto`` times torch's kernels
@@ -31,8 +31,8 @@ def build_ov_variant(
     """Compile the variant's program with OpenVINO, fill ``res`` (compile_s, package_mb: the weights the IR
     would hold, note) and return a forward callable."""
     import precast
-    from precast.backends.openvino import compile_openvino
-    from precast.backends.openvino_ir import weight_bytes
+    from precast.backends.openvino.ir_files import weight_bytes
+    from precast.backends.openvino.model import compile_openvino
 
     started = time.perf_counter()
     if variant == "ov_default":

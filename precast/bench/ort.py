@@ -1,5 +1,5 @@
 """The ONNX Runtime variants of ``precast bench``: the same model's fp32 program and its precast conversion,
-exported to ONNX (``precast.backends.onnx``) and run on ONNX Runtime's CPU provider.
+exported to ONNX (``precast.backends.onnx.export``) and run on ONNX Runtime's CPU provider.
 
   ort_fp32     the model with its autocast regions off, exported to .onnx: ONNX Runtime's own fp32 baseline
   ort_precast  ``precast.convert(model, inputs)`` (the model's regions at --dtype), exported to .onnx
@@ -37,8 +37,8 @@ def build_ort_variant(
     """Export the variant's program to ``work/<variant>.onnx``, open an ONNX Runtime session, fill ``res``
     (package_mb, casts_per_forward, compile_s, onnx_path, note) and return a forward callable."""
     import precast
-    from precast.backends.onnx import export_onnx
-    from precast.backends.onnx_runtime import ort_session, run_onnx
+    from precast.backends.onnx.export import export_onnx
+    from precast.backends.onnx.runtime import ort_session, run_onnx
 
     if variant == "ort_fp32":
         program, res.note = fp32_program(model, inputs)
@@ -84,7 +84,7 @@ def ort_load_rss_mb(
         return None
     import numpy as np
 
-    from precast.backends.onnx_runtime import ort_feed, ort_session
+    from precast.backends.onnx.runtime import ort_feed, ort_session
 
     feed_path = Path(workdir) / "ort_rss_inputs.npz"
     np.savez(feed_path, **ort_feed(ort_session(path), inputs))
@@ -107,7 +107,7 @@ def bench_ort(
     Each sample times enough back-to-back calls to last ~20 ms, after 3 warm-up calls
     (``precast.bench.measure.interleaved_latency``, which also interleaves it with other variants).
     """
-    from precast.backends.onnx_runtime import ort_runner
+    from precast.backends.onnx.runtime import ort_runner
 
     samples = interleaved_latency({"ort": ort_runner(path, inputs)}, repeats)["ort"]
     rss = None

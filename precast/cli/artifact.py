@@ -163,7 +163,7 @@ def write_openvino(stage: Path, program: Any) -> str:
 
 def write_aoti(stage: Path, program: Any) -> str:
     """A self-contained package (the weights inside), as ``precast compile -o`` writes one."""
-    from precast.backends import aoti
+    from precast.backends.aoti import compiler as aoti
     from precast.io import write_bytes
 
     cm = aoti.compile(program, inductor_configs={aoti.IN_SO: True})

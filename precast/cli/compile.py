@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from precast.io import write_bytes
     from precast.pipeline.load import load_program
 
-    compile_mod = importlib.import_module("precast.backends.aoti")
+    compile_mod = importlib.import_module("precast.backends.aoti.compiler")
     weights = getattr(args, "weights", None)
     files = None
     if weights:
@@ -182,9 +182,9 @@ def _exporter(backend: str):
     import importlib
 
     module_name, function = {
-        "onnx": ("precast.backends.onnx", "export_onnx"),
+        "onnx": ("precast.backends.onnx.export", "export_onnx"),
         "executorch": ("precast.backends.executorch", "export_executorch"),
-        "openvino": ("precast.backends.openvino", "compile_openvino"),
+        "openvino": ("precast.backends.openvino.model", "compile_openvino"),
     }[backend]
     try:
         module = importlib.import_module(module_name)

@@ -254,7 +254,7 @@ def _run(args: argparse.Namespace) -> int:
     given = [args.calibration_text, args.plan, args.model, args.gguf]
     out = artifact.check_output_dir(args.output, given, outputs(args))
     if "openvino" in args.backend:
-        from precast.backends.openvino_convert import require_openvino
+        from precast.backends.openvino.convert import require_openvino
 
         try:  # a missing package is one line naming the extra, before the model loads
             require_openvino()

@@ -107,10 +107,10 @@ def _tokenizer(path: str | None):
 
 def run(args: argparse.Namespace) -> int:
     import precast
-    from precast.backends.signature import ProgramSignature
     from precast.llm.convention import check_room, check_tokens, convention
     from precast.llm.sampling import sampler
     from precast.pipeline.load import load_program
+    from precast.runtime.signature import ProgramSignature
 
     stops_given = None
     if Path(args.source).is_dir():  # an export-llm folder: its program, tokenizer and stop tokens

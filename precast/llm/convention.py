@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError
+from precast.runtime.signature import ProgramSignature
 
 WHAT = "precast.generate"
 

@@ -9,7 +9,7 @@ in buffers the program writes, ``forward(input_ids, cache_position)``), on any r
 (converted) ``ExportedProgram`` itself, run through ``.module()`` on a private copy of the state it writes (the
 caller's program is never written). A compiled model must have ``reset()`` and a ``signature``
 (``ProgramSignature``): the inputs it takes and the length of the cache its ``cache_position`` indexes, read from
-the program's graph (``backends/signature.py``, ``cache_positions``).
+the program's graph (``runtime/signature.py``, ``cache_positions``).
 
 Steps: ``reset()`` (a new sequence; ``continue_from=`` a previous result continues it instead), the prompt in one
 call where the program's sequence dimension is dynamic (in chunks of its upper bound), one token per call where it
@@ -21,7 +21,7 @@ the vocabulary (the rows of the embedding table the program's ids index, read fr
 
 Concurrency and ownership: a model holds one cache. A generation holds its model for its whole length: other
 threads' generations on the same model, and their direct calls, ``reset()`` and ``load_weights``, wait until it
-returns (``backends/owner.py``); the same calls from the generation's own streamer are refused. Each result records
+returns (``runtime/owner.py``); the same calls from the generation's own streamer are refused. Each result records
 the model's state version: ``continue_from=`` a result after anything else ran on the model (another generation, a
 call, ``reset()``, ``load_weights``) is refused, as is a result of another model. A model of another library (one
 with ``reset()`` and a ``signature``, not built by precast) is not guarded: serialize its use yourself.
@@ -40,12 +40,12 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from precast.backends.owner import StateOwner, holds_state, owner_of
-from precast.backends.signature import ProgramSignature
 from precast.errors import PrecastError
 from precast.ir.program import private_state, written_targets
 from precast.llm.convention import WHAT, Convention, check_room, check_tokens, convention
 from precast.llm.sampling import Sampler, as_int, sampler
+from precast.runtime.owner import StateOwner, holds_state, owner_of
+from precast.runtime.signature import ProgramSignature
 from precast.weights.files import has_values
 
 

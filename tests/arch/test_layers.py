@@ -2,8 +2,9 @@
 inside functions included), and no two modules import each other, directly or in a cycle.
 
 Layers, lowest first (docs/architecture.md): base (errors, dtypes, codes, metrics, paths, io, entries, progress, examples, threads, cpu, version) ->
-ir -> policy -> passes -> numerics, weights -> pipeline -> report -> api -> backends -> bench -> cli (and the
-``precast`` facade).
+ir -> policy -> passes -> numerics, weights -> pipeline -> report -> api -> runtime -> backends -> bench -> cli (and
+the ``precast`` facade). Inside ``backends/``, one folder (or module) per engine: an engine never imports another,
+and ``backends/__init__.py`` is ``compile()``'s dispatch only.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ LAYERS = (
     ("pipeline", ("pipeline",)),
     ("report", ("report",)),
     ("api", ("api", "guard", "explain", "explain_weights")),
+    ("runtime", ("runtime",)),  # the call contract every engine and llm/ share, below them
     ("backends", ("backends", "llm", "__init__")),  # the precast facade re-exports api and backends
     ("bench", ("bench",)),
     ("cli", ("cli", "__main__")),
@@ -211,6 +213,53 @@ def test_downward_and_same_layer_imports_pass():
     )
     assert not upward_imports(
         {"precast.passes.fold": ("from precast.passes.rewrite import insert_casts\n", False)}
+    )
+
+
+ENGINES = ("aoti", "openvino", "onnx", "executorch")
+
+
+def engine_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "backends" and parts[2] in ENGINES else None
+
+
+def cross_engine_imports(files: dict[str, tuple[str, bool]]) -> list[str]:
+    problems = []
+    for module, (source, is_package) in sorted(files.items()):
+        mine = engine_of(module)
+        for target, line in imports_of(source, module, is_package):
+            theirs = engine_of(target)
+            if mine and theirs and theirs != mine:
+                problems.append(
+                    f"{module}:{line} imports {target}: engine {mine} may not import engine {theirs}"
+                )
+    return problems
+
+
+def test_engines_are_siblings():
+    """One folder per engine under ``backends/``, each its own: what two engines share lives below them
+    (``precast/runtime/``, ``ir/``), never in one engine for the other to import."""
+    files = package_files()
+    folders = {p.name for p in (PACKAGE / "backends").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    modules = {p.stem for p in (PACKAGE / "backends").glob("*.py")} - {"__init__"}
+    assert folders | modules == set(ENGINES), f"backends/ holds engines only: {sorted(folders | modules)}"
+    assert not cross_engine_imports(files), "\n".join(cross_engine_imports(files))
+    assert cross_engine_imports(
+        {
+            "precast.backends.openvino.model": (
+                "from precast.backends.aoti.model import CompiledModel\n",
+                False,
+            )
+        }
+    ), "the check must see an engine importing another"
+
+
+def test_backends_init_is_the_dispatch_only():
+    tree = ast.parse((PACKAGE / "backends" / "__init__.py").read_text())
+    defs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert defs == ["compile"], (
+        f"backends/__init__.py defines {defs}: only compile()'s dispatch belongs there"
     )
 
 

@@ -40,8 +40,8 @@ def one_line_error(err: str) -> str:
 def test_onnx_backend_writes_a_runnable_file(programs, tmp_path, capsys):
     pytest.importorskip("onnxruntime", reason="onnxruntime not installed (pip install 'precast[onnx]')")
     pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install 'precast[onnx]')")
-    from precast.backends.onnx import inspect_onnx
-    from precast.backends.onnx_runtime import run_onnx
+    from precast.backends.onnx.export import inspect_onnx
+    from precast.backends.onnx.runtime import run_onnx
 
     out = tmp_path / "mlp.onnx"
     code, err = run(capsys, str(programs / "mlp.pt2"), "--backend", "onnx", "-o", str(out))
@@ -57,7 +57,7 @@ def test_onnx_backend_writes_a_runnable_file(programs, tmp_path, capsys):
 
 def test_onnx_static(programs, tmp_path, capsys):
     pytest.importorskip("onnxscript", reason="onnxscript not installed (pip install 'precast[onnx]')")
-    from precast.backends.onnx import inspect_onnx
+    from precast.backends.onnx.export import inspect_onnx
 
     out = tmp_path / "mlp.onnx"
     code, err = run(capsys, str(programs / "mlp.pt2"), "--backend", "onnx", "--static", "-o", str(out))
@@ -114,7 +114,10 @@ def test_bad_backend_and_missing_source(tmp_path, capsys):
 
 def test_missing_backend_package_names_the_extra(programs, tmp_path, capsys, monkeypatch):
     """A backend module that cannot be imported (its engine not installed) is one line naming the pip extra."""
-    for module, extra in (("precast.backends.executorch", "executorch"), ("precast.backends.onnx", "onnx")):
+    for module, extra in (
+        ("precast.backends.executorch", "executorch"),
+        ("precast.backends.onnx.export", "onnx"),
+    ):
         monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
         backend = module.rsplit(".", 1)[1]
         out = tmp_path / f"m.{'pte' if backend == 'executorch' else 'onnx'}"

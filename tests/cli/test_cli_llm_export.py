@@ -334,7 +334,7 @@ def test_gguf_without_its_packages_is_one_line(checkpoint, tmp_path, monkeypatch
 
 
 def test_openvino_missing_is_one_line_before_the_model_loads(checkpoint, tmp_path, monkeypatch, capsys):
-    from precast.backends import openvino_convert
+    from precast.backends.openvino import convert as openvino_convert
     from precast.errors import PrecastError
 
     def missing():

@@ -1,5 +1,5 @@
 """precast.sensitivity: the ranking against single-op ablation, the first non-finite op (named, with its source
-line, reproduced alone by the repro folder), the pictures, and the CLI. Plans: tests/test_plan.py."""
+line, reproduced alone by the repro folder), the pictures, and the CLI. Plans: tests/policy/test_plan.py."""
 
 from __future__ import annotations
 

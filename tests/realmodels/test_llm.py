@@ -458,7 +458,7 @@ OPENVINO_CASES = ("none", "torch-bf16-cache")
 # differently: max abs diff ~0.11 on logits up to ~7, a few bf16 ulps). Bounds: 10x margin on 1 - cosine.
 OPENVINO_MIN_COSINE = {"none": 0.999999, "torch-bf16-cache": 0.997}
 # the families whose cache OpenVINO holds in its growing form, its attention fused with the cache
-# (precast/backends/openvino_kv.py); gemma2 attends through matmuls with logit soft-capping (eager attention), not
+# (precast/backends/openvino/growing_cache.py); gemma2 attends through matmuls with logit soft-capping (eager attention), not
 # scaled_dot_product_attention, so its cache stays static (correct, slower)
 OPENVINO_GROWS = {"llama", "qwen2", "qwen3", "phi3", "olmo2"}
 X86 = platform.machine().lower() in ("x86_64", "amd64")  # where OpenVINO's CPU plugin fuses RoPE
@@ -520,7 +520,7 @@ def test_openvino_decode_matches_converted_program(llms, openvino_models, family
     if model.growing is not None:  # one fused attention per layer, over the live positions only
         assert layers.count("ScaledDotProductAttention") == len(model.state_names) // 2
         assert "ScatterUpdate" not in layers and "ScatterElementsUpdate" not in layers
-    # the rotary embedding fused: one RoPE per query and key projection (backends/openvino_fusions.py)
+    # the rotary embedding fused: one RoPE per query and key projection (backends/openvino/fusions.py)
     if X86:
         assert layers.count("RoPE") == len(model.state_names), layers.count("RoPE")
     names = llm.cache_names(dict(llms.model(family).module.named_buffers()))
@@ -600,7 +600,7 @@ def test_openvino_ir_decodes_in_a_process_without_precast(llms, openvino_models,
     """``precast compile --backend openvino -o model.xml`` of the saved converted program writes a stateful IR;
     plain OpenVINO (a process that never imports precast, f32 hint) decodes the same tokens from it."""
     from precast.cli import main
-    from tests.backends.test_openvino import fresh_process_steps
+    from tests.backends.openvino.test_model import fresh_process_steps
 
     _, got, _ = openvino_models("llama", case_id)
     res = llms.convert("llama", case_id).result

@@ -3,7 +3,7 @@ timm/torchvision CNNs where those import), converted with policy "torch" (bf16) 
 ``precast.compile(program, backend="openvino")``: outputs against the converted program at two batch sizes (the
 program's batch is dynamic), and every executed layer runs the dtype precast decided.
 
-Tolerance (see tests/backends/test_openvino.py): 4 bf16 ulps at the output's largest magnitude, and a cosine of at
+Tolerance (see tests/backends/openvino/test_model.py): 4 bf16 ulps at the output's largest magnitude, and a cosine of at
 least 0.9999 against the converted program (measured: <= 1.7 ulps, cosine >= 0.99993).
 """
 
@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("openvino", reason="openvino not installed (pip install 'precast[openvino]')")
 
 import precast  # noqa: E402
-from precast.backends.openvino_plan import PlanOverrideWarning  # noqa: E402
+from precast.backends.openvino.plan_check import PlanOverrideWarning  # noqa: E402
 from precast.metrics import flat_error  # noqa: E402
 from tests.helpers import openvino_emulated_only, openvino_native_bf16  # noqa: E402
 from tests.realmodels.builders import BATCHES  # noqa: E402

@@ -1,0 +1,173 @@
+"""Timing ``precast.compile``'s candidate forms, and the cache of the measured choices (``backends/aoti/forms.py``).
+
+- ``measure_forms``: a synthetic module with one weight per shape (the program's matmul weight shapes, its 16-bit
+  dtype), compiled in each form by the compile function it is given (``precast.compile``: what is timed is what
+  would run), timed interleaved at M=1 by ``time_interleaved`` (the best round of each: load only adds time).
+- ``load_choices`` / ``store_choice``: ``<cache dir>/forms.json``, JSON (never unpickled), written atomically under
+  a file lock; a file that is not JSON or of another shape is a miss with a warning, never a crash.
+
+Input: a dtype, weight shapes, each form's configs, a compile function. Output: seconds per call by form; entries.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from precast.entries import read_entries, write_entries
+from precast.errors import PrecastError, first_line
+from precast.io import cache_root, private_dir
+
+FORMS_FILE = "forms.json"
+FORMS_VERSION = 1
+M = 1  # the rows a decode step at batch 1 multiplies
+ROUNDS = 30
+ROUND_S = 0.05  # one round: about this long a loop of calls per form
+BUDGET_S = 3.0  # at most this long timing each form (after its warm-up)
+Shapes = tuple[tuple[int, int], ...]  # distinct (out, in) matmul weight shapes
+
+
+def _entry_ok(e: Any) -> bool:
+    return (
+        isinstance(e, dict)
+        and isinstance(e.get("times_ms"), dict)
+        and all(isinstance(n, str) and type(t) in (int, float, str) for n, t in e["times_ms"].items())
+        and type(e.get("threads")) is int
+        and type(e.get("cores_left")) is int
+        and type(e.get("load")) in (int, float)
+        and isinstance(e.get("under_load"), bool)
+        and isinstance(e.get("dtype"), str)
+        and isinstance(e.get("shapes"), list)
+        and type(e.get("m")) is int
+    )
+
+
+def load_choices(path: Path) -> dict[str, dict[str, Any]]:
+    """The cached choices; a malformed file or entry is measured again with a warning (``entries.read_entries``)."""
+    return read_entries(path, "form cache", FORMS_VERSION, _entry_ok)
+
+
+def store_choice(path: Path, key: str, entry: dict[str, Any]) -> None:
+    write_entries(path, "form cache", FORMS_VERSION, _entry_ok, {key: entry})
+
+
+def load_average() -> float:
+    """The 1-minute load average (0.0 where the platform has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds every process has used since boot, hypervisor steal included; CPU seconds this process and its
+    waited-for children have used), or None where ``/proc/stat`` is not there. Their difference over a window is
+    what other processes took while precast timed (a load average counts this process's own compiles too)."""
+    import resource
+
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields)
+    except (OSError, ValueError):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+    return (user + nice + system + irq + softirq + steal) / ticks, own
+
+
+def others_busy(
+    before: tuple[float, float] | None, after: tuple[float, float] | None, wall: float
+) -> float | None:
+    """The cores other processes kept busy on average between two ``cpu_seconds`` readings ``wall`` s apart."""
+    if before is None or after is None or wall <= 0:
+        return None
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / wall)
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+# ---- timing the candidates -----------------------------------------------------------------------------------
+class _Weights(torch.nn.Module):
+    """One bias-free linear per weight shape, each reading its own input: the program's GEMVs, without the rest."""
+
+    def __init__(self, dtype: torch.dtype, shapes: Shapes):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(k, n, bias=False) for n, k in shapes)
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.02)
+        self.to(dtype)
+
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(layer(x) for layer, x in zip(self.layers, xs, strict=True))
+
+
+def measure_forms(
+    dtype: torch.dtype,
+    shapes: Shapes,
+    configs: Mapping[str, Mapping[str, Any]],
+    root: str | os.PathLike | None,
+    compile_fn: Callable[..., Any],
+) -> dict[str, float | str]:
+    """Seconds per call of the synthetic module at M=1 compiled by ``compile_fn`` (``precast.compile``) with each
+    form's inductor ``configs`` (an error's text for a form that does not compile here), timed interleaved at the
+    current thread count; compiled into a temporary cache under ``root`` (the precast cache dir), deleted after."""
+
+    module = _Weights(dtype, shapes).eval()
+    g = torch.Generator().manual_seed(1)
+    example = tuple(torch.randn(2, k, generator=g).to(dtype) for _, k in shapes)
+    step = tuple(x[:M].clone() for x in example)
+    ep = torch.export.export(module, example)
+    scratch = Path(tempfile.mkdtemp(prefix="forms.", dir=private_dir(cache_root(root) / "tmp")))
+    out: dict[str, float | str] = {}
+    runs: dict[str, Callable[[], Any]] = {}
+    try:
+        for name, form_configs in configs.items():
+            try:
+                cm = compile_fn(
+                    ep, mode="default", cache_dir=scratch, inductor_configs=dict(form_configs), progress=False
+                )
+            except PrecastError as exc:  # recorded in the choice (and so in cm.form), never chosen
+                out[name] = first_line(exc)[:200]
+                continue
+            runs[name] = lambda cm=cm: cm(*step)
+        with torch.no_grad():
+            out.update(time_interleaved(runs))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {n: out[n] for n in configs if n in out}
+
+
+def time_interleaved(runs: Mapping[str, Callable[[], Any]]) -> dict[str, float]:
+    """Seconds per call of each function: every round runs each in turn for about ``ROUND_S``; the best round
+    of each (load only ever adds time), within ``BUDGET_S`` per function."""
+    sizes: dict[str, int] = {}
+    for name, fn in runs.items():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        sizes[name] = max(1, min(10_000, int(ROUND_S / max(time.perf_counter() - t0, 1e-7))))
+    best = dict.fromkeys(runs, float("inf"))
+    spent = 0.0
+    for _ in range(ROUNDS):
+        for name, fn in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(sizes[name]):
+                fn()
+            took = time.perf_counter() - t0
+            spent += took
+            best[name] = min(best[name], took / sizes[name])
+        if spent > BUDGET_S * max(len(runs), 1):
+            break
+    return best

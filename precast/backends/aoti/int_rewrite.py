@@ -1,0 +1,185 @@
+"""The int8 / int4 rewrite of ``backends/aoti/int_weights.py`` applied, on ``precast.compile``'s private copy: the kernel
+calls, the int4 kernel's new constants and their recipes (``backends/aoti/packed.py``'s format), and the stored parts
+``CompiledModel.load_weights`` computes from an original weight (``derive``: the weight formats' ``stored_value``).
+
+Input: an ExportedProgram and its ``IntPlan``. Output: the rewritten program and the recipes of its new constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+from precast.backends.aoti.int_weights import PACK_SUFFIX, SZ_SUFFIX, IntPlan, linear_args, value_of
+from precast.backends.aoti.package_cache import StoredConstant
+from precast.backends.aoti.packed import recipe_sources, replay
+from precast.errors import PrecastError
+from precast.ir.program import Program
+from precast.weights.sources import is_fake
+
+aten = torch.ops.aten
+
+
+# ---- recipes (packed.py's format) ------------------------------------------------------------------------------
+def _op(name: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return {"op": f"aten::{name}", "args": list(args), "kwargs": kwargs}
+
+
+def _dt(dtype: torch.dtype) -> dict[str, str]:
+    return {"dtype": str(dtype).removeprefix("torch.")}
+
+
+def int4pack_recipe(packed: str, n: int, k: int) -> dict[str, Any]:
+    """``packed`` (uint8 [N, K/2], low nibble even k) in ``_convert_weight_to_int4pack_for_cpu``'s layout."""
+    ref = {"ref": packed}
+    lo = _op("bitwise_and.Scalar", ref, 15)
+    hi = _op("bitwise_right_shift.Tensor_Scalar", ref, 4)
+    values = _op("reshape.default", _op("stack.default", [lo, hi], -1), [n, k])
+    return _op(
+        "_convert_weight_to_int4pack_for_cpu.default",
+        _op("_to_copy.default", values, dtype=_dt(torch.int32)),
+        1,
+    )
+
+
+def scales_zeros_recipe(scale: str, zero: str, n: int, groups: int, dtype: torch.dtype) -> dict[str, Any]:
+    """[K/g, N, 2] in ``dtype``: the scale and torch's float zero ``(8 - zero) * scale`` (fp32, rounded once)."""
+    s32 = _op("_to_copy.default", {"ref": scale}, dtype=_dt(torch.float32))
+    z32 = _op("_to_copy.default", {"ref": zero}, dtype=_dt(torch.float32))
+    zf = _op("_to_copy.default", _op("mul.Tensor", _op("rsub.Scalar", z32, 8), s32), dtype=_dt(dtype))
+    both = _op(
+        "stack.default",
+        [_op("reshape.default", {"ref": scale}, [n, groups]), _op("reshape.default", zf, [n, groups])],
+        -1,
+    )
+    return _op(
+        "clone.default",
+        _op("permute.default", both, [1, 0, 2]),
+        memory_format={"memory_format": "contiguous_format"},
+    )
+
+
+def inline_recipes(recipe: Any, derived: Mapping[str, Any]) -> Any:
+    """``recipe`` with each reference to a constant of ``derived`` replaced by that constant's own recipe (the
+    folded constants of a compile of the rewritten program, stated over the caller's program's constants)."""
+    if isinstance(recipe, list):
+        return [inline_recipes(r, derived) for r in recipe]
+    if not isinstance(recipe, dict):
+        return recipe
+    if "ref" in recipe:
+        return derived.get(recipe["ref"], recipe)
+    if "op" in recipe:
+        return {
+            **recipe,
+            "args": inline_recipes(recipe["args"], derived),
+            "kwargs": {k: inline_recipes(v, derived) for k, v in recipe["kwargs"].items()},
+        }
+    return recipe
+
+
+# ---- the rewrite (on a cache miss) --------------------------------------------------------------------------------
+def apply_int_weights(ep: ExportedProgram, plan: IntPlan) -> tuple[ExportedProgram, dict[str, Any]]:
+    """A rewritten copy of ``ep`` (the caller's program untouched) and the recipes of its new constants."""
+    if not plan.rewrites:
+        return ep, {}
+    from torch._guards import detect_fake_mode
+
+    prog = Program(ep)
+    nodes = {n.name: n for n in prog.graph.nodes}
+    by_target = {spec.target: node for node, spec in prog.input_spec.items()}
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in prog.graph.nodes if n.op == "placeholder"])
+    values = {**prog.state_dict, **{k: v for k, v in prog.constants.items() if isinstance(v, torch.Tensor)}}
+    recipes: dict[str, Any] = {}
+    made: dict[str, Node] = {}
+
+    def new_constant(like: str, suffix: str, recipe: dict[str, Any]) -> Node:
+        if like + suffix in made:
+            return made[like + suffix]
+        sources = {n: _computable(values[n]) for n in recipe_sources(recipe)}
+        value = replay(recipe, sources).contiguous()
+        node = prog.add_constant_like(by_target[like], value, suffix)
+        target = prog.input_spec[node].target
+        with fake_mode:
+            node.meta["val"] = replay(recipe, {n: by_target[n].meta["val"] for n in sources})
+        recipes[target] = recipe
+        made[like + suffix] = node
+        return node
+
+    def call(op: Any, *args: Any) -> Node:
+        node = prog.graph.call_function(op, args)
+        vals = torch.utils._pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, Node) else a, args)
+        with fake_mode:
+            node.meta["val"] = op(*vals)
+        return node
+
+    for r in plan.rewrites:
+        linear = nodes[r.linear]
+        x, _, bias = linear_args(linear)
+        xv = value_of(x)
+        if r.kind == "int8":
+            n, k = value_of(by_target[r.weight]).shape
+        else:
+            n, k = value_of(by_target[r.weight]).shape[0], 2 * value_of(by_target[r.weight]).shape[1]
+        if r.kind == "int4":  # placeholders, next to the constants they are made from
+            pack = new_constant(r.weight, PACK_SUFFIX, int4pack_recipe(r.weight, n, k))
+            sz = new_constant(
+                r.scale, SZ_SUFFIX, scales_zeros_recipe(r.scale, r.zero, n, k // r.group, r.dtype)
+            )
+        with prog.graph.inserting_before(linear):
+            x2d = x if xv.dim() == 2 else call(aten.reshape.default, x, [-1, k])
+            if r.kind == "int8":
+                scale = call(aten.reshape.default, by_target[r.scale], [n])
+                y = call(aten._weight_int8pack_mm.default, x2d, by_target[r.weight], scale)
+            else:
+                y = call(aten._weight_int4pack_mm_for_cpu.default, x2d, pack, r.group, sz)
+            if bias is not None:
+                y = call(aten.add.Tensor, y, bias)
+            if xv.dim() != 2:
+                # sizes read from x, never the example's: a re-export makes the batch dynamic
+                lead = [call(aten.sym_size.int, x, i) for i in range(xv.dim() - 1)]
+                y = call(aten.reshape.default, y, [*lead, n])
+        y.meta.update({k: v for k, v in linear.meta.items() if k not in ("val", "tensor_meta")})
+        linear.replace_all_uses_with(y)
+        prog.graph.erase_node(linear)
+    prog.graph.eliminate_dead_code()
+    prog.remove_unused_constants()
+    return prog.to_exported_program(), recipes
+
+
+def _computable(value: torch.Tensor) -> torch.Tensor:
+    """``value``, or an empty meta tensor of its shape and dtype where it holds no data (streamed weights)."""
+    if is_fake(value):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+# ---- load_weights: a stored part computed from its original ------------------------------------------------
+def derived_copy(value: torch.Tensor, st: StoredConstant) -> torch.Tensor:
+    """The stored constant ``st`` computed from its original ``value`` (quantized, the part it holds) by the
+    conversion's own function, as a new contiguous tensor on the model's device."""
+    from precast.weights.formats import stored_value  # the weight formats' one home (issue 41)
+
+    out = stored_value(st.source, value.detach())
+    if tuple(out.shape) != st.shape or out.dtype != st.source.dtype:
+        raise PrecastError(
+            f"load_weights: {st.source.stored} ({st.source.derive} of {st.source.original}) came out "
+            f"{out.dtype} {list(out.shape)}, the compiled code reads {st.source.dtype} {list(st.shape)}"
+        )
+    on = out.to(device=st.device, memory_format=torch.contiguous_format)
+    return on.clone() if on.data_ptr() == value.data_ptr() else on
+
+
+def original_shape(stored: list[StoredConstant]) -> tuple[int, ...] | None:
+    """The shape of the original the stored constants of one name came from: a cast's own; int8's q [N, K];
+    int4's packed [N, K/2] -> [N, K]; None when no stored part states it."""
+    derived = {getattr(st.source, "derive", None) or "": st for st in stored}
+    if "" in derived:
+        return derived[""].shape
+    for derive, st in derived.items():
+        if derive.endswith(".q"):
+            return st.shape if derive.startswith("int8") else (*st.shape[:-1], 2 * st.shape[-1])
+    return None

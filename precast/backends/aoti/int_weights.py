@@ -1,0 +1,352 @@
+"""Integer weights read in the kernel: the dequantize-then-linear of int8 / int4 weights rewritten to ATen's
+weight-only kernels before AOTInductor compiles (``precast.compile``'s private copy; the caller's program is never
+changed).
+
+The program's form (issue 41), for a linear weight W [N, K] and compute dtype ``dt``:
+
+- int8 per output channel: ``linear(x, mul(_to_copy(q, dtype=dt), scale), bias)``, ``q`` int8 [N, K], ``scale`` dt
+  [N, 1] -> ``_weight_int8pack_mm(x2d, q, scale.view(N))`` (+ bias): the kernel reads ``q`` as it is stored.
+- int4 grouped (g in 32/64/128/256), asymmetric: ``packed`` uint8 [N, K/2] (low nibble even k), ``zero`` uint8
+  [N, K/g, 1], ``scale`` dt [N, K/g, 1]; unpacked by ``bitwise_and`` / ``bitwise_right_shift`` / ``stack`` /
+  ``reshape``, then ``(q - zero) * scale`` -> ``_weight_int4pack_mm_for_cpu(x2d, int4pack, g, scales_and_zeros)``
+  on two new constants: ``<packed>.int4pack`` (``_convert_weight_to_int4pack_for_cpu`` of the unpacked values,
+  the kernel's own blocked layout) and ``<scale>.int4sz`` ([K/g, N, 2] in dt: the scale, and torch's float zero
+  ``(8 - zero) * scale``, computed in fp32 and rounded once: torch's int4 is ``(q - 8) * scale + zero_float``).
+
+The new constants are stated as recipes over the program's stored constants (``backends/aoti/packed.py``'s format),
+written in the manifest with freezing's folded constants: the package holds neither, and every load and
+``load_weights`` recomputes them from the weights (``CompiledModel.load_weights`` quantizes originals first).
+
+Kernel facts (torch 2.13 CPU, checked in eager): both kernels take fp32, bf16 and fp16 activations, the scale
+(and int4's scales_and_zeros) in the activation's dtype and nothing else; ``_convert_weight_to_int4pack_for_cpu``
+takes int32 [N, K] values in 0..15 with N a multiple of 16; ``_weight_int4pack_mm_for_cpu`` takes group sizes 32,
+64, 128, 256 only. An int weight precast cannot hand to a kernel (another pattern, N not a multiple of 16, a scale
+dtype other than the activation's) runs as the program states it (dequantized to ``dt`` on every call; under
+freezing a ``dt`` copy folded at compile time), and ``precast.compile`` says so in one warning line naming them.
+
+Input: an ExportedProgram. Output: an ``IntPlan`` (what runs where: part of the cache key), and on a cache miss
+the rewritten program with its new constants' recipes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+aten = torch.ops.aten
+VERSION = 1  # of the rewrite: in the cache key with the plan
+INT4_GROUPS = (32, 64, 128, 256)
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+PACK_SUFFIX = ".int4pack"
+SZ_SUFFIX = ".int4sz"
+
+
+@dataclasses.dataclass(frozen=True)
+class IntLinear:
+    """One linear whose weight the kernel reads in low bit."""
+
+    kind: str  # "int8" | "int4"
+    linear: str  # node name
+    weight: str  # stored name of q (int8) / packed (int4)
+    scale: str
+    zero: str | None  # int4
+    group: int | None  # int4
+    dtype: torch.dtype
+    chain: tuple[str, ...]  # the dequantize nodes the rewrite leaves dead (unless read elsewhere)
+
+
+@dataclasses.dataclass(frozen=True)
+class IntPlan:
+    rewrites: tuple[IntLinear, ...]
+    dequantized: dict[str, str]  # int weight -> why it runs dequantized (what reads it)
+    dtypes: dict[str, torch.dtype]  # int weight -> the dtype it is dequantized to
+
+    def key(self) -> dict[str, Any]:
+        """What the plan adds to the cache key (nothing for a program without int weights)."""
+        if not self.rewrites and not self.dequantized:
+            return {}
+        return {
+            "precast.int_weights": {
+                "version": VERSION,
+                "int8": sorted(r.weight for r in self.rewrites if r.kind == "int8"),
+                "int4": sorted(f"{r.weight}:{r.group}" for r in self.rewrites if r.kind == "int4"),
+                "dequantized": sorted(self.dequantized),
+            }
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's ``"int_weights"``."""
+        return {
+            "int8": sorted(r.weight for r in self.rewrites if r.kind == "int8"),
+            "int4": sorted(r.weight for r in self.rewrites if r.kind == "int4"),
+            "dequantized": dict(sorted(self.dequantized.items())),
+        }
+
+    def warning(self, freezing: bool) -> str | None:
+        """One line naming the int weights no low-bit kernel reads, and what runs instead; None if none."""
+        if not self.dequantized:
+            return None
+        names = sorted(n for n, why in self.dequantized.items() if not why.startswith("the zero point of"))
+        shown = "; ".join(f"{n} ({self.dequantized[n]})" for n in names[:4]) + (
+            " ..." if len(names) > 4 else ""
+        )
+        dtypes = sorted({str(self.dtypes.get(n, "float")).removeprefix("torch.") for n in names})
+        instead = (
+            f"a {'/'.join(dtypes)} copy of each, folded at compile time (freezing), is held and read instead"
+            if freezing
+            else f"each is dequantized to {'/'.join(dtypes)} on every call and the float copy read instead"
+        )
+        return (
+            f"precast.compile: {len(names)} int weight(s) run without a low-bit kernel: {shown}; {instead} "
+            "(torch's kernels take a linear's weight, its scale in the activation's dtype; int4: N a multiple "
+            "of 16, groups 32/64/128/256)"
+        )
+
+
+# ---- planning (cheap: no values read) ----------------------------------------------------------------------------
+def plan_int_weights(ep: ExportedProgram, device: str = "cpu") -> IntPlan:
+    """The linears whose int8 / int4 weight a kernel will read, and the int weights left dequantized (and why).
+    ``device``: where the program runs; the kernels and the int4 packing here are torch's CPU ones."""
+    consts = _constant_names(ep)
+    rewrites: list[IntLinear] = []
+    why_not: dict[str, str] = {}
+    for node in ep.graph.nodes:
+        if device != "cpu":
+            break
+        if node.op == "call_function" and node.target is aten.linear.default:
+            found = _match_int8(node, consts)
+            if found is None:
+                found = _match_int4(node, consts)
+            if isinstance(found, IntLinear):
+                rewrites.append(found)
+            elif isinstance(found, tuple):
+                why_not.setdefault(found[0], found[1])
+                for partner in found[2:]:  # int4's zero: named with its weight
+                    why_not.setdefault(partner, f"the zero point of {found[0]}")
+    dead = {n for r in rewrites for n in (*r.chain, r.linear)}
+    dequantized: dict[str, str] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for node in ep.graph.nodes:
+        name = consts.get(node)
+        val = node.meta.get("val")
+        if name is None or not isinstance(val, torch.Tensor) or val.dtype not in (torch.int8, torch.uint8):
+            continue
+        reader = _live_reader(node, dead)
+        if reader is None:
+            continue
+        if device != "cpu":
+            dequantized[name] = f"device {device}: precast hands int weights to torch's CPU kernels only"
+        else:
+            dequantized[name] = why_not.get(name) or f"read by {_op_name(reader)}"
+        dtypes[name] = _float_of(node) or torch.float32
+    return IntPlan(tuple(rewrites), dequantized, dtypes)
+
+
+def int_kernel_configs(configs: dict[str, Any], plan: IntPlan) -> tuple[dict[str, Any], str | None]:
+    """``configs`` with ATEN among the GEMM backends where autotuning would leave torch's int kernels no choice
+    (the ``gemm-template`` form: ``max_autotune_gemm_backends="CPP"``; measured on an AVX2 CPU: "No choices to
+    select", the compile fails), and why; unchanged otherwise."""
+    if not plan.rewrites or not configs.get("max_autotune") or "max_autotune_gemm_backends" not in configs:
+        return configs, None
+    backends = str(configs["max_autotune_gemm_backends"]).upper().replace(" ", "")
+    if "ATEN" in backends.split(","):
+        return configs, None
+    why = "ATEN added to the GEMM backends: torch's int8/int4 kernels are ATen's"
+    return {**configs, "max_autotune_gemm_backends": f"{backends},ATEN"}, why
+
+
+def warn_int_weights(plan: IntPlan, freezing: bool) -> None:
+    line = plan.warning(freezing)
+    if line:
+        warnings.warn(line, stacklevel=4)  # the caller of precast.compile (through backends.compile)
+
+
+def _constant_names(ep: ExportedProgram) -> dict[Node, str]:
+    sig = ep.graph_signature
+    by_input = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    return {n: by_input[n.name] for n in ep.graph.nodes if n.op == "placeholder" and n.name in by_input}
+
+
+def value_of(node: Any) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _is(node: Any, *targets: Any) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _to_dtype(node: Any) -> torch.dtype | None:
+    """The dtype of a plain ``_to_copy(t, dtype=...)`` (no other change), else None."""
+    if not _is(node, aten._to_copy.default) or len(node.args) != 1:
+        return None
+    extra = {k: v for k, v in node.kwargs.items() if k != "dtype"}
+    if extra.get("layout", torch.strided) != torch.strided or extra.get("memory_format") not in (
+        None,
+        torch.preserve_format,
+        torch.contiguous_format,
+    ):
+        return None
+    return node.kwargs.get("dtype")
+
+
+def _sizes(node: Node) -> tuple[int, ...] | None:
+    val = value_of(node)
+    if val is None or not all(isinstance(s, int) for s in val.shape):
+        return None
+    return tuple(val.shape)
+
+
+def linear_args(linear: Node) -> tuple[Node, Node, Any]:
+    args = list(linear.args) + [None] * (3 - len(linear.args))
+    return args[0], args[1], linear.kwargs.get("bias", args[2])
+
+
+def _activation_ok(x: Any, dt: torch.dtype, k: int) -> str | None:
+    xv = value_of(x)
+    if xv is None or xv.dim() < 1 or xv.dtype != dt:
+        return f"activation {getattr(xv, 'dtype', None)}, scale {dt}".replace("torch.", "")
+    if xv.shape[-1] != k:
+        return "activation's last size is not K"
+    return None
+
+
+def _match_int8(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str, str] | None:
+    x, w, bias = linear_args(linear)
+    if not _is(w, aten.mul.Tensor) or len(w.args) != 2:
+        return None
+    for deq, s in (w.args, w.args[::-1]):
+        dt = _to_dtype(deq)
+        q = deq.args[0] if dt is not None else None
+        if q not in consts or s not in consts:
+            continue
+        qv, sv = value_of(q), value_of(s)
+        if qv is None or sv is None or qv.dtype != torch.int8 or qv.dim() != 2:
+            continue
+        name = consts[q]
+        n, k = _sizes(q) or (None, None)
+        if dt not in FLOATS or sv.dtype != dt or _sizes(s) != (n, 1):
+            return name, f"int8 scale {sv.dtype} {list(sv.shape)}, dequantized to {dt}".replace("torch.", "")
+        bad = _activation_ok(x, dt, k) or _bias_bad(bias, dt)
+        if bad:
+            return name, bad
+        return IntLinear("int8", linear.name, name, consts[s], None, None, dt, (deq.name, w.name))
+    return None
+
+
+def _bias_bad(bias: Any, dt: torch.dtype) -> str | None:
+    if bias is None:
+        return None
+    bv = value_of(bias)
+    return None if bv is not None and bv.dtype == dt and bv.dim() == 1 else "a bias of another dtype"
+
+
+def _match_int4(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str, str] | None:
+    x, w, bias = linear_args(linear)
+    if not _is(w, *VIEWS):
+        return None
+    mul = w.args[0]
+    if not _is(mul, aten.mul.Tensor):
+        return None
+    for sub, s in (mul.args, mul.args[::-1]):
+        if not _is(sub, aten.sub.Tensor) or len(sub.args) != 2 or sub.kwargs.get("alpha", 1) != 1:
+            continue
+        qf, zf = sub.args
+        dt, zdt = _to_dtype(qf), _to_dtype(zf)
+        if dt is None or zdt != dt or not _is(qf.args[0], *VIEWS) or s not in consts:
+            continue
+        z = zf.args[0]
+        stack = qf.args[0].args[0]
+        if z not in consts or not _is(stack, aten.stack.default):
+            continue
+        parts = stack.args[0]
+        dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
+        if len(parts) != 2 or dim not in (-1, 2):
+            continue
+        lo, hi = parts
+        if not (_is(lo, aten.bitwise_and.Scalar) and lo.args[1] == 15):
+            continue
+        if not (_is(hi, aten.bitwise_right_shift.Tensor_Scalar) and hi.args[1] == 4):
+            continue
+        p = lo.args[0]
+        if p is not hi.args[0] or p not in consts:
+            continue
+        name = consts[p]
+        pv, zv, sv = value_of(p), value_of(z), value_of(s)
+        ps, zs, ss, qs = _sizes(p), _sizes(z), _sizes(s), _sizes(qf.args[0])
+        if None in (pv, zv, sv, ps, zs, ss, qs) or pv.dtype != torch.uint8 or len(ps) != 2:
+            continue
+        n, k = ps[0], 2 * ps[1]
+        g = qs[-1] if len(qs) == 3 else 0
+        if (
+            qs != (n, k // max(g, 1), g)
+            or zs != (n, k // g, 1)
+            or zv.dtype != torch.uint8
+            or _sizes(w) != (n, k)
+        ):
+            return name, "int4 shapes outside the documented form", consts[z]
+        if dt not in FLOATS or sv.dtype != dt or ss != (n, k // g, 1):
+            return (
+                name,
+                f"int4 scale {sv.dtype} {list(sv.shape)}, dequantized to {dt}".replace("torch.", ""),
+                consts[z],
+            )
+        if g not in INT4_GROUPS:
+            return name, f"int4 group {g}: torch's CPU kernel takes 32, 64, 128, 256", consts[z]
+        if n % 16:
+            return name, f"int4 N={n} not a multiple of 16 (torch's CPU packing)", consts[z]
+        bad = _activation_ok(x, dt, k) or _bias_bad(bias, dt)
+        if bad:
+            return name, bad, consts[z]
+        chain = (lo.name, hi.name, stack.name, qf.args[0].name, qf.name, zf.name, sub.name, mul.name, w.name)
+        return IntLinear("int4", linear.name, name, consts[s], consts[z], g, dt, chain)
+    return None
+
+
+def _live_reader(node: Node, dead: set[str]) -> Node | None:
+    """A reader of ``node`` (through the dequantize nodes the rewrite leaves dead) that still reads the int
+    weight after the rewrite, other than an embedding's table lookup, directly or through views of the table (a
+    gather of int rows: read in low bit; int4's scale and zero are read as [N, K/g] views)."""
+    todo, seen = [(node, True)], set()
+    while todo:
+        n, table = todo.pop()
+        for user in n.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.name in dead:
+                if user.op == "call_function" and user.target is not aten.linear.default:
+                    todo.append((user, False))
+                continue
+            if table and _is(user, aten.embedding.default) and user.args[0] is n:
+                continue
+            if table and _is(user, *VIEWS, aten.unsqueeze.default, aten.squeeze.dim) and user.args[0] is n:
+                todo.append((user, True))
+                continue
+            return user
+    return None
+
+
+def _op_name(node: Node) -> str:
+    return str(node.target) if node.op == "call_function" else node.op
+
+
+def _float_of(node: Node) -> torch.dtype | None:
+    """The float dtype the int weight is dequantized to: the first cast to a float among what reads it."""
+    todo, seen = list(node.users), set()
+    while todo and len(seen) < 32:
+        user = todo.pop(0)
+        if user in seen:
+            continue
+        seen.add(user)
+        dt = _to_dtype(user)
+        if dt in FLOATS:
+            return dt
+        todo.extend(user.users)
+    return None

@@ -1,0 +1,297 @@
+"""Which weights a program stores as int8 / int4 (issue 41) OpenVINO's CPU plugin runs compressed, read from the
+compiled model.
+
+What OpenVINO 2026.4.1's CPU plugin runs for each form (compute dtype ``dt``; ``openvino_weight_forms`` puts the
+int4 forms in the shape its frontend compresses):
+
+- **int8 linear** ``linear(x, _to_copy(q, dt) * scale, b)``: ``Constant(i8) -> Convert -> Multiply(scale)`` becomes
+  one ``FullyConnected`` (``ConvertFullyConnectedToFullyConnectedCompressed``) whose weight input is the i8 constant
+  and whose ``runtimePrecision`` is ``i8``, its scale a decompression input: the weight stays 8-bit in memory.
+- **int4 linear**: the same with a ``u4`` weight, its scale and ``u8`` zero point as inputs (``runtimePrecision`` u4).
+- **int8 embedding** (rows gathered from ``q``, then converted and scaled): a ``Gather`` of the i8 constant, then a
+  Convert and a Multiply by the gathered scales, on the rows only.
+- **int4 embedding**: one compressed ``Gather`` of the u4 table, its scale and zero point as inputs.
+
+Where the plugin does not compress (``FullyConnected::isSupportedCompressedOperation``, x86: AVX2 at least; at least 4
+input channels per group, ``IC / groups >= 4``, so per-channel int8 with fewer than 4 inputs and int4 groups of 2 or
+fewer; more than one output channel; with AMX under the bf16 hint, small shapes too), it computes the weight's
+decompression once, at compile time, into an f32 copy (its Convert / Subtract / Multiply then run as layers of their
+own, on constants) that the FullyConnected reads: ``check_weights`` names each such weight and ``warn_uncompressed``
+says so in one line (a never-silent f32 fallback). Dynamic quantization of the activations
+(``DYNAMIC_QUANTIZATION_GROUP_SIZE``) needs AVX2-VNNI or AVX512-VNNI; ``openvino.compile_openvino`` turns it off
+unless asked (``dynamic_quantization=True``).
+
+Input: the decomposed GraphModule OpenVINO converted (``stored_weights``, ``decompression_nodes``) and the compiled
+model (``compressed_layers``, ``check_weights``). Output: the weights stored as int8/int4, which run compressed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from precast.backends.openvino.weight_forms import UNPACK, call, nibbles, val
+
+aten = torch.ops.aten
+
+# the element types of a weight a compressed FullyConnected / Gather reads (OpenVINO's names); a Gather of a u8
+# constant is left out: OpenVINO's CPU plugin holds boolean tensors (a mask table) as u8
+FC_COMPRESSED = frozenset({"i8", "u8", "i4", "u4", "nf4", "f4e2m1"})
+GATHER_COMPRESSED = frozenset({"i8", "i4", "u4"})
+_BINARY = {aten.mul.Tensor, aten.sub.Tensor}
+# reader op -> the argument that is its weight
+_READERS = {aten.linear.default: (1, "linear"), aten.embedding.default: (0, "embedding")}
+_FORMS = {torch.int8: ("int8", "i8"), torch.uint8: ("uint8", "u8")}
+
+
+class CompressedWeightWarning(UserWarning):
+    """A weight the program stores as int8/int4 that OpenVINO runs decompressed (an f32 copy made at compile)."""
+
+
+# ---- the program: which weights it stores as int8 / int4 ---------------------------------------------------------
+@dataclass(frozen=True)
+class StoredWeight:
+    """One read of a weight the program stores as an integer: by a linear or an embedding."""
+
+    weight: str  # the weight's name before conversion (``lm_head.weight``), else the constant's
+    constant: str  # the stored constant's name in the program (``lm_head.weight_int8``)
+    reader: str  # the FX node reading it (linear / embedding), in the decomposed program OpenVINO converted
+    kind: str  # "linear" | "embedding"
+    form: str  # "int8" | "int4" | "uint8"
+    precision: str  # the element type OpenVINO holds it in: "i8", "u4", "u8"
+    shape: tuple[int, ...]  # the dequantized weight's shape
+    path: tuple[str, ...]  # the FX nodes between the constant and the reader (unpacking, dequantizing)
+
+
+def stored_weights(gm: torch.fx.GraphModule) -> list[StoredWeight]:
+    """Every linear / embedding of ``gm`` whose weight is an int8 (or nibble-packed uint8) constant, dequantized on
+    the way (the forms in the module docstring)."""
+    out = []
+    originals = original_names(gm)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _READERS:
+            continue
+        index, kind = _READERS[node.target]
+        w = node.args[index] if len(node.args) > index else None
+        found = _trace(w)
+        if found is None:
+            continue
+        leaf, path, packed, value = found
+        form, precision = ("int4", "u4") if packed else _FORMS[value.dtype]
+        shape = val(w).shape if path else value.shape
+        out.append(
+            StoredWeight(
+                weight=_recorded(node) or originals.get(str(leaf.target), str(leaf.target)),
+                constant=str(leaf.target),
+                reader=node.name,
+                kind=kind,
+                form=form,
+                precision=precision,
+                shape=tuple(int(s) for s in shape),
+                path=tuple(n.name for n in path),
+            )
+        )
+    return out
+
+
+def original_names(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Stored constant -> the weight it was made from, as a conversion records it (custom meta ``constants``: the
+    original name first)."""
+    out = {}
+    for node in gm.graph.nodes:
+        record = ((node.meta.get("custom") or {}).get("precast") or {}).get("constants") or {}
+        for stored, entry in record.items():
+            if isinstance(entry, (list, tuple)) and entry and isinstance(entry[0], str):
+                out.setdefault(stored, entry[0])
+    return out
+
+
+def _recorded(reader: torch.fx.Node) -> str | None:
+    """The weight a conversion's ``weight_format=`` recorded on the op reading it (custom meta)."""
+    record = ((reader.meta.get("custom") or {}).get("precast") or {}).get("weight_format") or {}
+    return record.get("weight") if isinstance(record.get("weight"), str) else None
+
+
+def _trace(w: Any) -> tuple[torch.fx.Node, list[torch.fx.Node], bool, torch.Tensor] | None:
+    """From a reader's weight back to the integer constant it dequantizes: (the constant, the nodes in between,
+    whether a nibble unpack is among them, the constant's value or fake value), or None (a float weight, or a computation that is not a dequantization).
+    A multiply / subtract follows its larger operand (the weight; the other is its scale or zero point)."""
+    path: list[torch.fx.Node] = []
+    packed = False
+    node = w
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target not in UNPACK:
+            return None
+        path.append(node)
+        if node.target in (aten.stack.default, aten.cat.default):
+            parts = node.args[0]
+            if len(parts) != 2:
+                return None
+            lo = parts[0].args[0] if call(parts[0], aten.unsqueeze.default) else parts[0]
+            hi = parts[1].args[0] if call(parts[1], aten.unsqueeze.default) else parts[1]
+            if not nibbles(lo, hi):
+                return None
+            path += [p for p in parts if p is not lo and p is not hi] + [lo, hi]
+            packed = True
+            node = lo.args[0]
+            continue
+        if node.target in _BINARY:
+            operands = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+            if not operands:
+                return None
+            node = max(operands, key=lambda a: val(a).numel() if val(a) is not None else -1)
+            continue
+        node = node.args[0]
+    leaf = node if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
+    value = val(leaf) if leaf is not None else None
+    if value is None:  # an unlifted module's constant: its tensor
+        value = _attr(leaf) if leaf is not None else None
+    if value is None or value.dtype not in _FORMS or (value.dtype == torch.uint8 and not packed and not path):
+        return None
+    return leaf, list(reversed(path)), packed, value
+
+
+def _attr(node: torch.fx.Node) -> torch.Tensor | None:
+    obj: Any = node.graph.owning_module
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+def decompression_nodes(gm: torch.fx.GraphModule) -> frozenset[str]:
+    """The FX nodes that only unpack and dequantize a stored int8/int4 weight (its casts, the zero point's and the
+    scale's, the subtract and multiply, the reshapes): everything computed from constants alone that a linear's or
+    embedding's weight is made of. ``openvino_plan.check_plan`` leaves them out of the plan check: OpenVINO runs them
+    inside the compressed layer, or once at compile time, whatever dtype a policy decided for them."""
+    constant: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" or (
+            node.op == "call_function"
+            and node.all_input_nodes
+            and all(a in constant for a in node.all_input_nodes)
+        ):
+            constant.add(node)
+    names: set[str] = set()
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for read in stored_weights(gm):
+        reader = nodes[read.reader]
+        index, _ = _READERS[reader.target]
+        todo = [reader.args[index]]
+        while todo:
+            node = todo.pop()
+            if node in constant and node.op == "call_function" and node.name not in names:
+                names.add(node.name)
+                todo += node.all_input_nodes
+    return frozenset(names)
+
+
+# ---- the compiled model: which weights OpenVINO runs compressed --------------------------------------------------
+def _type(op: Any, port: int) -> str:
+    return str(op.get_input_element_type(port).get_type_name())
+
+
+def _reads_constant(op: Any, port: int) -> bool:
+    source = op.input_value(port).get_node()
+    info = source.get_rt_info()
+    return "layerType" in info and info["layerType"].astype(str) == "Const"
+
+
+def compressed_layers(compiled: Any) -> dict[str, str]:
+    """Runtime layer name -> the element type of the weight it reads compressed, for every layer of the compiled
+    model (``compiled.get_runtime_model()``) that reads an integer weight constant: a FullyConnected whose weight
+    input (port 1) is i8/u8/i4/u4/nf4 (its ``runtimePrecision`` is then that type, its activation input float), a
+    Gather whose data (port 0) is an i8/i4/u4 constant (OpenVINO's compressed Gather, or the rows of an int8
+    embedding gathered before they are converted)."""
+    found = {}
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        layer = info["layerType"].astype(str) if "layerType" in info else ""
+        port, kinds = {"FullyConnected": (1, FC_COMPRESSED), "Gather": (0, GATHER_COMPRESSED)}.get(
+            layer, (None, ())
+        )
+        if port is None or op.get_input_size() <= port:
+            continue
+        if _type(op, port) in kinds and _reads_constant(op, port):
+            found[op.get_friendly_name()] = _type(op, port)
+    return found
+
+
+@dataclass
+class WeightCheck:
+    """The weights the program stores as int8/int4 against what OpenVINO's compiled model runs."""
+
+    stored: list[StoredWeight] = field(default_factory=list)  # every read of a stored int8/int4 weight
+    layers: dict[str, str] = field(default_factory=dict)  # runtime layer -> compressed weight type it reads
+    uncompressed: list[StoredWeight] = field(default_factory=list)  # reads OpenVINO runs on an f32 copy
+    unaccounted: int = 0  # reads not seen decompressed by name, but missing from the compressed layers' count
+
+    @property
+    def compressed(self) -> dict[str, str]:
+        """Weight name -> the element type OpenVINO reads it in (i8, u4), for each weight run compressed."""
+        missing = {id(read) for read in self.uncompressed}
+        return {r.weight: r.precision for r in self.stored if id(r) not in missing}
+
+    @property
+    def complete(self) -> bool:
+        return not self.uncompressed and not self.unaccounted
+
+    def summary(self) -> str:
+        if not self.stored:
+            return "no int8/int4 weights"
+        kinds = sorted({f"{r.form} ({r.precision})" for r in self.stored})
+        off = len(self.uncompressed) + self.unaccounted
+        return (
+            f"{len(self.stored)} int8/int4 weight read(s) ({', '.join(kinds)}): {len(self.stored) - off} run "
+            f"compressed by OpenVINO, {off} on an f32 copy"
+        )
+
+
+def check_weights(compiled: Any, gm: torch.fx.GraphModule) -> WeightCheck:
+    """Which of ``gm``'s stored int8/int4 weights (``stored_weights``) the compiled model runs compressed.
+
+    A read is **decompressed** where a node between the constant and its reader (a cast of the weight, the nibble
+    unpack, the dequantizing multiply) runs as a runtime layer of its own (OpenVINO then computes the float weight
+    once, at compile time, and the reader takes it). Otherwise it is compressed: the FullyConnected / Gather reads
+    the integer constant (``compressed_layers``). The count is checked as well: fewer compressed layers than reads
+    the names leave compressed (a decompression OpenVINO folded away without a trace) counts as ``unaccounted``."""
+    check = WeightCheck(stored=stored_weights(gm), layers=compressed_layers(compiled))
+    if not check.stored:
+        return check
+    executed: set[str] = set()
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        if op.get_friendly_name() in check.layers:  # what a compressed layer fuses is not run on its own
+            continue
+        info = op.get_rt_info()
+        names = info["originalLayersNames"].astype(str) if "originalLayersNames" in info else ""
+        executed |= {n.split("/", 1)[0] for n in names.split(",") if "/" in n}
+    check.uncompressed = [r for r in check.stored if executed & set(r.path)]
+    deemed = len(check.stored) - len(check.uncompressed)
+    check.unaccounted = max(0, deemed - len(check.layers))
+    return check
+
+
+def warn_uncompressed(check: WeightCheck, stacklevel: int = 3) -> None:
+    """One ``CompressedWeightWarning`` line when a weight the program stores as int8/int4 does not run compressed."""
+    if check.complete:
+        return
+    if check.uncompressed:
+        first = check.uncompressed[0]
+        named = ", ".join(r.weight for r in check.uncompressed[:4]) + (
+            " ..." if len(check.uncompressed) > 4 else ""
+        )
+        what = (
+            f"{len(check.uncompressed)} of {len(check.stored)} int8/int4 weight read(s) run on an f32 copy ({named}; "
+            f"e.g. {first.form} {list(first.shape)} read by {first.kind} {first.reader!r})"
+        )
+    else:
+        what = f"{check.unaccounted} of {len(check.stored)} int8/int4 weight read(s) found in no compressed layer"
+    warnings.warn(
+        f"precast.compile(backend='openvino'): {what}: OpenVINO's CPU plugin keeps a weight compressed only in a "
+        "FullyConnected with more than one output channel and at least 4 input channels per group (x86 with AVX2), "
+        "or a Gather; model.weights.uncompressed lists them",
+        CompressedWeightWarning,
+        stacklevel=stacklevel,
+    )

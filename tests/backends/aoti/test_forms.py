@@ -1,0 +1,354 @@
+"""``precast.compile``'s form: measured on the machine it runs on (issue 40), by the CPU's capabilities under
+``PRECAST_FORM=flags`` (issue 34 item 4; the test suite's setting, tests/conftest.py), and freezing's folded
+constants recomputed at load so every form keeps ``load_weights``.
+
+Without AMX, Inductor's C++ GEMM template decoded bf16 slowest on a Xeon, and Inductor's default ATen ``mm`` streams
+a bf16 weight at half the rate oneDNN's blocked kernels do at M=1 (docs/benchmarks/llm_decode.md); on a Zen 4 at
+2 threads the same table chose oneDNN at 0.75x the template. ``mode="auto"`` times the candidates once per machine,
+thread count and shape set (the timing logic is tested here with injected timings); a blocked weight is recorded as
+a recipe and recomputed from the program's weights at load.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import precast
+from precast.backends.aoti import form_timing as form_measure
+from precast.backends.aoti import forms
+from precast.backends.aoti.forms import as_configured, choose_form, form_of, matmul_weight_bytes, pick
+from precast.backends.aoti.package_cache import MANIFEST, cache_key
+from precast.backends.aoti.packed import match_folded, recipe_sources, replay, same_bits
+from precast.cpu import capabilities as cpu_capabilities
+from precast.errors import PrecastError
+from tests.conftest import small_model
+
+NO_AMX = {"avx512_bf16": True, "avx512_fp16": True, "amx_tile": False, "amx_bf16": False}
+AMX = {**NO_AMX, "amx_tile": True, "amx_bf16": True, "amx_fp16": True}
+AVX2 = {"avx2": True}
+
+
+def linear_program(dtype: torch.dtype, lm_head_fp32: bool = False) -> torch.export.ExportedProgram:
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(32, 64, bias=False).to(dtype)
+            self.b = torch.nn.Linear(64, 64).to(torch.float32 if lm_head_fp32 else dtype)
+
+        def forward(self, x):
+            h = self.a(x.to(dtype))
+            return self.b(h.to(self.b.weight.dtype))
+
+    return torch.export.export(M().eval(), (torch.randn(2, 32),))
+
+
+# ---- the choice, as a table of capabilities (no compile) --------------------------------------------------------
+@pytest.mark.parametrize(
+    "dtype,caps,form",
+    [
+        (torch.bfloat16, AMX, "gemm-template"),
+        (torch.bfloat16, NO_AMX, "onednn-packed"),
+        (torch.bfloat16, AVX2, "default"),
+        (torch.float16, AMX, "gemm-template"),
+        (torch.float16, NO_AMX, "onednn-packed"),
+        (torch.float16, {**AMX, "amx_fp16": False}, "onednn-packed"),  # AMX-BF16 only (Sapphire Rapids)
+        (torch.float32, AMX, "default"),
+        (torch.float32, NO_AMX, "default"),
+    ],
+)
+def test_form_follows_the_weight_dtype_and_the_cpu(dtype, caps, form):
+    chosen = choose_form(linear_program(dtype), caps)
+    assert chosen.name == form
+    assert chosen.why  # recorded on the compiled model
+    if form == "gemm-template":
+        assert chosen.configs["max_autotune"] and chosen.configs["max_autotune_gemm_backends"] == "CPP"
+    if form == "onednn-packed":
+        assert chosen.configs == {"freezing": True}
+
+
+def test_form_weighs_matmul_bytes_not_op_counts():
+    # one bf16 linear of 32x64 (4 KiB) and one fp32 of 64x64 (16 KiB): most bytes fp32, the fp32 form
+    ep = linear_program(torch.bfloat16, lm_head_fp32=True)
+    assert matmul_weight_bytes(ep) == {torch.bfloat16: 32 * 64 * 2, torch.float32: 64 * 64 * 4}
+    assert choose_form(ep, NO_AMX).name == "default"
+    assert choose_form(ep, {}, device="cuda").name == "default"
+
+
+def test_capabilities_are_torchs():
+    caps = cpu_capabilities()
+    reported = dict(torch.cpu.get_capabilities())
+    assert caps["avx512_bf16"] == reported.get("avx512_bf16")
+    assert caps["amx_tile"] == (bool(reported.get("amx_tile")) and torch.cpu._init_amx())
+
+
+def test_the_form_is_in_the_cache_key():
+    ep = linear_program(torch.bfloat16)
+    keys = {cache_key(ep, {"precast.form": f}, True) for f in ("default", "onednn-packed", "gemm-template")}
+    assert len(keys) == 3
+
+
+# ---- the measured choice, with injected timings (no compile) ---------------------------------------------------
+# the issue's Zen 4 (AVX512-BF16, no AMX) at 2 threads, ms per decode token: the flags table chose onednn-packed
+ZEN4 = {"default": 30.2, "onednn-packed": 27.9, "gemm-template": 21.6}
+
+
+class Timings:
+    """A ``measure`` that returns fixed seconds per form and counts its calls."""
+
+    def __init__(self, ms: dict[str, float | str]):
+        self.ms, self.calls = ms, []
+
+    def __call__(self, dtype, shapes, candidates):
+        self.calls.append((dtype, shapes, candidates))
+        return {n: (t / 1e3 if isinstance(t, float) else t) for n, t in self.ms.items() if n in candidates}
+
+
+@pytest.fixture
+def measured(monkeypatch, tmp_path):
+    monkeypatch.delenv(forms.FORM_ENV, raising=False)
+    return tmp_path
+
+
+def test_measured_choice_beats_the_flags_table_where_it_is_wrong(measured):
+    ep = linear_program(torch.bfloat16)
+    timings = Timings(ZEN4)
+    form = choose_form(ep, NO_AMX, cache_dir=measured, measure=timings)
+    assert form.name == "gemm-template" and form.configs == forms.FORM_CONFIGS["gemm-template"]
+    assert form.record["times_ms"] == ZEN4 and form.record["threads"] == torch.get_num_threads()
+    assert {"load", "cores_left", "under_load", "m"} <= set(form.record) and form.record["m"] == 1
+    assert "gemm-template is the fastest" in form.why and "21.6 ms" in form.why
+    ((dtype, shapes, candidates),) = timings.calls
+    assert dtype == torch.bfloat16 and shapes == ((64, 32), (64, 64)) and candidates == forms.CANDIDATES
+    assert forms.flags_form(torch.bfloat16, NO_AMX).name == "onednn-packed"  # what the table said
+
+
+def test_a_cached_choice_is_reused_without_timing(measured):
+    ep = linear_program(torch.bfloat16)
+    timings = Timings(ZEN4)
+    first = choose_form(ep, cache_dir=measured, measure=timings)
+    again = choose_form(ep, cache_dir=measured, measure=timings)
+    assert len(timings.calls) == 1 and again.to_dict() == first.to_dict()
+    data = json.loads((measured / form_measure.FORMS_FILE).read_text())  # JSON, never a pickle
+    assert data["version"] == form_measure.FORMS_VERSION and len(data["entries"]) == 1
+    # another thread count, dtype or shape set is another measurement
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads != 1 else 2)
+    try:
+        choose_form(ep, cache_dir=measured, measure=timings)
+    finally:
+        torch.set_num_threads(threads)
+    choose_form(linear_program(torch.float16), cache_dir=measured, measure=timings)
+    assert len(timings.calls) == 3
+
+
+def test_load_during_the_timing_is_recorded(measured, monkeypatch):
+    monkeypatch.setattr(form_measure.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.setattr(forms, "others_busy", lambda before, after, wall: None)  # no /proc/stat: load average
+    form = choose_form(linear_program(torch.bfloat16), cache_dir=measured, measure=Timings(ZEN4))
+    assert form.record["under_load"] and form.record["load"] == 64.0
+    assert "measured under load: load average 64.0" in form.why
+
+
+def test_ties_go_to_the_simplest_and_failures_are_never_chosen():
+    assert pick({"default": 10.0, "onednn-packed": 9.9, "gemm-template": 12.0})[0] == "default"  # within 2%
+    assert pick({"default": 10.0, "onednn-packed": 9.0})[0] == "onednn-packed"
+    assert pick({"default": 10.0, "gemm-template": "AOTInductor failed: ..."})[0] == "default"
+    assert pick({"default": "failed", "gemm-template": "failed"})[0] == "default"
+    assert pick(ZEN4, exclude=("gemm-template",))[0] == "onednn-packed"
+
+
+def test_streamed_weights_exclude_the_template(measured):
+    form = choose_form(
+        linear_program(torch.bfloat16), cache_dir=measured, measure=Timings(ZEN4), exclude=("gemm-template",)
+    )
+    assert form.name == "onednn-packed" and form.record["times_ms"]["gemm-template"] == 21.6
+
+
+def test_fp32_programs_and_other_devices_are_never_timed(measured):
+    timings = Timings(ZEN4)
+    assert choose_form(linear_program(torch.float32), cache_dir=measured, measure=timings).name == "default"
+    assert choose_form(linear_program(torch.bfloat16), device="cuda", measure=timings).name == "default"
+    assert not timings.calls and not (measured / form_measure.FORMS_FILE).exists()
+
+
+def test_precast_form_overrides_and_a_bad_one_is_one_line(measured, monkeypatch):
+    timings = Timings(ZEN4)
+    monkeypatch.setenv(forms.FORM_ENV, "onednn-packed")
+    assert choose_form(linear_program(torch.bfloat16), measure=timings).name == "onednn-packed"
+    monkeypatch.setenv(forms.FORM_ENV, "flags")
+    assert choose_form(linear_program(torch.bfloat16), AMX, measure=timings).name == "gemm-template"
+    monkeypatch.setenv(forms.FORM_ENV, "fastest")
+    with pytest.raises(PrecastError, match=r"PRECAST_FORM='fastest': not a form") as err:
+        choose_form(linear_program(torch.bfloat16), measure=timings)
+    assert "\n" not in str(err.value) and not timings.calls
+
+
+@pytest.mark.parametrize(
+    "text", ["not json", '{"version": 1, "entries": []}', '{"version": 1, "entries": {"k": 1}}']
+)
+def test_a_malformed_choice_cache_is_measured_again(measured, text):
+    ep = linear_program(torch.bfloat16)
+    timings = Timings(ZEN4)
+    key = forms.choice_key(torch.bfloat16, ((64, 32), (64, 64)), torch.get_num_threads(), forms.CANDIDATES)
+    (measured / form_measure.FORMS_FILE).write_text(text.replace('"k"', f'"{key}"'))
+    with pytest.warns(UserWarning, match="form cache"):
+        assert choose_form(ep, cache_dir=measured, measure=timings).name == "gemm-template"
+    assert len(timings.calls) == 1
+    assert key in json.loads((measured / form_measure.FORMS_FILE).read_text())["entries"]
+
+
+# ---- the form recorded is the one the final configs compile (issue 40 item 9) -----------------------------------
+@pytest.mark.parametrize(
+    "form,configs,recorded",
+    [
+        ("onednn-packed", {"freezing": False}, "default"),
+        ("onednn-packed", {}, "onednn-packed"),
+        ("default", {"freezing": True}, "onednn-packed"),
+        ("gemm-template", {"max_autotune": False}, "default"),
+        ("gemm-template", {"max_autotune_gemm_backends": "ATEN,CPP"}, "max-autotune"),
+        (
+            "default",
+            {"max_autotune": True, "max_autotune_gemm_backends": "CPP", "freezing": True},
+            "gemm-template+freezing",
+        ),
+    ],
+)
+def test_the_recorded_form_is_what_the_merged_configs_compile(form, configs, recorded):
+    from precast.backends.aoti.compiler import compile_configs
+
+    chosen = forms.Form(form, dict(forms.FORM_CONFIGS[form]), "chosen")
+    merged = compile_configs("auto", configs, chosen)
+    final = as_configured(chosen, merged)
+    assert form_of(merged) == final.name == recorded
+    assert final.why == "chosen" if recorded == form else recorded in final.why
+
+
+# ---- recipes (no compile) --------------------------------------------------------------------------------------
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT",
+)
+def test_a_recipe_replays_onednns_blocked_weight_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    permute = {"op": "aten::permute.default", "args": [{"ref": "l.weight"}, [1, 0]], "kwargs": {}}
+    back = {"op": "aten::permute.default", "args": [permute, [1, 0]], "kwargs": {}}
+    recipe = {"op": "mkldnn::_reorder_linear_weight.default", "args": [back, 4], "kwargs": {}}
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 4)
+    assert recipe_sources(recipe) == {"l.weight"}
+    assert replay(recipe, {"l.weight": w}).is_mkldnn
+    assert same_bits(replay(recipe, {"l.weight": w}), packed)
+    other = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    assert not same_bits(replay(recipe, {"l.weight": other}), packed)
+    # matched only when the replay gives back every bit; a recipe over a stranger, or none, is unmatched
+    folded = {
+        "_frozen_param1": (recipe, packed),
+        "_frozen_param2": (recipe, torch.ops.mkldnn._reorder_linear_weight(other, 4)),
+        "_frozen_param3": (None, packed),
+        "_frozen_param4": ({"ref": "stranger"}, w),
+        "_frozen_param5": (permute, w.t()),
+    }
+    recipes, unmatched = match_folded(folded, {"l.weight": w})
+    assert recipes == {"_frozen_param1": recipe, "_frozen_param5": permute}
+    assert unmatched == ["_frozen_param2", "_frozen_param3", "_frozen_param4"]
+    assert not same_bits(w.t(), w.t().contiguous())  # strides are part of what the code reads
+
+
+# ---- one compile in the oneDNN form ------------------------------------------------------------------------------
+needs_onednn_bf16 = pytest.mark.skipif(
+    not cpu_capabilities().get("avx512_bf16"), reason="oneDNN's packed bf16 form needs AVX512-BF16"
+)
+
+
+@pytest.fixture(scope="module")
+def onednn(aoti_cache):
+    model, inputs = small_model(0)
+    res = precast.convert(model, inputs)
+    caps = cpu_capabilities()
+    cm = precast.compile(res.program, cache_dir=aoti_cache, progress=False)
+    return model, inputs, res, cm, caps
+
+
+@pytest.mark.aoti
+def test_default_compile_is_the_form_this_cpu_implies(onednn):
+    _, _, res, cm, caps = onednn
+    assert cm.form == choose_form(res.program, caps).to_dict()
+    if caps.get("amx_tile") and caps.get("amx_bf16"):
+        assert cm.form["name"] == "gemm-template"
+    elif caps.get("avx512_bf16"):
+        assert cm.form["name"] == "onednn-packed"
+    else:
+        assert cm.form["name"] == "default"
+    manifest = json.loads((cm.package_path.parent / MANIFEST).read_text())
+    assert manifest["form"] == cm.form
+
+
+@needs_onednn_bf16
+@pytest.mark.aoti
+def test_onednn_form_reads_blocked_weights_recomputed_at_load(onednn, aoti_cache):
+    model, inputs, res, cm, caps = onednn
+    if cm.form["name"] != "onednn-packed":
+        pytest.skip("this CPU compiles the C++ GEMM template by default (AMX): tested in test_aoti_packed")
+    manifest = json.loads((cm.package_path.parent / MANIFEST).read_text())
+    assert manifest["weights"]["external"]  # the blocked copies are not in the package: precast makes them
+    blocked = {n for n, t in cm._constants.items() if t.is_mkldnn}
+    assert blocked and blocked <= set(manifest["packed"]["folded"])
+    weights = {n for n, t in res.program.state_dict.items() if t.dim() == 2}
+    assert weights == set().union(*(recipe_sources(manifest["packed"]["folded"][n]) for n in blocked))
+    assert not weights & set(cm._constants)  # the originals are read only through their blocked copies
+    # the same code with the blocked weights inside the .so (Inductor's own freezing): bit for bit
+    inside = precast.compile(
+        res.program,
+        cache_dir=aoti_cache,
+        mode="default",
+        inductor_configs={"freezing": True, "aot_inductor.package_constants_in_so": True},
+        progress=False,
+    )
+    with torch.no_grad():
+        assert torch.equal(cm(*inputs), inside(*inputs))
+
+
+@needs_onednn_bf16
+@pytest.mark.aoti
+def test_onednn_form_load_weights_equals_a_fresh_compile(onednn, aoti_cache):
+    model, inputs, _, cm, _ = onednn
+    model_b, _ = small_model(1)
+    fresh = precast.compile(precast.convert(model_b, inputs).program, cache_dir=aoti_cache, progress=False)
+    with torch.no_grad():
+        before = cm(*inputs).clone()
+        cm.load_weights(model_b.state_dict())
+        assert torch.equal(cm(*inputs), fresh(*inputs)) and not torch.equal(before, fresh(*inputs))
+        cm.load_weights(model.state_dict())
+        assert torch.equal(cm(*inputs), before)
+
+
+@pytest.mark.aoti
+def test_measure_forms_times_what_precast_compiles(tmp_path):
+    """One real timing (one candidate, one tiny weight: one compile): compiled by precast.compile into a scratch
+    cache that is deleted after."""
+    from precast.backends.aoti.compiler import compile as aoti_compile
+
+    times = form_measure.measure_forms(torch.bfloat16, ((16, 32),), {"default": {}}, tmp_path, aoti_compile)
+    assert set(times) == {"default"} and isinstance(times["default"], float) and times["default"] > 0
+    assert not list((tmp_path / "tmp").glob("forms.*"))
+
+
+def test_other_processes_busy_during_the_timing_is_under_load(measured, monkeypatch):
+    """What other processes took while precast timed (all CPU time less this process's and its children's), not
+    the load average, which counts precast's own compiles just before the timing."""
+    assert form_measure.others_busy((100.0, 10.0), (103.0, 10.5), 2.0) == 1.25  # 3 s in all, 0.5 s precast's
+    assert form_measure.others_busy((0.0, 0.0), (1.0, 1.0), 2.0) == 0.0  # only precast itself
+    assert form_measure.others_busy(None, (1.0, 1.0), 2.0) is None  # no /proc/stat
+    assert form_measure.cpu_seconds() is None or len(form_measure.cpu_seconds()) == 2
+    monkeypatch.setattr(forms, "others_busy", lambda before, after, wall: 1.25)
+    monkeypatch.setattr(form_measure.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    form = choose_form(linear_program(torch.bfloat16), cache_dir=measured, measure=Timings(ZEN4))
+    assert form.record["under_load"] and form.record["others_busy"] == 1.25
+    assert "other processes busy on 1.25 core(s)" in form.why
+    monkeypatch.setattr(forms, "others_busy", lambda before, after, wall: 0.1)
+    torch.set_num_threads(torch.get_num_threads())
+    calm = choose_form(linear_program(torch.float16), cache_dir=measured, measure=Timings(ZEN4))
+    assert not calm.record["under_load"]
