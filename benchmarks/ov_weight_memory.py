@@ -56,18 +56,18 @@ def program(name: str) -> tuple[torch.export.ExportedProgram, tuple]:
 
 
 def compiled(prog: torch.export.ExportedProgram, form: str, threads: int):
-    from precast.backends.openvino import precision as openvino_precision
+    from precast.backends.openvino import precision
     from precast.backends.openvino.model import compile_openvino
 
-    keep = openvino_precision._reads_compressed
+    keep = precision._reads_compressed
     if form == "folded":  # the control: every bf16 weight read through a plain cast, which OpenVINO folds
-        openvino_precision._reads_compressed = lambda reader: False
+        precision._reads_compressed = lambda reader: False
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return compile_openvino(prog, precision_hint="bf16", threads=threads, warn=False)
     finally:
-        openvino_precision._reads_compressed = keep
+        precision._reads_compressed = keep
 
 
 def constants(model) -> dict[str, int]:

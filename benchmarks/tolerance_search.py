@@ -113,9 +113,9 @@ def _old_search(program: Any, ep: Any, policy: Any, opts: Any, cal: Any, tol: An
     from precast.ir.op_families import GEMM_OPS
     from precast.metrics import WorstError
     from precast.numerics.tolerance import user_outputs
-    from precast.numerics.tolerance_search import ToleranceResult
     from precast.policy.base import apply_decision
     from precast.policy.compose import decide
+    from precast.policy.measurements import ToleranceResult
     from precast.policy.rules.taxonomy import op_name
 
     class MixedInterpreter(torch.fx.Interpreter):

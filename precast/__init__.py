@@ -23,17 +23,17 @@ from precast.guard import guard_module  # noqa: E402
 from precast.ir.program import constant_sources  # noqa: E402
 from precast.ir.weight_formats import WeightFormat  # noqa: E402
 from precast.llm import GenerationResult, LogitsOnly, generate  # noqa: E402
-from precast.numerics.calibration import Calibration  # noqa: E402
 from precast.numerics.calibration_files import load_calibration  # noqa: E402
 from precast.numerics.energies import Energies, load_energies  # noqa: E402
 from precast.pipeline.weight_budget import WeightBudget  # noqa: E402
 from precast.policy.auto import AutoPolicy  # noqa: E402
+from precast.policy.measurements import Calibration  # noqa: E402
 from precast.policy.plan import Plan, load_plan  # noqa: E402
 from precast.policy.rules.policy import RulesPolicy  # noqa: E402
 from precast.policy.torch_policy import TorchPolicy  # noqa: E402
 from precast.report.build import report  # noqa: E402
 from precast.report.model import Report  # noqa: E402
-from precast.weights.streamed import with_weights  # noqa: E402
+from precast.weights.filled import with_weights  # noqa: E402
 from precast.weights.weightless import empty_parameters, export_weightless  # noqa: E402
 
 __all__ = [

@@ -26,7 +26,7 @@ from precast.errors import PrecastError
 from precast.guard import guard_module
 from precast.ir.program import private_state
 from precast.numerics.calibrate import calibrate as calibrate_program
-from precast.numerics.calibration import TOLERANCE_BATCHES, Calibration
+from precast.numerics.calibration import TOLERANCE_BATCHES
 from precast.numerics.distributed import process_group
 from precast.pipeline.after_lowering import after_lowering
 from precast.pipeline.conversion import begin, run_checks
@@ -34,6 +34,7 @@ from precast.pipeline.options import CheckedOptions, ConvertOptions
 from precast.pipeline.prepare import prepare
 from precast.pipeline.verify import verify_conversion
 from precast.pipeline.weight_budget import WeightBudget, choose_weights
+from precast.policy.measurements import Calibration
 from precast.policy.resolve import POLICY_NAMES, resolve_policy
 from precast.report.build import fill_report, new_report, unchanged_report, write_program_info
 from precast.report.model import Report
@@ -55,61 +56,38 @@ class ConvertResult:
 
 
 def convert(
-    program_or_module: ExportedProgram | torch.nn.Module,
-    example_inputs: Any = None,
+    program_or_module: ExportedProgram | torch.nn.Module,  # what to convert
+    example_inputs: Any = None,  # (x,) or (args, kwargs): to export a module, and to verify the result
     *,
-    dtype: torch.dtype | str | None = None,
-    device_type: str | None = None,
-    policy: Any = None,
-    exclude_nodes: Iterable[str] = (),
-    exclude_ops: Iterable[Any] = (),
-    include_nodes: Iterable[str] = (),
-    include_ops: Iterable[Any] = (),
-    data_max: float | None = None,
-    init_max: float | None = None,
-    max_reduction_depth: int | None = None,
-    calibration: Iterable[Any] | None = None,
-    tolerance: Any = None,
-    keep_io_types: bool | None = None,
-    dynamic_shapes: Any = None,
-    custom_rules: Iterable[Any] = (),
-    patterns: Iterable[str] | str | None = None,
-    verify: bool = True,
-    allow: Iterable[str] = (),
-    plan: Any = None,
-    cache_dtype: torch.dtype | str | None = None,
-    weights: str | os.PathLike | None = None,
-    weights_out: str | os.PathLike | None = None,
-    weight_format: Any = None,
+    dtype: torch.dtype | str | None = None,  # the low dtype: "bf16", "fp16" or a torch dtype
+    device_type: str | None = None,  # "cpu" or "cuda": whose autocast tables apply
+    policy: Any = None,  # None (the program's own regions), "torch", "rules", "auto" or a policy object
+    exclude_nodes: Iterable[str] = (),  # rules: regexes on node names / module paths kept fp32
+    exclude_ops: Iterable[Any] = (),  # rules: ops kept fp32
+    include_nodes: Iterable[str] = (),  # rules: regexes on node names / module paths run low
+    include_ops: Iterable[Any] = (),  # rules: ops run low
+    data_max: float | None = None,  # rules: an op whose activations exceed this absmax stays fp32
+    init_max: float | None = None,  # rules: an op whose constants exceed this absmax stays fp32
+    max_reduction_depth: int | None = None,  # rules: an op accumulating over more elements stays fp32
+    calibration: Iterable[Any] | None = None,  # rules: batches, or a precast.Calibration (or its file)
+    tolerance: Any = None,  # rules: the accuracy the tolerance search keeps by putting ops back in fp32
+    keep_io_types: bool | None = None,  # outputs cast back to the program's dtypes (None: the policy's)
+    dynamic_shapes: Any = None,  # torch.export's dynamic_shapes, when precast exports a module
+    custom_rules: Iterable[Any] = (),  # rules: (node, context) -> a reason to keep the node fp32, or None
+    patterns: Iterable[str] | str | None = None,  # rules: the precision-sensitive patterns kept fp32
+    verify: bool = True,  # run the converted program against its reference on the example inputs
+    allow: Iterable[str] = (),  # diagnostic codes (precast.codes) whose errors become warnings
+    plan: Any = None,  # a precast.Plan (or its JSON file): its ops stay fp32, its weight formats apply
+    cache_dtype: torch.dtype | str | None = None,  # the caches the program stores into, held in this dtype
+    weights: str | os.PathLike | None = None,  # safetensors files of the program's weights, streamed
+    weights_out: str | os.PathLike | None = None,  # the folder the converted streamed weights go to
+    weight_format: Any = None,  # linear/embedding weights in 8 or 4 bits, or a precast.WeightBudget
 ) -> ConvertResult:
-    """Convert a program (or module + example inputs) to explicit mixed precision. See the README.
-
-    The keywords become one ``ConvertOptions`` (``precast/pipeline/options.py``; the rules keywords by
-    ``RulesPolicy``'s field names), checked there, and converted by ``convert_with``.
-
-    ``policy``: None (the program's own autocast regions), "torch" / ``TorchPolicy(device_type, dtype)`` (eager
-    autocast semantics), "rules" / ``RulesPolicy(...)`` (everything low except what rules keep fp32; the rules
-    keywords here, ``precast.policy.resolve.RULE_OPTIONS``, are a shorthand for ``RulesPolicy(...)``), "auto"
-    / ``AutoPolicy(...)``, or a policy object of your own (``precast.policy.hooks``).
-    ``allow``: diagnostic codes (``precast.codes``, e.g. ``"control-flow"``) whose errors become warnings in
-    ``report.diagnostics`` instead of stopping the conversion.
-    ``plan``: a ``precast.Plan`` (or its JSON file): its ops stay fp32, a custom rule (docs/sensitivity.md).
-    ``cache_dtype``: hold the caches the program stores into (a KV cache) in this dtype (``"bf16"``,
-    ``torch.float16``...), under any policy; refused with one line where a written buffer is not a cache
-    (``precast/passes/caches.py``). The report states the cache bytes before and after.
-    ``weights``: a folder of safetensors shards (or one file) holding the program's weights, which the program
-    itself need not hold (exported with fake or meta weights, docs/streaming.md): the conversion decides on the
-    graph and writes the converted weights into ``weights_out`` one tensor at a time; ``res.program`` then holds
-    meta tensors for them (``precast.compile(res.program, weights=weights_out)`` runs it).
-    ``weight_format``: store the weights of linears and embeddings in 8 or 4 bits, dequantized in the graph
-    (``"int8"``: per output channel; ``"int4"``: groups of 64, ``"int4-g32"``/``"int4-g128"``; or a mapping of
-    glob patterns over weight names to formats, first match first, ``"float"`` for "as the policy computes";
-    docs/weight_formats.md); or ``precast.WeightBudget(kld=..., data=batches)`` (also ``bytes=``, ``bits=``): each
-    weight's format chosen by its measured effect on the outputs, the cheapest that meet the budget. Under every
-    policy; the report lists each weight's format, why, and bytes.
-    """
-    rules = {
-        "exclude_nodes": exclude_nodes,
+    """Convert a program (or module + example inputs) to explicit mixed precision. Each keyword has its line
+    above, and its section in the README ("API notes", "LLMs") and docs/ (rules, streaming, weight_formats,
+    sensitivity); they become one ``ConvertOptions`` (``pipeline/options.py``), converted by ``convert_with``."""
+    keywords = {
+        "exclude_nodes": exclude_nodes,  # the rules keywords first (RulesPolicy's field names)
         "exclude_ops": exclude_ops,
         "include_nodes": include_nodes,
         "include_ops": include_ops,
@@ -120,25 +98,20 @@ def convert(
         "tolerance": tolerance,
         "custom_rules": custom_rules,
         "patterns": patterns,
+        "dtype": dtype,
+        "device_type": device_type,
+        "policy": policy,
+        "keep_io_types": keep_io_types,
+        "dynamic_shapes": dynamic_shapes,
+        "verify": verify,
+        "allow": allow,
+        "plan": plan,
+        "cache_dtype": cache_dtype,
+        "weights": weights,
+        "weights_out": weights_out,
+        "weight_format": weight_format,
     }
-    options = ConvertOptions.from_keywords(
-        {
-            **rules,
-            "dtype": dtype,
-            "device_type": device_type,
-            "policy": policy,
-            "keep_io_types": keep_io_types,
-            "dynamic_shapes": dynamic_shapes,
-            "verify": verify,
-            "allow": allow,
-            "plan": plan,
-            "cache_dtype": cache_dtype,
-            "weights": weights,
-            "weights_out": weights_out,
-            "weight_format": weight_format,
-        }
-    )
-    return convert_with(program_or_module, example_inputs, options)
+    return convert_with(program_or_module, example_inputs, ConvertOptions.from_keywords(keywords))
 
 
 def convert_with(

@@ -38,7 +38,7 @@ from precast.numerics.nonfinite import is_nonfinite, op_inputs, op_subgraph, run
 from precast.numerics.sensitivity import ablate, estimate
 from precast.numerics.sensitivity_estimator import Estimator
 from precast.numerics.sensitivity_results import METRICS, Estimate
-from precast.pipeline.conversion import begin
+from precast.pipeline.conversion import Conversion, begin
 from precast.pipeline.options import CheckedOptions
 from precast.pipeline.prepare import prepare
 from precast.policy.hooks import binds
@@ -141,21 +141,16 @@ def sensitivity(
 ) -> Sensitivity | WeightSensitivity:
     """Rank the ops the policy runs in low precision by the output error their rounding causes (docs/sensitivity.md).
 
-    ``inputs``: one batch (as for ``convert``'s ``example_inputs``); ``metric``: "rel" (relative L2 error of an
-    output), "cosine" (1 - cosine of output rows) or "max_abs"; ``measure_points``: curve points measured on real
-    conversions (0-3); ``ablation``: also measure each op alone in low precision (one conversion per op);
-    ``repro``: a folder to write the first non-finite op (else the top-ranked op) as a standalone repro.
-    ``data``: batches to estimate the energies on (their mean over the batches; ``inputs`` stays the batch the
-    measured points, the all-low errors and the non-finite search run on); with torch.distributed initialised
-    (or ``group=``; ``group=False``: this process alone) each rank passes its shard and the energies are
-    summed over every rank's batches (docs/distributed.md). ``energies``: ``Energies`` or their files (a list:
-    merged) measured before, used instead of measuring.
+    ``inputs``: one batch (as for ``convert``'s ``example_inputs``); ``metric``: "rel", "cosine" or "max_abs";
+    ``measure_points``: curve points measured on real conversions (0-3); ``ablation``: also measure each op alone in
+    low precision (one conversion per op); ``repro``: a folder for a standalone repro of the first non-finite op
+    (else the top-ranked op). ``data`` (batches to estimate the energies on), ``group`` (the ranks whose energies
+    are summed) and ``energies`` (measured before, used instead of measuring): docs/sensitivity.md and
+    docs/distributed.md.
 
-    ``weight_formats`` (e.g. ``("int4", "int8")``): rank the linear/embedding weights instead, by the output error
-    storing each in each format causes (``precast.explain_weights``; ``metric`` "kld" for logits, default, or
-    "mse"; ``data``: the calibration batches, default ``[inputs]``; ``evaluate``: the batches the measured points
-    and ``ablation`` run on; ``measure_bits``: bits-per-weight budgets measured on real conversions; ``probes``:
-    backward passes per batch). Returns a ``WeightSensitivity`` (``.plan(bits=4.5)``, ``.curve``, ``.spearman``)."""
+    ``weight_formats`` (e.g. ``("int4", "int8")``): rank the linear/embedding weights instead (docs/weight_formats.md,
+    ``precast.explain_weights``: ``metric`` "kld" (default) or "mse", ``data`` default ``[inputs]``, ``evaluate``,
+    ``measure_bits``, ``probes``). Returns a ``WeightSensitivity`` (``.plan(bits=4.5)``, ``.curve``, ``.spearman``)."""
     if weight_formats is not None:
         return weight_sensitivity(
             program_or_module,
@@ -174,26 +169,58 @@ def sensitivity(
         raise PrecastError(f"metric={metric!r}: choose {', '.join(METRICS)}")
     if not isinstance(measure_points, int) or not 0 <= measure_points <= 3:
         raise PrecastError(f"measure_points={measure_points!r}: give 0, 1, 2 or 3")
+    pol, low = _ranked_policy(policy, dtype, device_type)
+    group, given, data = _measure_sources(inputs, data, group, energies)
+    state, low = _prepared(program_or_module, inputs, pol, low, device_type, dynamic_shapes)
+    ep = state.captured
+    batch = check_example_inputs(ep, inputs)
+    more = {"data": data, "group": group, "given": given}
+    result, est = estimate(
+        ep, state.policy, state.binding, batch, metric, measure_points=measure_points, low=low, **more
+    )
+    return _finished(est, result, state.policy, ablation, repro)
+
+
+def _finished(
+    est: Estimator, result: Estimate, policy: Any, ablation: bool, repro: str | Path | None
+) -> Sensitivity:
+    """The ranking as a ``Sensitivity``, with the ablation truth and the repro when asked for."""
+    if ablation:
+        ablate(est, result.ops)
+        result.conversions, result.forwards = est.conversions, est.forwards
+    out = Sensitivity(result, graph=est.all_low.graph, policy=plan_policy(policy))
+    if repro is not None:
+        out.repro = write_repro(est, result, Path(repro))
+    return out
+
+
+def _ranked_policy(
+    policy: Any, dtype: torch.dtype | str | None, device_type: str | None
+) -> tuple[Any, torch.dtype | None]:
+    """The policy whose low-precision ops are ranked, and the low dtype: ``dtype=`` or the policy's own."""
     low = parse_low_dtype(dtype)
     if policy == "rules":
-        pol = RulesPolicy(dtype=low)
-    elif isinstance(policy, RulesPolicy):
+        return RulesPolicy(dtype=low), low
+    if isinstance(policy, RulesPolicy):
         pol = dataclasses.replace(policy, tolerance=None)  # the ranking replaces the search
         mine = parse_low_dtype(policy.dtype)
         if low is not None and mine is not None and mine != low:
             raise PrecastError(
                 f"dtype={dtype!r} but the {type(policy).__name__} says dtype={policy.dtype!r}: give one"
             )
-        low = low or mine
-    elif policy is None or isinstance(policy, str) or not binds(policy):
+        return pol, low or mine
+    if policy is None or isinstance(policy, str) or not binds(policy):
         # policy torch (autocast's lower-precision ops), None (the ops of the program's own regions), or a
         # policy object that decides by itself: the same estimator, its trials pinned to fp32 over the policy
-        pol, low = resolve_policy(policy, low, device_type, {})
-    else:
-        raise PrecastError(
-            f"policy={policy!r}: sensitivity ranks the ops a policy runs in low precision; give None, 'torch', "
-            "'rules', 'auto', a precast.TorchPolicy / RulesPolicy / AutoPolicy, or a policy without bind"
-        )
+        return resolve_policy(policy, low, device_type, {})
+    raise PrecastError(
+        f"policy={policy!r}: sensitivity ranks the ops a policy runs in low precision; give None, 'torch', "
+        "'rules', 'auto', a precast.TorchPolicy / RulesPolicy / AutoPolicy, or a policy without bind"
+    )
+
+
+def _measure_sources(inputs: Any, data: Any, group: Any, energies: Any) -> tuple[Any, list | None, Any]:
+    """What the energies come from: the process group (with ``data=``), the energies given, the batches."""
     if inputs is None:
         raise PrecastError("sensitivity needs inputs to measure on: give one batch, e.g. (x,)")
     if energies is not None and (data is not None or group not in (None, False)):
@@ -208,36 +235,41 @@ def sensitivity(
             raise PrecastError("energies=[]: give Energies or their files")
     if data is not None:
         data = batches_of(data)
+    return group, given, data
+
+
+def _prepared(
+    program_or_module: ExportedProgram | torch.nn.Module,
+    inputs: Any,
+    pol: Any,
+    low: torch.dtype | None,
+    device_type: str | None,
+    dynamic_shapes: Any,
+) -> tuple[Conversion, torch.dtype | None]:
+    """The conversion's state up to its decisions (captured, calibrated as ``convert`` prepares it), and the
+    low dtype the ranking is for."""
     options = CheckedOptions.of(low, device_type=device_type, dynamic_shapes=dynamic_shapes)
     state = begin(program_or_module, inputs, pol, options)
     state.log = DiagnosticLog()
     prepare(state)  # calibration (fp16's data_max), auto's latencies: as the conversion prepares them
     if state.policy is None:  # the program's regions: their dtype is the low one
-        dtypes = {r.dtype for r in state.regions if r.enabled}
-        if not dtypes:
-            raise PrecastError(
-                "sensitivity under policy None ranks the ops of the program's own autocast regions, and this "
-                "program has none enabled; give policy='torch' (eager autocast on the whole forward) or 'rules'"
-            )
-        if low is None and len(dtypes) > 1:
-            raise PrecastError(
-                f"the program's regions use {', '.join(sorted(map(str, dtypes)))}: give dtype= to say which to rank"
-            )
-        low = low or dtypes.pop()
-    low = state.low or low
-    ep = state.captured
-    batch = check_example_inputs(ep, inputs)
-    more = {"data": data, "group": group, "given": given}
-    result, est = estimate(
-        ep, state.policy, state.binding, batch, metric, measure_points=measure_points, low=low, **more
-    )
-    if ablation:
-        ablate(est, result.ops)
-        result.conversions, result.forwards = est.conversions, est.forwards
-    out = Sensitivity(result, graph=est.all_low.graph, policy=plan_policy(state.policy))
-    if repro is not None:
-        out.repro = write_repro(est, result, Path(repro))
-    return out
+        low = _regions_dtype(state, low)
+    return state, state.low or low
+
+
+def _regions_dtype(state: Conversion, low: torch.dtype | None) -> torch.dtype:
+    """Under policy None, the low dtype of the program's enabled autocast regions (``low`` if given)."""
+    dtypes = {r.dtype for r in state.regions if r.enabled}
+    if not dtypes:
+        raise PrecastError(
+            "sensitivity under policy None ranks the ops of the program's own autocast regions, and this "
+            "program has none enabled; give policy='torch' (eager autocast on the whole forward) or 'rules'"
+        )
+    if low is None and len(dtypes) > 1:
+        raise PrecastError(
+            f"the program's regions use {', '.join(sorted(map(str, dtypes)))}: give dtype= to say which to rank"
+        )
+    return low or dtypes.pop()
 
 
 def plan_policy(policy: Any) -> str:

@@ -1,6 +1,7 @@
 """One progress bar for long work (calibration, benchmarks): rich on stderr when it is a terminal, else silent;
 and the quiet default: what the libraries precast drives print and a user cannot act on, held back
-(``quiet_libraries``; ``PRECAST_VERBOSE=1`` or ``precast --verbose`` shows it).
+(``quiet_libraries``; ``loggers_held_back`` for named loggers; ``PRECAST_VERBOSE=1`` (``verbose()``) or
+``precast --verbose`` shows it).
 
 Input: a total and a description. Output: progress on stderr (nothing when not a terminal).
 """
@@ -34,18 +35,26 @@ def quiet_libraries(show: bool | None = None) -> Iterator[None]:
     if verbose() if show is None else show:
         yield
         return
-    loggers = [logging.getLogger(name) for name in NOISY_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), loggers_held_back(NOISY_LOGGERS):
         warnings.simplefilter("ignore")
         warnings.filterwarnings("default", module=r"precast(\.|$)")
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            for lg, level in zip(loggers, levels, strict=True):
-                lg.setLevel(level)
+        yield
+
+
+@contextlib.contextmanager
+def loggers_held_back(names: tuple[str, ...], level: int = logging.ERROR) -> Iterator[None]:
+    """The loggers ``names`` (and their children that set no level of their own) at ``level`` for the block:
+    their records below it held back; each logger's own level restored after. The process's other loggers
+    untouched."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(level)
+    try:
+        yield
+    finally:
+        for lg, before in zip(loggers, levels, strict=True):
+            lg.setLevel(before)
 
 
 def wanted(enabled: bool | None) -> bool:

@@ -32,6 +32,7 @@ from torch.export import ExportedProgram
 
 from precast.errors import PrecastError, first_line
 from precast.io import atomic_path, check_writable
+from precast.optional import require
 
 INSTALL = "pip install 'precast[executorch]' (executorch==1.5.1, which installs beside torch 2.13)"
 
@@ -56,11 +57,10 @@ _DEFAULT_ROUTE = (
 
 
 def require_modules() -> None:
-    try:
-        import executorch.exir  # noqa: F401
-        import executorch.runtime  # noqa: F401
-    except ImportError as e:
-        raise PrecastError(f"ExecuTorch is not installed ({first_line(e)}); {INSTALL}") from e
+    """ExecuTorch's exporter and runtime importable, or a one-line PrecastError naming the extra."""
+    require(
+        "executorch.exir", "executorch.runtime", message=f"ExecuTorch is not installed ({{cause}}); {INSTALL}"
+    )
 
 
 def _route(op: str) -> str:

@@ -21,30 +21,22 @@ def _hf(name: str) -> tuple[torch.nn.Module, Callable, tuple]:
     import transformers as tf
 
     small = dict(vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    # the llama and bert stacks' sizes (gpt2 names them its own way)
+    layers = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
     if name == "gpt2":
         cfg = tf.GPT2Config(n_embd=64, n_layer=4, n_head=4, n_positions=64, use_cache=False, **small)
         model = tf.GPT2LMHeadModel(cfg)
     elif name == "llama":
-        cfg = tf.LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            use_cache=False,
-            **small,
-        )
+        cfg = tf.LlamaConfig(num_key_value_heads=2, use_cache=False, **layers, **small)
         model = tf.LlamaForCausalLM(cfg)
     else:
-        cfg = tf.BertConfig(
-            hidden_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            intermediate_size=128,
-            max_position_embeddings=64,
-            **small,
-        )
+        cfg = tf.BertConfig(**layers, **small)
         model = tf.BertModel(cfg)
         mask = torch.ones(2, 16, dtype=torch.long)
         mask[1, 12:] = 0

@@ -69,25 +69,7 @@ def main() -> int:
         try:
             if "model_dir" in request:
                 spec = request
-                fmt = request.get("weight_format")
-                out = request["model_dir"].rstrip("/") + "-ov" + (f"-{fmt}" if fmt else "")
-                export_s = None
-                if not (Path(out) / "openvino_model.xml").exists():
-                    started = time.perf_counter()
-                    subprocess.run(
-                        [
-                            sys.executable,
-                            "-P",
-                            __file__,
-                            "--export",
-                            request["model_dir"],
-                            out,
-                            *([fmt] if fmt else []),
-                        ],
-                        check=True,
-                        capture_output=True,
-                    )
-                    export_s = round(time.perf_counter() - started, 1)
+                out, export_s = _exported(request)
                 torch.set_num_threads(request["threads"])
                 before = _rss_mb()
                 model = OVModelForCausalLM.from_pretrained(
@@ -116,6 +98,23 @@ def main() -> int:
             reply = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
         print(json.dumps(reply), flush=True)
     return 0
+
+
+def _exported(request: dict) -> tuple[str, float | None]:
+    """The IR folder for the request (``<model_dir>-ov[-FORMAT]``), exported in a child process unless present,
+    and the seconds the export took (None: reused)."""
+    fmt = request.get("weight_format")
+    out = request["model_dir"].rstrip("/") + "-ov" + (f"-{fmt}" if fmt else "")
+    export_s = None
+    if not (Path(out) / "openvino_model.xml").exists():
+        started = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-P", __file__, "--export", request["model_dir"], out, *([fmt] if fmt else [])],
+            check=True,
+            capture_output=True,
+        )
+        export_s = round(time.perf_counter() - started, 1)
+    return out, export_s
 
 
 def _run(model, spec: dict, steps: int) -> dict:

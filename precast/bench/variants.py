@@ -120,60 +120,89 @@ def build_variants(
     """A callable per variant that built, plus the compile facts of every variant in partial Results (model
     and batch left blank). The model's regions are used as they are set (see ``factories.retarget``);
     ``low``/``device``: what ``auto_aoti`` converts to."""
-    import precast
-
+    setup = _Setup(model, inputs, cache_dir, low, device, work)
     fns: dict[str, Callable[[], Any]] = {}
     facts: dict[str, Result] = {}
-    exported = None
     for variant in variants:
         if on_step:
             on_step(variant)
         facts[variant] = res = Result(model="", batch=0, variant=variant)
         try:
-            if variant == "eager_fp32":
-                fns[variant], res.note = fp32_reference(model, inputs)
-                with torch.no_grad():
-                    res.casts_per_forward = eager_cast_ops(fns[variant])
-            elif variant == "eager_autocast":
-                fns[variant] = lambda m=model, x=inputs: m(*x)
-                with torch.no_grad():
-                    res.casts_per_forward = eager_cast_ops(fns[variant])
-            elif variant in ORT_VARIANTS:
-                if work is None:
-                    raise PrecastError(
-                        "build_variants: the ONNX Runtime variants need work= (a folder for .onnx files)"
-                    )
-                folder = work
-                fns[variant] = build_ort_variant(variant, model, inputs, folder, fp32_program, res)
-            elif variant in OV_VARIANTS:
-                if device != "cpu":
-                    raise PrecastError(f"{variant}: OpenVINO runs on the CPU here; use --device cpu")
-                fns[variant] = build_ov_variant(variant, model, inputs, fp32_program, res)
-            else:
-                if variant == "precast_aoti":
-                    program = precast.convert(model, inputs).program
-                elif variant in ("aoti_fp32", "auto_aoti"):
-                    program, res.note = fp32_program(model, inputs)
-                    if variant == "auto_aoti":
-                        conv = precast.convert(program, inputs, policy="auto", dtype=low, device_type=device)
-                        program, res.note = conv.program, auto_note(conv.report)
-                else:
-                    if exported is None:
-                        exported = torch.export.export(model, inputs, strict=False)
-                    program = exported
-                started = time.perf_counter()
-                cm = precast.compile(
-                    program, cache_dir=cache_dir, inductor_configs=AOTI_CONFIGS[variant], progress=False
-                )
-                res.compile_s = round(time.perf_counter() - started, 2)
-                fns[variant] = lambda cm=cm, x=inputs: cm(*x)
-                res.package_mb = round(os.path.getsize(cm.package_path) / 2**20, 2)
-                res.casts_per_forward = aoti_cast_kernels(cm.package_path)
-                res.package_path = str(cm.package_path)
+            fns[variant] = _build_variant(setup, variant, res)
         except Exception as exc:  # noqa: BLE001 - one failing variant must not sink the table
             res.error = _error_text(exc)
             fns.pop(variant, None)
     return fns, facts
+
+
+@dataclass
+class _Setup:
+    """What every variant is built from: the model and its inputs, the AOTInductor cache, what ``auto_aoti``
+    converts to, the folder for .onnx files; and the plain export, made once for the variants that share it."""
+
+    model: torch.nn.Module
+    inputs: tuple
+    cache_dir: str | os.PathLike | None
+    low: torch.dtype
+    device: str
+    work: Path | None
+    exported: Any = None
+
+
+def _build_variant(setup: _Setup, variant: str, res: Result) -> Callable[[], Any]:
+    """One variant's callable, its compile facts written into ``res``."""
+    model, inputs = setup.model, setup.inputs
+    if variant == "eager_fp32":
+        fn, res.note = fp32_reference(model, inputs)
+        return _eager(fn, res)
+    if variant == "eager_autocast":
+        return _eager(lambda m=model, x=inputs: m(*x), res)
+    if variant in ORT_VARIANTS:
+        if setup.work is None:
+            raise PrecastError(
+                "build_variants: the ONNX Runtime variants need work= (a folder for .onnx files)"
+            )
+        return build_ort_variant(variant, model, inputs, setup.work, fp32_program, res)
+    if variant in OV_VARIANTS:
+        if setup.device != "cpu":
+            raise PrecastError(f"{variant}: OpenVINO runs on the CPU here; use --device cpu")
+        return build_ov_variant(variant, model, inputs, fp32_program, res)
+    return _aoti_variant(setup, variant, res)
+
+
+def _eager(fn: Callable[[], Any], res: Result) -> Callable[[], Any]:
+    """An eager variant as it is, the casts one forward runs counted into ``res``."""
+    with torch.no_grad():
+        res.casts_per_forward = eager_cast_ops(fn)
+    return fn
+
+
+def _aoti_variant(setup: _Setup, variant: str, res: Result) -> Callable[[], Any]:
+    """An AOTInductor variant: its program (precast's conversion, the fp32 export, auto's conversion of that, or
+    the plain export) compiled with the variant's inductor configs; compile time and package facts into ``res``."""
+    import precast
+
+    model, inputs = setup.model, setup.inputs
+    if variant == "precast_aoti":
+        program = precast.convert(model, inputs).program
+    elif variant in ("aoti_fp32", "auto_aoti"):
+        program, res.note = fp32_program(model, inputs)
+        if variant == "auto_aoti":
+            conv = precast.convert(program, inputs, policy="auto", dtype=setup.low, device_type=setup.device)
+            program, res.note = conv.program, auto_note(conv.report)
+    else:
+        if setup.exported is None:
+            setup.exported = torch.export.export(model, inputs, strict=False)
+        program = setup.exported
+    started = time.perf_counter()
+    cm = precast.compile(
+        program, cache_dir=setup.cache_dir, inductor_configs=AOTI_CONFIGS[variant], progress=False
+    )
+    res.compile_s = round(time.perf_counter() - started, 2)
+    res.package_mb = round(os.path.getsize(cm.package_path) / 2**20, 2)
+    res.casts_per_forward = aoti_cast_kernels(cm.package_path)
+    res.package_path = str(cm.package_path)
+    return lambda cm=cm, x=inputs: cm(*x)
 
 
 def fp32_program(model: torch.nn.Module, inputs: tuple) -> tuple[Any, str]:

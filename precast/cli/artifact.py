@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import json
 import os
 import secrets
@@ -24,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from precast.errors import PrecastError, first_line
+from precast.errors import PrecastError
 from precast.io import loads_bounded
 from precast.paths import PathArg, check_input_file, check_outputs
 
@@ -109,20 +108,13 @@ def staged(out: Path) -> Iterator[Path]:
 
 def write_converted(stage: Path, res: Any, model: Any, source: str, output: str) -> dict[str, str]:
     """program.pt2 (serialized in memory first: a full disk is one line), the tokenizer, plan.json, report.json."""
-    import torch
-
     import precast
+    from precast.cli.convert import program_bytes
     from precast.io import write_bytes
-    from precast.threads import TORCH_LOCK
 
-    buffer = io.BytesIO()
-    try:
-        with TORCH_LOCK:
-            torch.export.save(res.program, buffer)
-    except Exception as exc:
-        raise PrecastError(f"{output}: could not save the converted program: {first_line(exc)}") from exc
-    write_bytes(stage / PROGRAM, buffer.getvalue())
-    del buffer
+    data = program_bytes(res.program, output)
+    write_bytes(stage / PROGRAM, data)
+    del data
     files = {"program": PROGRAM, "report": REPORT}
     write_bytes(stage / REPORT, (res.report.to_json() + "\n").encode())
     if res.report.weight_formats:

@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
+from precast.cli.flags import Group, add_command, flag
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="compare eager, AOTInductor, ONNX Runtime, OpenVINO and precast variants on a model",
-        description="Latency (median of interleaved repeats), package size, resident memory after load (fresh "
-        "process), error vs fp32 and run-time casts per forward, for eager fp32, eager autocast, AOTI default, "
-        "AOTI freezing, AOTI run-time constant folding, precast + AOTI, fp32 AOTI, policy auto + AOTI, and ONNX "
-        "Runtime on the fp32 program and on precast's (ort_fp32, ort_precast; needs precast[onnx]; bf16 has no "
-        "ONNX Runtime CPU kernels: use --dtype fp16 there), and OpenVINO's own default on the fp32 program against "
-        "precast's program run in the dtypes it states (ov_default, ov_precast; needs precast[openvino]).",
-    )
-    p.add_argument(
+CONVERT = Group("conversion cost (--convert)")
+LLM = Group("LLM decode (--llm)")
+
+ARGUMENTS = (
+    flag(
         "--model",
         nargs="+",
         default=None,
@@ -41,61 +36,69 @@ def add_parser(sub) -> None:
         "synthetic chain at --sizes) and the real architectures of precast.bench.convert_models (gpt2, llama, "
         "bert, convnext_atto, efficientvit_m0, fastvit_t8; skipped when transformers/timm is missing); "
         "default: all",
-    )
-    p.add_argument("--batch", nargs="+", type=int, default=[1], metavar="N", help="default: 1")
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument(
+    ),
+    flag("--batch", nargs="+", type=int, default=[1], metavar="N", help="default: 1"),
+    flag("--dtype", choices=["bf16", "fp16"], default="bf16"),
+    flag("--device", choices=["cpu", "cuda"], default="cpu"),
+    flag(
         "--repeats",
         type=int,
         default=None,
         metavar="N",
         help="interleaved repeats (default 20; with --llm: as many as fit its 5-minute budget, 2 to 10)",
-    )
-    p.add_argument(
+    ),
+    flag(
         "--variant",
         nargs="+",
         default=None,
         metavar="V",
         help="subset of: eager_fp32 eager_autocast aoti_default aoti_freezing aoti_runtime_folding precast_aoti "
         "aoti_fp32 auto_aoti ort_fp32 ort_precast ov_default ov_precast (default: all)",
-    )
-    p.add_argument("--out", default=None, metavar="DIR", help="write bench.json, bench.md, bench.png here")
-    p.add_argument(
+    ),
+    flag("--out", default=None, metavar="DIR", help="write bench.json, bench.md, bench.png here"),
+    flag(
         "--cache-dir",
         default=None,
         help="AOTInductor package cache (default: $PRECAST_CACHE_DIR or the user cache dir)",
-    )
-    p.add_argument("--no-rss", action="store_true", help="skip the fresh-process memory measurement")
-    conv = p.add_argument_group("conversion cost (--convert)")
-    conv.add_argument(
+    ),
+    flag("--no-rss", action="store_true", help="skip the fresh-process memory measurement"),
+    flag(
         "--convert",
+        group=CONVERT,
         action="store_true",
         help="measure the conversion itself instead: ms and peak Python memory per node of every stage of "
         "precast.convert (observed through precast.passes.runner.observe), verification timed apart",
-    )
-    conv.add_argument(
-        "--sizes", nargs="+", type=int, default=None, metavar="N", help="chain sizes (default 250 ... 8000)"
-    )
-    conv.add_argument(
+    ),
+    flag(
+        "--sizes",
+        group=CONVERT,
+        nargs="+",
+        type=int,
+        default=None,
+        metavar="N",
+        help="chain sizes (default 250 ... 8000)",
+    ),
+    flag(
         "--policy",
+        group=CONVERT,
         nargs="+",
         choices=["none", "torch", "rules"],
         default=None,
         help="policies to measure (default: none torch; with --llama: none torch rules)",
-    )
-    conv.add_argument(
+    ),
+    flag(
         "--llama",
+        group=CONVERT,
         nargs="+",
         default=None,
         metavar="SIZE",
         help="instead: seconds per GB of weights and peak RSS above them, per stage, converting a Llama-shaped "
         "transformers model with random weights (0.2b, 1.1b: TinyLlama's shapes), one fresh process per "
         "(size, policy); a large one waits for /tmp/precast-bigmem.lock (flock)",
-    )
-    llm = p.add_argument_group("LLM decode (--llm)")
-    llm.add_argument(
+    ),
+    flag(
         "--llm",
+        group=LLM,
         action="store_true",
         help="instead: decode speed of a Llama-shaped decoder with random weights (0.246 B; --quick: 2 tiny "
         "layers), interleaved at each --threads: eager fp32, eager hand-cast bf16, the hand-cast bf16 program "
@@ -106,23 +109,44 @@ def add_parser(sub) -> None:
         "(--no-rss skips it) against the anchor's; the load average before and after. The run budgets 5 minutes: "
         "builds (compiled packages are cached; only a first run compiles), memory, then as many repeats as fit "
         "(2 to 10; --repeats N for a fixed number); needs precast[llm]",
-    )
-    llm.add_argument("--quick", action="store_true", help="with --llm: the tiny decoder (a smoke run)")
-    llm.add_argument("--threads", nargs="+", type=int, default=[1, 2], metavar="N", help="with --llm")
-    llm.add_argument("--steps", type=int, default=8, metavar="N", help="with --llm: decode steps per sample")
-    llm.add_argument("--anchor-python", default=None, metavar="PY", help="with --llm: the anchor's Python")
-    llm.add_argument(
+    ),
+    flag("--quick", group=LLM, action="store_true", help="with --llm: the tiny decoder (a smoke run)"),
+    flag("--threads", group=LLM, nargs="+", type=int, default=[1, 2], metavar="N", help="with --llm"),
+    flag("--steps", group=LLM, type=int, default=8, metavar="N", help="with --llm: decode steps per sample"),
+    flag("--anchor-python", group=LLM, default=None, metavar="PY", help="with --llm: the anchor's Python"),
+    flag(
         "--build-anchor-env",
+        group=LLM,
         nargs="?",
         const="",
         default=None,
         metavar="DIR",
         help="with --llm: only build the anchor's environment (optimum-intel 2.2, transformers < 5.6, OpenVINO) "
         "in DIR (default: precast's data folder), then exit",
+    ),
+    # after the LLM group's flags: the usage line lists them last
+    flag(
+        "--no-memory", group=CONVERT, action="store_true", help="skip the tracemalloc run (halves the time)"
+    ),
+    flag("--no-verify", group=CONVERT, action="store_true", help="skip timing verification"),
+)
+
+
+def add_parser(sub: Any) -> None:
+    """``precast bench``: the flags of ``ARGUMENTS``, run by ``run``."""
+    add_command(
+        sub,
+        "bench",
+        ARGUMENTS,
+        run=run,
+        help="compare eager, AOTInductor, ONNX Runtime, OpenVINO and precast variants on a model",
+        description="Latency (median of interleaved repeats), package size, resident memory after load (fresh "
+        "process), error vs fp32 and run-time casts per forward, for eager fp32, eager autocast, AOTI default, "
+        "AOTI freezing, AOTI run-time constant folding, precast + AOTI, fp32 AOTI, policy auto + AOTI, and ONNX "
+        "Runtime on the fp32 program and on precast's (ort_fp32, ort_precast; needs precast[onnx]; bf16 has no "
+        "ONNX Runtime CPU kernels: use --dtype fp16 there), and OpenVINO's own default on the fp32 program against "
+        "precast's program run in the dtypes it states (ov_default, ov_precast; needs precast[openvino]).",
     )
-    conv.add_argument("--no-memory", action="store_true", help="skip the tracemalloc run (halves the time)")
-    conv.add_argument("--no-verify", action="store_true", help="skip timing verification")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

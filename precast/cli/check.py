@@ -21,10 +21,11 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from precast.cli.flags import add_trust_pickle
+from precast.cli.flags import TRUST_PICKLE, add_command, flag
 from precast.errors import PrecastError, first_line
 from precast.ir.program import strip_dtype_asserts
 from precast.metrics import compare_outputs
@@ -32,23 +33,30 @@ from precast.metrics import compare_outputs
 LOW = (torch.bfloat16, torch.float16)
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "check",
-        help="compare a converted program against its float32 reference (max abs/rel error, cosine, bitwise)",
-        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("program", help="a program saved with torch.export.save")
-    add_trust_pickle(p)
-    p.add_argument(
+ARGUMENTS = (
+    flag("program", help="a program saved with torch.export.save"),
+    TRUST_PICKLE,
+    flag(
         "--inputs",
         default=None,
         help="inputs saved with torch.save: a tensor, a tuple, (args, kwargs), or a dict keyed by the forward's "
         "argument names",
+    ),
+    flag("--json", action="store_true", help="print the metrics as JSON"),
+)
+
+
+def add_parser(sub: Any) -> None:
+    """``precast check``: the flags of ``ARGUMENTS``, run by ``run``; the module docstring is its description."""
+    add_command(
+        sub,
+        "check",
+        ARGUMENTS,
+        run=run,
+        help="compare a converted program against its float32 reference (max abs/rel error, cosine, bitwise)",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
-    p.set_defaults(run=run)
 
 
 def fp32_reference(ep: torch.export.ExportedProgram) -> torch.nn.Module:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
-from precast.cli.flags import add_trust_pickle
+from precast.cli.flags import CACHE_DIR, TRUST_PICKLE, add_command, flag
 from precast.errors import PrecastError
 
 BACKENDS = ("aoti", "openvino", "onnx", "executorch")
@@ -24,48 +25,51 @@ EXTRAS = {
 SUFFIXES = {"onnx": ".onnx", "executorch": ".pte", "openvino": ".xml"}
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "compile",
-        help="compile a saved (converted) program with AOTInductor (cached), or for OpenVINO / ONNX / ExecuTorch",
-        description="Compile a program saved with torch.export.save (e.g. by 'precast convert') into an "
-        "AOTInductor package, with a dynamic batch dimension; compiled packages are cached by content. "
-        "--backend openvino writes OpenVINO IR (model.xml + model.bin, the program's own dtypes), --backend onnx an "
-        ".onnx file (ONNX Runtime), --backend executorch a .pte file.",
-    )
-    p.add_argument("source", help="a program saved with torch.export.save (.pt2)")
-    p.add_argument(
+ARGUMENTS = (
+    flag("source", help="a program saved with torch.export.save (.pt2)"),
+    flag(
         "-o",
         "--output",
         default=None,
         help="write the artifact here (aoti: a package with its weights inside, for torch._inductor."
         "aoti_load_package, with --weights too: the weights are read into it; default prints the cached package's "
         "path, whose weights precast.compile loads; openvino (.xml), onnx, executorch: required)",
-    )
-    p.add_argument("--backend", choices=BACKENDS, default="aoti", help="default: aoti (AOTInductor)")
-    p.add_argument(
+    ),
+    flag("--backend", choices=BACKENDS, default="aoti", help="default: aoti (AOTInductor)"),
+    flag(
         "--mode",
         choices=["auto", "default", "max-autotune"],
         default="auto",
         help="aoti only; auto (default): the form measured fastest on this machine and thread count for the "
         "program's 16-bit matmul weights (cached; PRECAST_FORM=NAME|flags overrides; docs/compile.md)",
-    )
-    p.add_argument(
-        "--cache-dir", default=None, help="aoti only; default: $PRECAST_CACHE_DIR or the user cache dir"
-    )
-    p.add_argument(
-        "--static", action="store_true", help="keep the program's static shapes (no dynamic batch)"
-    )
-    p.add_argument(
+    ),
+    CACHE_DIR,
+    flag("--static", action="store_true", help="keep the program's static shapes (no dynamic batch)"),
+    flag(
         "--weights",
         default=None,
         metavar="DIR",
         help="aoti only: the weights of a program converted with streamed weights (its constants meta): a "
         "directory of safetensors shards with model.safetensors.index.json, or one .safetensors file; with -o "
         "they are written into the package",
+    ),
+    TRUST_PICKLE,
+)
+
+
+def add_parser(sub: Any) -> None:
+    """``precast compile``: the flags of ``ARGUMENTS``, run by ``run``."""
+    add_command(
+        sub,
+        "compile",
+        ARGUMENTS,
+        run=run,
+        help="compile a saved (converted) program with AOTInductor (cached), or for OpenVINO / ONNX / ExecuTorch",
+        description="Compile a program saved with torch.export.save (e.g. by 'precast convert') into an "
+        "AOTInductor package, with a dynamic batch dimension; compiled packages are cached by content. "
+        "--backend openvino writes OpenVINO IR (model.xml + model.bin, the program's own dtypes), --backend onnx an "
+        ".onnx file (ONNX Runtime), --backend executorch a .pte file.",
     )
-    add_trust_pickle(p)
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         # -o: a self-contained package; the weights go inside it, so the program takes them in now (read once,
         # names, shapes and dtypes checked by with_weights) and compiles as a program holding its weights
         from precast.weights.files import streamed_targets
-        from precast.weights.streamed import with_weights
+        from precast.weights.filled import with_weights
 
         if not streamed_targets(program):
             raise PrecastError(

@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 
+from precast.cli.flags import add_command, flag
 from precast.errors import PrecastError
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "demo", help="convert the built-in example (the seed's model) and compare before/after"
+def add_parser(sub: Any) -> None:
+    """``precast demo``: ``--repeats``, run by ``run``."""
+    add_command(
+        sub,
+        "demo",
+        (flag("--repeats", type=int, default=200, help="timed forwards per variant"),),
+        run=run,
+        help="convert the built-in example (the seed's model) and compare before/after",
     )
-    p.add_argument("--repeats", type=int, default=200, help="timed forwards per variant")
-    p.set_defaults(run=run)
 
 
 def _weight_casts(ep: torch.export.ExportedProgram) -> int:

@@ -20,24 +20,32 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from precast.cli import artifact
-from precast.cli.convert import as_flags, weight_format_of
+from precast.cli.export_llm_flags import (  # noqa: F401 - BACKENDS, DEFAULT_TOKENS: importable from here too
+    ARGUMENTS,
+    BACKENDS,
+    DEFAULT_CACHE,
+    DEFAULT_TOKENS,
+    DEFAULT_WINDOW,
+    budget_of,
+    check_flags,
+)
+from precast.cli.flags import add_command
 from precast.errors import PrecastError
-from precast.paths import check_input_file
 from precast.progress import ProgressBar
 
-BACKENDS = ("openvino", "aoti")
-DEFAULT_CACHE = 1024  # positions, or the model's max_position_embeddings when smaller
-DEFAULT_WINDOW = 256
-DEFAULT_TOKENS = 1024
 
-
-def add_parser(sub) -> None:
-    p = sub.add_parser(
+def add_parser(sub: Any) -> None:
+    """``precast export-llm``: the flags of ``ARGUMENTS`` (``precast.cli.export_llm_flags``), run by ``run``."""
+    add_command(
+        sub,
         "export-llm",
+        ARGUMENTS,
+        run=run,
         help="a transformers checkpoint (folder or GGUF) to a deployable folder: exported, converted, int8/int4",
         description="Read a transformers checkpoint (a folder save_pretrained wrote, or a GGUF file) in fp32, "
         "export it with transformers' static-cache recipe, convert it (policy torch, --dtype, the KV cache in "
@@ -46,185 +54,6 @@ def add_parser(sub) -> None:
         "plan.json, report.json, export.json (and model.xml/.bin, model.aoti.pt2 with --backend). "
         "Then: precast generate DIR --prompt TEXT --max-new-tokens N. docs/llm_export.md",
     )
-    p.add_argument(
-        "model", help="a folder save_pretrained wrote (config.json + safetensors), or a .gguf file"
-    )
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="a new (or empty) folder")
-    p.add_argument(
-        "--gguf",
-        metavar="FILE",
-        help="read the model from this GGUF file inside/beside MODEL (needs gguf, accelerate)",
-    )
-    p.add_argument(
-        "--max-cache-len",
-        type=int,
-        default=None,
-        metavar="N",
-        help=f"positions the static KV cache holds, prompt and new tokens (default: {DEFAULT_CACHE}, or the "
-        "model's max_position_embeddings when smaller)",
-    )
-    p.add_argument(
-        "--dtype", default="bf16", help="the compute dtype under policy torch: bf16 (default) or fp16"
-    )
-    p.add_argument(
-        "--cache-dtype", default=None, metavar="DTYPE", help="the KV cache's dtype (default: --dtype)"
-    )
-    how = p.add_mutually_exclusive_group()
-    how.add_argument(
-        "--weight-format",
-        nargs="+",
-        default=None,
-        metavar="FORMAT",
-        help="linear/embedding weights in int8 (per output channel), int4 (groups of 64), int4-g32, int4-g128, "
-        "float, and/or PATTERN=FORMAT over weight names (as precast convert; default: float, the --dtype)",
-    )
-    how.add_argument(
-        "--bits",
-        type=float,
-        default=None,
-        metavar="B",
-        help="choose each weight's format: at most B bits per weight on average",
-    )
-    how.add_argument(
-        "--kld",
-        type=float,
-        default=None,
-        metavar="K",
-        help="choose each weight's format: estimated KL divergence <= K nats/token",
-    )
-    how.add_argument(
-        "--plan", default=None, metavar="PLAN.json", help="the formats a plan.json written before says"
-    )
-    p.add_argument(
-        "--calibration-text",
-        default=None,
-        metavar="FILE",
-        help="--bits/--kld: plain text the budget is measured on",
-    )
-    p.add_argument(
-        "--calibration-window",
-        type=int,
-        default=None,
-        metavar="W",
-        help=f"--bits/--kld: tokens per window (default {DEFAULT_WINDOW}, or the cache's room when smaller)",
-    )
-    p.add_argument(
-        "--calibration-tokens",
-        type=int,
-        default=DEFAULT_TOKENS,
-        metavar="T",
-        help=f"--bits/--kld: the text's first T tokens are measured on, in whole windows (default {DEFAULT_TOKENS})",
-    )
-    p.add_argument(
-        "--budget-formats",
-        nargs="+",
-        default=None,
-        metavar="FORMAT",
-        help="--bits/--kld: the 8/4-bit formats chosen among besides float (default: int4 int8)",
-    )
-    p.add_argument(
-        "--probes",
-        type=int,
-        default=None,
-        metavar="N",
-        help="--bits/--kld: backward passes per window (default 8)",
-    )
-    p.add_argument(
-        "--backend",
-        nargs="+",
-        choices=BACKENDS,
-        default=(),
-        help="also write OpenVINO IR (model.xml + model.bin) and/or an AOTInductor package (model.aoti.pt2)",
-    )
-    p.add_argument(
-        "--allow",
-        action="append",
-        default=[],
-        metavar="CODE",
-        help="downgrade this diagnostic error to a warning",
-    )
-    p.set_defaults(run=run)
-
-
-def _budget(args: argparse.Namespace) -> tuple[str, float] | None:
-    if args.bits is not None:
-        return "bits", args.bits
-    if args.kld is not None:
-        return "kld", args.kld
-    return None
-
-
-def check_flags(args: argparse.Namespace) -> Any:
-    """Every flag checked before anything loads (one line each); returns the conversion's options record."""
-    from precast.pipeline.options import ConvertOptions
-
-    budget = _budget(args)
-    if budget is not None:
-        name, value = budget
-        if not value > 0 or value != value or value == float("inf"):
-            raise PrecastError(f"--{name} {value:g}: give a number > 0")
-        if args.calibration_text is None:
-            raise PrecastError(
-                f"--{name} measures each weight's cost on text: give --calibration-text FILE (plain text)"
-            )
-        check_input_file(args.calibration_text, "give a plain text file", "--calibration-text")
-    else:
-        given = [
-            flag
-            for flag, value in (
-                ("--calibration-text", args.calibration_text),
-                ("--calibration-window", args.calibration_window),
-                ("--budget-formats", args.budget_formats),
-                ("--probes", args.probes),
-            )
-            if value is not None
-        ]
-        if args.calibration_tokens != DEFAULT_TOKENS:
-            given.append("--calibration-tokens")
-        if given:
-            raise PrecastError(f"{given[0]} applies to a budget (--bits or --kld) only; drop it or give one")
-    for flag, value in (
-        ("--calibration-window", args.calibration_window),
-        ("--calibration-tokens", args.calibration_tokens),
-        ("--probes", args.probes),
-    ):
-        if value is not None and value < 1:
-            raise PrecastError(f"{flag} {value}: give a number >= 1")
-    if args.max_cache_len is not None:
-        from precast.llm.checkpoint import MIN_CACHE
-
-        if args.max_cache_len < MIN_CACHE:
-            raise PrecastError(f"--max-cache-len {args.max_cache_len}: give at least {MIN_CACHE} positions")
-    if budget is not None and args.budget_formats:
-        from precast.ir.weight_formats import parse_format
-
-        for f in args.budget_formats:
-            try:
-                fmt = parse_format(f, "--budget-formats")
-            except PrecastError as exc:  # --budget-formats='int2': ... -> --budget-formats int2: ...
-                raise PrecastError(f"--budget-formats {f}:" + str(exc).split(":", 1)[1]) from None
-            if not fmt.quantized:
-                raise PrecastError(f"--budget-formats {f}: name 8/4-bit formats (float is always one)")
-    if args.plan is not None:
-        from precast.policy.plan import load_plan
-
-        if not load_plan(args.plan).weights:
-            raise PrecastError(
-                f"--plan {args.plan}: carries no weight formats (write one with export-llm or convert)"
-            )
-    options = ConvertOptions(
-        policy="torch",
-        dtype=args.dtype,
-        cache_dtype=args.cache_dtype or args.dtype,
-        allow=tuple(args.allow),
-        plan=args.plan,
-        weight_format=weight_format_of(args.weight_format),
-    )
-    try:
-        options.check()
-    except PrecastError as exc:
-        raise PrecastError(as_flags(str(exc), args)) from None
-    return options
 
 
 def outputs(args: argparse.Namespace) -> list[str]:
@@ -246,13 +75,59 @@ def run(args: argparse.Namespace) -> int:
         SHOW_LIBRARIES.reset(token)
 
 
+@dataclass
+class _Export:
+    """One run's state: what was checked before the read, then what the read and the conversion found."""
+
+    options: Any  # the conversion's options record (check_flags)
+    source: Any  # the checkpoint located (precast.llm.checkpoint.locate)
+    out: Path  # the output folder, checked
+    text: str | None  # --calibration-text's text
+    model: Any = None  # the checkpoint read; its fp32 weights dropped once converted
+    about: dict = field(default_factory=dict)
+    cache: int = 0  # positions of the static KV cache
+    calibration: dict | None = None  # the calibration's record for export.json
+
+
+class _Steps:
+    """The run's steps on the progress bar, each timed into ``seconds``."""
+
+    def __init__(self, bar: ProgressBar) -> None:
+        self.bar = bar
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def step(self, name: str, describe: str) -> Iterator[None]:
+        """One step: described on the bar, timed into ``seconds``; the bar advanced after."""
+        self.bar.describe(describe)
+        started = time.perf_counter()
+        yield
+        self.seconds[name] = round(time.perf_counter() - started, 2)
+        self.bar.advance()
+
+
 def _run(args: argparse.Namespace) -> int:
+    """Everything checked, the checkpoint read, exported and converted, the folder written; the summary
+    printed."""
+    job = _check_before_read(args)
+    steps = ["read", "export", "convert", "save", *args.backend]
+    with ProgressBar(f"reading {job.source.name}", len(steps)) as bar:
+        timer = _Steps(bar)
+        res = _read_and_convert(args, job, timer)
+        files = _write_folder(args, job, timer, res)
+    _print(res, job.out, files, timer.seconds, job.model.tokenizer_note)
+    return 0
+
+
+def _check_before_read(args: argparse.Namespace) -> _Export:
+    """The flags, the output folder, the packages the backends need, the checkpoint's files and the calibration
+    text: all checked before a read of minutes."""
     from precast.llm import checkpoint as ckpt
 
     options = check_flags(args)
     args.backend = tuple(dict.fromkeys(args.backend))
     given = [args.calibration_text, args.plan, args.model, args.gguf]
-    out = artifact.check_output_dir(args.output, given, outputs(args))
+    artifact.check_output_dir(args.output, given, outputs(args))
     if "openvino" in args.backend:
         from precast.backends.openvino.convert import require_openvino
 
@@ -270,54 +145,53 @@ def _run(args: argparse.Namespace) -> int:
         raise PrecastError(
             f"--calibration-text is tokenized with the model's tokenizer; {source.name} has none"
         )
-    steps = ["read", "export", "convert", "save", *args.backend]
-    seconds: dict[str, float] = {}
-    with ProgressBar(f"reading {source.name}", len(steps)) as bar:
+    return _Export(options, source, out, text)
 
-        @contextlib.contextmanager
-        def step(name: str, describe: str) -> Iterator[None]:  # timed into seconds; the bar advanced after
-            bar.describe(describe)
-            started = time.perf_counter()
-            yield
-            seconds[name] = round(time.perf_counter() - started, 2)
-            bar.advance()
 
-        with step("read", f"reading {source.name} in fp32"):
-            model = ckpt.read(source)
-        about = model.about()
-        cache = args.max_cache_len or min(DEFAULT_CACHE, ckpt.max_positions(model.model) or DEFAULT_CACHE)
-        ckpt.check_cache_len(cache, model.model)
-        weight_format, calibration = _weight_choice(args, options, model, text, cache)
-        with step("export", f"exporting (static cache of {cache} positions)"):
-            ep = ckpt.export_decoder(model.model, cache)
-        what = "measuring the weights and converting" if calibration else "converting"
-        with step("convert", what):
-            import dataclasses
+def _read_and_convert(args: argparse.Namespace, job: _Export, timer: _Steps) -> Any:
+    """The checkpoint read in fp32, exported with a static cache, converted; its fp32 weights freed after."""
+    import dataclasses
 
-            from precast.api import convert_with
+    from precast.api import convert_with
+    from precast.llm import checkpoint as ckpt
 
-            res = convert_with(ep, None, dataclasses.replace(options, weight_format=weight_format))
-        del ep
-        model.model = None  # the fp32 weights, freed before the compiles
-        with artifact.staged(out) as stage:
-            with step("save", f"saving into {out}"):
-                files = artifact.write_converted(stage, res, model, args.model, args.output)
-            if "openvino" in args.backend:
-                with step("openvino", "compiling for OpenVINO"):
-                    files["openvino"] = artifact.write_openvino(stage, res.program)
-            if "aoti" in args.backend:
-                with step("aoti", "compiling with AOTInductor"):
-                    files["aoti"] = artifact.write_aoti(stage, res.program)
-            record = _record(args, source, about, cache, calibration, files, seconds)
-            artifact.write_manifest(stage, record)
-    _print(res, out, files, seconds, model.tokenizer_note)
-    return 0
+    with timer.step("read", f"reading {job.source.name} in fp32"):
+        job.model = ckpt.read(job.source)
+    job.about = job.model.about()
+    job.cache = args.max_cache_len or min(DEFAULT_CACHE, ckpt.max_positions(job.model.model) or DEFAULT_CACHE)
+    ckpt.check_cache_len(job.cache, job.model.model)
+    weight_format, job.calibration = _weight_choice(args, job.options, job.model, job.text, job.cache)
+    with timer.step("export", f"exporting (static cache of {job.cache} positions)"):
+        ep = ckpt.export_decoder(job.model.model, job.cache)
+    what = "measuring the weights and converting" if job.calibration else "converting"
+    with timer.step("convert", what):
+        res = convert_with(ep, None, dataclasses.replace(job.options, weight_format=weight_format))
+    del ep
+    job.model.model = None  # the fp32 weights, freed before the compiles
+    return res
+
+
+def _write_folder(args: argparse.Namespace, job: _Export, timer: _Steps, res: Any) -> dict:
+    """The folder written whole or not at all: the converted program and its files, the compiled backends,
+    export.json; returns the files written."""
+    with artifact.staged(job.out) as stage:
+        with timer.step("save", f"saving into {job.out}"):
+            files = artifact.write_converted(stage, res, job.model, args.model, args.output)
+        if "openvino" in args.backend:
+            with timer.step("openvino", "compiling for OpenVINO"):
+                files["openvino"] = artifact.write_openvino(stage, res.program)
+        if "aoti" in args.backend:
+            with timer.step("aoti", "compiling with AOTInductor"):
+                files["aoti"] = artifact.write_aoti(stage, res.program)
+        record = _record(args, job.source, job.about, job.cache, job.calibration, files, timer.seconds)
+        artifact.write_manifest(stage, record)
+    return files
 
 
 def _weight_choice(args: argparse.Namespace, options: Any, model: Any, text: str | None, cache: int) -> tuple:
     """(convert's weight_format=, the calibration's record): the flag's formats, or a budget over the text's
     windows (tokenized with the model's own tokenizer)."""
-    budget = _budget(args)
+    budget = budget_of(args)
     if budget is None:
         return options.weight_format, None
     import precast
@@ -353,7 +227,7 @@ def _record(args: argparse.Namespace, source: Any, about: dict, cache: int, *fac
     from precast.version import __version__
 
     calibration, files, seconds = facts
-    budget = _budget(args)
+    budget = budget_of(args)
     weights: dict[str, Any] = (
         {"budget": {budget[0]: budget[1]}, "calibration": calibration}
         if budget

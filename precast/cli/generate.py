@@ -13,60 +13,15 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from precast.cli.flags import CACHE_DIR, TRUST_PICKLE, Group, add_command, flag
 from precast.errors import PrecastError
 from precast.paths import check_input_file
 
 BACKENDS = ("aoti", "openvino", "eager")
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="generate tokens with a decoder program (transformers' recipe: input_ids, cache_position)",
-        description="Generate tokens with a saved decoder program exported with transformers' recipe: compiled "
-        "with AOTInductor (cached, default), OpenVINO, or run eagerly. Greedy unless a sampling option is "
-        "given. The new tokens go to stdout as they come; timings to stderr.",
-    )
-    p.add_argument(
-        "source",
-        help="a program saved with torch.export.save (.pt2), e.g. by 'precast convert', or the folder 'precast "
-        "export-llm' wrote (its program, tokenizer and end-of-sequence tokens)",
-    )
-    prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument(
-        "--prompt-ids", metavar="IDS", help="the prompt's token ids, comma-separated: 1,17,42"
-    )
-    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt as text (needs --tokenizer)")
-    p.add_argument(
-        "--tokenizer",
-        metavar="FILE",
-        help="a tokenizer.json (Hugging Face `tokenizers` format, pip install 'precast[llm]'): encodes --prompt "
-        "and decodes the output to text",
-    )
-    p.add_argument("--max-new-tokens", type=_integer, required=True, metavar="N")
-    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (> 0)")
-    p.add_argument("--top-k", type=_integer, default=None, help="sample among the K most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="sample within the top-P probability mass")
-    p.add_argument("--seed", type=_integer, default=None, help="seed of the sampling (reproducible draws)")
-    p.add_argument("--stop-tokens", metavar="IDS", default=None, help="stop after one of these ids: 2,32000")
-    p.add_argument("--backend", choices=BACKENDS, default="aoti", help="default: aoti (AOTInductor, cached)")
-    p.add_argument(
-        "--cache-dir", default=None, help="aoti only; default: $PRECAST_CACHE_DIR or the user cache dir"
-    )
-    p.add_argument(
-        "--weights",
-        default=None,
-        metavar="DIR",
-        help="aoti only: the shards of a program converted with streamed weights",
-    )
-    p.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
-    )
-    p.set_defaults(run=run)
 
 
 # token ids as typed: ASCII digits, separated by single commas, spaces around them allowed (int() alone would take
@@ -82,6 +37,56 @@ def _integer(text: str) -> int:
     return int(text)
 
 
+PROMPT = Group(exclusive=True, required=True)
+
+ARGUMENTS = (
+    flag(
+        "source",
+        help="a program saved with torch.export.save (.pt2), e.g. by 'precast convert', or the folder 'precast "
+        "export-llm' wrote (its program, tokenizer and end-of-sequence tokens)",
+    ),
+    flag(
+        "--prompt-ids", group=PROMPT, metavar="IDS", help="the prompt's token ids, comma-separated: 1,17,42"
+    ),
+    flag("--prompt", group=PROMPT, metavar="TEXT", help="the prompt as text (needs --tokenizer)"),
+    flag(
+        "--tokenizer",
+        metavar="FILE",
+        help="a tokenizer.json (Hugging Face `tokenizers` format, pip install 'precast[llm]'): encodes --prompt "
+        "and decodes the output to text",
+    ),
+    flag("--max-new-tokens", type=_integer, required=True, metavar="N"),
+    flag("--temperature", type=float, default=None, help="sample at this temperature (> 0)"),
+    flag("--top-k", type=_integer, default=None, help="sample among the K most likely tokens"),
+    flag("--top-p", type=float, default=None, help="sample within the top-P probability mass"),
+    flag("--seed", type=_integer, default=None, help="seed of the sampling (reproducible draws)"),
+    flag("--stop-tokens", metavar="IDS", default=None, help="stop after one of these ids: 2,32000"),
+    flag("--backend", choices=BACKENDS, default="aoti", help="default: aoti (AOTInductor, cached)"),
+    CACHE_DIR,
+    flag(
+        "--weights",
+        default=None,
+        metavar="DIR",
+        help="aoti only: the shards of a program converted with streamed weights",
+    ),
+    TRUST_PICKLE,
+)
+
+
+def add_parser(sub: Any) -> None:
+    """``precast generate``: the flags of ``ARGUMENTS``, run by ``run``."""
+    add_command(
+        sub,
+        "generate",
+        ARGUMENTS,
+        run=run,
+        help="generate tokens with a decoder program (transformers' recipe: input_ids, cache_position)",
+        description="Generate tokens with a saved decoder program exported with transformers' recipe: compiled "
+        "with AOTInductor (cached, default), OpenVINO, or run eagerly. Greedy unless a sampling option is "
+        "given. The new tokens go to stdout as they come; timings to stderr.",
+    )
+
+
 def _ids(text: str, option: str) -> list[int]:
     if not _IDS.fullmatch(text):
         raise PrecastError(
@@ -90,7 +95,7 @@ def _ids(text: str, option: str) -> list[int]:
     return [int(t) for t in text.split(",")]
 
 
-def _tokenizer(path: str | None):
+def _tokenizer(path: str | None) -> Any:
     if path is None:
         return None
     check_input_file(path, "give a tokenizer.json", "--tokenizer")  # a FIFO or device: refused unopened
@@ -106,20 +111,52 @@ def _tokenizer(path: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Every option checked, the program loaded and compiled, the new tokens streamed, the timings printed."""
     import precast
-    from precast.llm.convention import check_room, check_tokens, convention
-    from precast.llm.sampling import sampler
     from precast.pipeline.load import load_program
-    from precast.runtime.signature import ProgramSignature
 
-    stops_given = None
-    if Path(args.source).is_dir():  # an export-llm folder: its program, tokenizer and stop tokens
-        from precast.cli.artifact import artifact_files
+    stops_given = _read_folder(args)
+    _check_flags(args)
+    tokenizer = _tokenizer(args.tokenizer)
+    prompt = _prompt(args, tokenizer)
+    stops = _ids(args.stop_tokens, "--stop-tokens") if args.stop_tokens is not None else stops_given or None
+    sampling = _sampling(args)
+    program = load_program(args.source, trust_pickle=args.trust_pickle)
+    _check_program(args, program, prompt)
+    model = _model(args, program)
+    res = precast.generate(
+        model,
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        stop_tokens=stops,
+        streamer=_streamer(tokenizer),
+        **sampling,
+    )
+    sys.stdout.write("\n")
+    print(
+        f"{len(res.new_tokens)} new tokens ({res.stop_reason}) after a prompt of {res.prompt_length}: prefill "
+        f"{res.prefill_seconds * 1e3:.1f} ms, decode {res.tokens_per_second:.1f} tokens/s ({args.backend})",
+        file=sys.stderr,
+    )
+    return 0
 
-        program_file, tokenizer_file, stops_given = artifact_files(Path(args.source))
-        args.source = str(program_file)
-        if args.tokenizer is None and tokenizer_file is not None:
-            args.tokenizer = str(tokenizer_file)
+
+def _read_folder(args: argparse.Namespace) -> list[int] | None:
+    """An export-llm folder as SOURCE: its program (and tokenizer, unless --tokenizer) into ``args``; its stop
+    tokens returned (None for a program file)."""
+    if not Path(args.source).is_dir():
+        return None
+    from precast.cli.artifact import artifact_files
+
+    program_file, tokenizer_file, stops_given = artifact_files(Path(args.source))
+    args.source = str(program_file)
+    if args.tokenizer is None and tokenizer_file is not None:
+        args.tokenizer = str(tokenizer_file)
+    return stops_given
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The flags that need each other, checked before anything is read."""
     if args.backend != "aoti" and (args.cache_dir or args.weights):
         option = "--cache-dir" if args.cache_dir else "--weights"
         raise PrecastError(f"{option} applies to --backend aoti only; drop it for --backend {args.backend}")
@@ -127,26 +164,48 @@ def run(args: argparse.Namespace) -> int:
         raise PrecastError(f"--max-new-tokens {args.max_new_tokens}: give a number >= 1")
     if args.prompt is not None and args.tokenizer is None:
         raise PrecastError("--prompt is text: give --tokenizer tokenizer.json to encode it, or --prompt-ids")
-    tokenizer = _tokenizer(args.tokenizer)
-    prompt = (
-        _ids(args.prompt_ids, "--prompt-ids")
-        if args.prompt_ids is not None
-        else tokenizer.encode(args.prompt).ids
-    )
-    stops = _ids(args.stop_tokens, "--stop-tokens") if args.stop_tokens is not None else stops_given or None
+
+
+def _prompt(args: argparse.Namespace, tokenizer: Any) -> list[int]:
+    """The prompt's token ids: --prompt-ids as typed, or --prompt through the tokenizer."""
+    if args.prompt_ids is not None:
+        return _ids(args.prompt_ids, "--prompt-ids")
+    return tokenizer.encode(args.prompt).ids
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling options, checked now: a bad one is one line before anything loads."""
+    from precast.llm.sampling import sampler
+
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    sampler(None, generator=None, **sampling)  # a bad sampling option is one line before anything loads
-    program = load_program(args.source, trust_pickle=args.trust_pickle)
-    # the program's call convention, the prompt in its vocabulary and the cache's room, before a compile of a minute
+    sampler(None, generator=None, **sampling)
+    return sampling
+
+
+def _check_program(args: argparse.Namespace, program: Any, prompt: list[int]) -> None:
+    """The program's call convention, the prompt in its vocabulary and the cache's room, before a compile of a
+    minute."""
+    from precast.llm.convention import check_room, check_tokens, convention
+    from precast.runtime.signature import ProgramSignature
+
     conv = convention(ProgramSignature.from_program(program))
     check_tokens(conv, prompt, "--prompt-ids" if args.prompt_ids is not None else "--prompt's ids", who="")
     check_room(conv, 0, len(prompt), args.max_new_tokens)
+
+
+def _model(args: argparse.Namespace, program: Any) -> Any:
+    """The program as --backend runs it: eagerly, compiled with AOTInductor (cached), or on OpenVINO."""
+    import precast
+
     if args.backend == "eager":
-        model = program
-    elif args.backend == "aoti":
-        model = precast.compile(program, cache_dir=args.cache_dir, weights=args.weights)
-    else:
-        model = precast.compile(program, backend="openvino")
+        return program
+    if args.backend == "aoti":
+        return precast.compile(program, cache_dir=args.cache_dir, weights=args.weights)
+    return precast.compile(program, backend="openvino")
+
+
+def _streamer(tokenizer: Any) -> Callable[[int], None]:
+    """Writes each new token to stdout as it comes: its id (comma-separated), or its text."""
     shown: list[int] = []
 
     def stream(token: int) -> None:
@@ -158,13 +217,4 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(tokenizer.decode(shown)[len(before) :])
         sys.stdout.flush()
 
-    res = precast.generate(
-        model, prompt, max_new_tokens=args.max_new_tokens, stop_tokens=stops, streamer=stream, **sampling
-    )
-    sys.stdout.write("\n")
-    print(
-        f"{len(res.new_tokens)} new tokens ({res.stop_reason}) after a prompt of {res.prompt_length}: prefill "
-        f"{res.prefill_seconds * 1e3:.1f} ms, decode {res.tokens_per_second:.1f} tokens/s ({args.backend})",
-        file=sys.stderr,
-    )
-    return 0
+    return stream

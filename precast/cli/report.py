@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-from precast.cli.flags import add_trust_pickle
+from precast.cli.flags import TRUST_PICKLE, add_command, flag
 from precast.errors import PrecastError
 from precast.io import check_writable, write_bytes
 from precast.pipeline.load import load_program
@@ -17,20 +18,27 @@ FORMATS = ("table", "json", "model-explorer")
 MIN_WIDTH = 40  # narrower, rich folds every cell to a character or prints nothing
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser(
+ARGUMENTS = (
+    flag("program", help="a program saved with torch.export.save (converted by precast or not)"),
+    flag("--format", choices=FORMATS, default="table"),
+    flag("-o", "--output", default=None, help="write to this file instead of standard output"),
+    flag(
+        "--width", type=int, default=None, help=f"table width, at least {MIN_WIDTH} (default: the terminal's)"
+    ),
+    TRUST_PICKLE,
+)
+
+
+def add_parser(sub: Any) -> None:
+    """``precast report``: the flags of ``ARGUMENTS``, run by ``run``."""
+    add_command(
+        sub,
         "report",
+        ARGUMENTS,
+        run=run,
         help="explain a converted program: every op's dtype and why, casts, weight bytes, diagnostics",
         description="Rebuild precast's report from a program saved with torch.export.save.",
     )
-    p.add_argument("program", help="a program saved with torch.export.save (converted by precast or not)")
-    p.add_argument("--format", choices=FORMATS, default="table")
-    p.add_argument("-o", "--output", default=None, help="write to this file instead of standard output")
-    p.add_argument(
-        "--width", type=int, default=None, help=f"table width, at least {MIN_WIDTH} (default: the terminal's)"
-    )
-    add_trust_pickle(p)
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

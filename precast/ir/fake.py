@@ -43,6 +43,19 @@ _SHAPE_ENV_FRESH = {"tracked_fakes": None, "fake_tensor_cache": {}, "fx_node_cac
 _SHAPE_ENV_SHARED = ("log",)
 
 
+def has_data(value: object) -> bool:
+    """Whether ``value`` is a tensor holding data: not on the meta device, not a FakeTensor (a program exported or
+    converted with streamed weights holds such tensors in place of its weights). The one test of it."""
+    return (
+        isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.device.type != "meta"
+    )
+
+
+def lacks_data(value: object) -> bool:
+    """A tensor without data (meta or a FakeTensor); a non-tensor is neither."""
+    return isinstance(value, torch.Tensor) and not has_data(value)
+
+
 @dataclass
 class FakeState:
     """The conversion's private fake mode and what it must preserve."""

@@ -13,6 +13,7 @@ import copy
 import json
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -367,19 +368,30 @@ def dumps(obj: object) -> str:
     return json.dumps(obj, sort_keys=True)
 
 
-def program_device_type(ep: ExportedProgram) -> str:
-    """Device type of the program's floating constants (else its inputs); error if they disagree."""
-    devices = {
+def program_devices(
+    ep: ExportedProgram, counts: Callable[[torch.Tensor], bool] | None = None
+) -> tuple[list[str], list[str]]:
+    """The device types of the program's tensor constants (state_dict, then constants; those ``counts`` accepts,
+    else all: a streamed weight at ``meta`` or at its FakeTensor's device) and of its tensor inputs, each in the
+    program's order: the one reading of the program's device, from which each caller takes its own."""
+    constants = [
         v.device.type
         for v in list(ep.state_dict.values()) + list(ep.constants.values())
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.device.type != "meta"  # meta: streamed
-    }
-    if not devices:
-        devices = {
-            n.meta["val"].device.type
-            for n in ep.graph.nodes
-            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
-        }
+        if isinstance(v, torch.Tensor) and (counts is None or counts(v))
+    ]
+    inputs = [
+        n.meta["val"].device.type
+        for n in ep.graph.nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+    ]
+    return constants, inputs
+
+
+def program_device_type(ep: ExportedProgram) -> str:
+    """Device type of the program's floating constants (else its inputs); error if they disagree."""
+    # meta: streamed weights, on no device yet (a FakeTensor counts at its device)
+    constants, inputs = program_devices(ep, lambda v: v.is_floating_point() and v.device.type != "meta")
+    devices = set(constants) or set(inputs)
     if len(devices) > 1:
         raise PrecastError(
             f"the program's floating parameters live on several device types ({', '.join(sorted(devices))}); pass "

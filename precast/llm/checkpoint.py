@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from precast.errors import PrecastError, first_line
+from precast.optional import require
 from precast.paths import check_input_file
 from precast.progress import verbose
 
@@ -87,10 +88,9 @@ class Checkpoint:
 
 
 def require_transformers() -> None:
-    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("tokenizers") is None:
-        raise PrecastError(
-            f"reading a transformers checkpoint needs transformers and tokenizers: {LLM_EXTRA}"
-        )
+    """transformers and tokenizers found (not imported: slow), or a one-line PrecastError naming the extra."""
+    message = f"reading a transformers checkpoint needs transformers and tokenizers: {LLM_EXTRA}"
+    require("transformers", "tokenizers", message=message, load=False)
 
 
 def locate(model: str, gguf: str | None = None) -> Source:

@@ -41,12 +41,12 @@ import torch
 from torch.export import ExportedProgram
 
 from precast.errors import PrecastError
+from precast.ir.fake import has_data
 from precast.ir.program import private_state, written_targets
 from precast.llm.convention import WHAT, Convention, check_room, check_tokens, convention
 from precast.llm.sampling import Sampler, as_int, sampler
 from precast.runtime.owner import StateOwner, holds_state, owner_of
 from precast.runtime.signature import ProgramSignature
-from precast.weights.files import has_values
 
 
 @dataclass
@@ -114,7 +114,7 @@ class ProgramModel:
 def _check_weights(program: ExportedProgram) -> None:
     """One line when the program holds no values for a weight (a streamed conversion's meta tensors)."""
     for name, value in [*program.state_dict.items(), *program.constants.items()]:
-        if isinstance(value, torch.Tensor) and not has_values(value):
+        if isinstance(value, torch.Tensor) and not has_data(value):
             raise PrecastError(
                 f"{WHAT}: the program's weight {name!r} holds no values ({value.device.type} tensor: a conversion "
                 "with streamed weights); compile it with its shards, precast.compile(program, weights=DIR), and "

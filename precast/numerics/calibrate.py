@@ -39,17 +39,10 @@ from precast.ir.graph import graph_key
 from precast.ir.inputs import bind_inputs, placeholder_values, user_values
 from precast.ir.program import Program
 from precast.ir.regions import region_autocast
-from precast.numerics.calibration import (
-    TOLERANCE_BATCHES,
-    Calibration,
-    NodeStats,
-    check_calibration,
-    check_coverage,
-    measured_nodes,
-    new_part,
-)
+from precast.numerics.calibration import TOLERANCE_BATCHES, check_calibration, check_coverage, measured_nodes
 from precast.numerics.calibration_files import load_calibration
 from precast.numerics.distributed import rank_and_size, reduce_calibration
+from precast.policy.measurements import Calibration, NodeStats, new_part
 from precast.progress import ProgressBar
 
 # ---- input names ---------------------------------------------------------------------------------------
@@ -164,7 +157,7 @@ def calibrate_stage(
     program: Program,
     ep: ExportedProgram,
     rep: DiagnosticLog,
-    data,
+    data: Any,
     low: torch.dtype,
     *,
     ranges: bool,
@@ -175,23 +168,7 @@ def calibrate_stage(
     search. The report says which data each used."""
     keep = TOLERANCE_BATCHES if tol else 0
     if data is not None and is_given(data):
-        cal = given_calibration(data, program, low)
-        if tol and not cal.sample:
-            raise PrecastError(
-                "tolerance= runs the program on the calibration's kept batches, and these statistics keep none; "
-                f"calibrate with keep={TOLERANCE_BATCHES} (precast.calibrate's default)"
-            )
-        # the search uses the first TOLERANCE_BATCHES, as when convert measures the data itself
-        cal.sample, cal.sample_index = cal.sample[:keep], cal.sample_index[:keep]
-        searched = f"; the tolerance search used the first {len(cal.sample)}" if tol else ""
-        rep.diagnostics.append(
-            Diagnostic(
-                "info",
-                "calibrated",
-                f"value ranges measured on {cal.batches} batches (given statistics){searched}",
-            )
-        )
-        return cal
+        return _given_stage(program, rep, data, low, keep=keep, tol=tol)
     if data is not None:
         cal = calibrate(program, ep, data, low=low, keep=keep)
         searched = f"; the tolerance search used the first {len(cal.sample)}" if tol else ""
@@ -201,6 +178,37 @@ def calibrate_stage(
         return cal
     if not (ranges or tol):
         return None
+    return _example_stage(program, ep, rep, low, keep=keep, ranges=ranges)
+
+
+def _given_stage(
+    program: Program, rep: DiagnosticLog, data: Any, low: torch.dtype, *, keep: int, tol: bool
+) -> Calibration:
+    """Statistics given (a ``Calibration`` or its files), checked against the program, the sample cut to ``keep``."""
+    cal = given_calibration(data, program, low)
+    if tol and not cal.sample:
+        raise PrecastError(
+            "tolerance= runs the program on the calibration's kept batches, and these statistics keep none; "
+            f"calibrate with keep={TOLERANCE_BATCHES} (precast.calibrate's default)"
+        )
+    # the search uses the first TOLERANCE_BATCHES, as when convert measures the data itself
+    cal.sample, cal.sample_index = cal.sample[:keep], cal.sample_index[:keep]
+    searched = f"; the tolerance search used the first {len(cal.sample)}" if tol else ""
+    rep.diagnostics.append(
+        Diagnostic(
+            "info",
+            "calibrated",
+            f"value ranges measured on {cal.batches} batches (given statistics){searched}",
+        )
+    )
+    return cal
+
+
+def _example_stage(
+    program: Program, ep: ExportedProgram, rep: DiagnosticLog, low: torch.dtype, *, keep: int, ranges: bool
+) -> Calibration | None:
+    """No calibration data: the example inputs measured, said in the report (none: said too, when ranges needed
+    them)."""
     if ep.example_inputs is None:
         if ranges:
             rep.diagnostics.append(

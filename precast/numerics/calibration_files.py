@@ -19,8 +19,8 @@ import torch.utils._pytree as pytree
 
 from precast.errors import PrecastError
 from precast.io import MAX_DEPTH, loads_bounded, read_tensors, too_deep
-from precast.numerics.calibration import COUNTS, FORMAT, MAX_COUNT, VERSION, Calibration, NodeStats
 from precast.paths import check_input_file
+from precast.policy.measurements import COUNTS, FORMAT, MAX_COUNT, VERSION, Calibration, NodeStats
 
 MAX_KEEP = 1 << 20  # kept batches a file may declare
 MAX_PARTS = 1 << 16  # measurement ids a file may list

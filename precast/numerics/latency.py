@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -258,60 +258,87 @@ def measure_program(
     entries = _load(path)
     dkey = device_key(device)
     constants = {n.name for n in program.input_spec if program.constant_target(n) is not None}
-    lows = low_ends(program)
-    run = LatencyRun(skipped={})
+    timings = _Timings(low, device, entries, dkey, constants, low_ends(program))
     table: dict[str, OpLatency] = {}
-    new: dict[str, dict] = {}
-    hits: set[str] = set()
     for node in program.graph.nodes:
         if not is_measured(node) or innermost_region(node, device) is not None:
             continue  # not a candidate, or the program's own autocast region decides it
-        val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
-        acts = [isinstance(a, torch.fx.Node) and a.name not in constants for a in node.args]
-        fake_args = torch.fx.node.map_aggregate(node.args, val)
-        fake_kwargs = torch.fx.node.map_aggregate(node.kwargs, val)
-        measured: list[OpLatency] = []
-        for at in (None, lows) if varies((fake_args, fake_kwargs), lows) else (None,):
-            sig = json.dumps(
-                [
-                    dkey,
-                    str(node.target),
-                    dtype_name(low),
-                    _signature(fake_args, at),
-                    _signature(fake_kwargs, at),
-                    acts,
-                ],
-                default=repr,
-            )
-            key = hashlib.sha256(sig.encode()).hexdigest()[:32]
-            if key in new:
-                e = new[key]
-                measured.append(OpLatency(e["fp32"], e["low"], e["cast_in"], e["cast_out"]))
-                continue
-            if key in entries:
-                e = entries[key]
-                measured.append(OpLatency(e["fp32"], e["low"], e["cast_in"], e["cast_out"], cached=True))
-                run.cached += key not in hits
-                hits.add(key)
-                continue
-            try:
-                lat = measure_node(node, constants, low, device, at=at)
-            except Exception as exc:  # noqa: BLE001 - an op that cannot be timed stays fp32, and the report says so
-                run.skipped[node.name] = f"{type(exc).__name__}: {first_line(exc)[:160]}"
-                measured = []
-                break
-            run.timed += 1
-            measured.append(lat)
-            d = asdict(lat)
-            d.pop("cached")
-            new[key] = {**d, "op": str(node.target), "device": dkey}
+        measured = _node_latencies(timings, node)
         if measured:  # the size least favourable to the low dtype decides
             table[node.name] = max(
                 measured, key=lambda m: (m.low + m.cast_in + m.cast_out) / max(m.fp32, 1e-12)
             )
-    if new:
-        _store(path, new)
-    return table, run
+    if timings.new:
+        _store(path, timings.new)
+    return table, timings.run
+
+
+@dataclass
+class _Timings:
+    """One ``measure_program`` run: what it reads (the cache's entries, the device's key, the program's
+    constants and the low ends of its dynamic dimensions) and what it gathers (new entries, the cache's entries
+    it used, what it did)."""
+
+    low: torch.dtype
+    device: str
+    entries: dict
+    dkey: str
+    constants: set[str]
+    lows: dict[str, int]
+    new: dict[str, dict] = field(default_factory=dict)
+    hits: set[str] = field(default_factory=set)
+    run: LatencyRun = field(default_factory=lambda: LatencyRun(skipped={}))
+
+
+def _node_latencies(timings: _Timings, node: torch.fx.Node) -> list[OpLatency]:
+    """The op's latency at each size it runs at (its example sizes, and its dynamic dimensions' low ends): known
+    already or timed now; none when it cannot be timed (said in the run's ``skipped``)."""
+    val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a  # noqa: E731
+    acts = [isinstance(a, torch.fx.Node) and a.name not in timings.constants for a in node.args]
+    fake_args = torch.fx.node.map_aggregate(node.args, val)
+    fake_kwargs = torch.fx.node.map_aggregate(node.kwargs, val)
+    measured: list[OpLatency] = []
+    for at in (None, timings.lows) if varies((fake_args, fake_kwargs), timings.lows) else (None,):
+        sig = json.dumps(
+            [
+                timings.dkey,
+                str(node.target),
+                dtype_name(timings.low),
+                _signature(fake_args, at),
+                _signature(fake_kwargs, at),
+                acts,
+            ],
+            default=repr,
+        )
+        key = hashlib.sha256(sig.encode()).hexdigest()[:32]
+        known = _known(timings, key)
+        if known is not None:
+            measured.append(known)
+            continue
+        try:
+            lat = measure_node(node, timings.constants, timings.low, timings.device, at=at)
+        except Exception as exc:  # noqa: BLE001 - an op that cannot be timed stays fp32, and the report says so
+            timings.run.skipped[node.name] = f"{type(exc).__name__}: {first_line(exc)[:160]}"
+            return []
+        timings.run.timed += 1
+        measured.append(lat)
+        d = asdict(lat)
+        d.pop("cached")
+        timings.new[key] = {**d, "op": str(node.target), "device": timings.dkey}
+    return measured
+
+
+def _known(timings: _Timings, key: str) -> OpLatency | None:
+    """The latency under ``key`` this run timed already, else the cache's (each cache entry counted once)."""
+    if key in timings.new:
+        e = timings.new[key]
+        return OpLatency(e["fp32"], e["low"], e["cast_in"], e["cast_out"])
+    if key in timings.entries:
+        e = timings.entries[key]
+        timings.run.cached += key not in timings.hits
+        timings.hits.add(key)
+        return OpLatency(e["fp32"], e["low"], e["cast_in"], e["cast_out"], cached=True)
+    return None
 
 
 def time_programs(

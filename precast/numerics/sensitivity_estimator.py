@@ -9,6 +9,7 @@ Output: ``Estimator`` (candidates, sources, ranges, ranked ops, ``measure(kept)`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from typing import Any
@@ -37,11 +38,11 @@ from precast.numerics.probes import (
     value_range,
 )
 from precast.numerics.sensitivity_results import METRICS, OpSensitivity
-from precast.numerics.tolerance import check_program, user_outputs
-from precast.numerics.tolerance_search import Source, Tolerance
-from precast.passes import lower
+from precast.numerics.tolerance import check_program, lowered_copy, user_outputs
+from precast.numerics.tolerance_search import Source
 from precast.passes.fold import CastCache
 from precast.passes.regions import inline_regions
+from precast.policy.measurements import Tolerance
 from precast.policy.pinned import pin_names
 from precast.policy.rules.taxonomy import op_name, recorded_kind
 
@@ -127,20 +128,16 @@ class Estimator:
 
     def lower(self, kept: dict[str, float] | None) -> Program:
         """The program the conversion builds with ``kept`` in fp32 (``None``: the program's own semantics)."""
-        fresh = Program(self.ep)
-        inline_regions(fresh.gm)
-        scratch = DiagnosticLog()
         self.conversions += 1
-        if kept is None:
-            lower(fresh, None, scratch, casts=self.casts)
-        elif self.binding is None:
-            decider = pin_names(self.policy, kept, "kept in fp32 by the sensitivity estimate")
-            lower(fresh, decider, scratch, restore=self.restore, keep_io=True, casts=self.casts)
-        else:
-            b = self.binding
-            decider = self.policy.bind(fresh, b.options, b.calibration, fallback=kept, **b.extra)
-            lower(fresh, decider, scratch, restore=self.restore, keep_io=True, casts=self.casts)
-        return fresh
+        decide = None if kept is None else functools.partial(self._decider, kept=kept)
+        return lowered_copy(self.ep, decide, DiagnosticLog(), self.casts, self.restore)
+
+    def _decider(self, fresh: Program, kept: dict[str, float]) -> Any:
+        """The decider of a lowering with ``kept`` in fp32: the policy pinned (no binding), else bound to ``fresh``."""
+        if self.binding is None:
+            return pin_names(self.policy, kept, "kept in fp32 by the sensitivity estimate")
+        b = self.binding
+        return self.policy.bind(fresh, b.options, b.calibration, fallback=kept, **b.extra)
 
     def measure(self, kept: dict[str, float]) -> dict:
         """Errors of the program converted with ``kept`` in fp32 against the reference, on the batch."""

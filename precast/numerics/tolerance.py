@@ -27,8 +27,10 @@ the tolerance diagnostic).
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +48,6 @@ from precast.ir.op_families import GEMM_OPS
 from precast.ir.program import Program, private_state, written_targets
 from precast.ir.regions import REGION_META, region_autocast
 from precast.metrics import WorstError
-from precast.numerics.calibration import Calibration
 from precast.numerics.probes import (
     PROBES,
     Tapping,
@@ -55,12 +56,13 @@ from precast.numerics.probes import (
     probe_energies,
     read_sources,
 )
-from precast.numerics.tolerance_search import Source, Tolerance, ToleranceResult, meet_tolerance
+from precast.numerics.tolerance_search import Source, meet_tolerance
 from precast.passes import lower
 from precast.passes.fold import CastCache
 from precast.passes.regions import inline_regions
 from precast.policy.base import Policy
 from precast.policy.hooks import hook
+from precast.policy.measurements import Calibration, Tolerance, ToleranceResult
 from precast.policy.rules.taxonomy import op_name
 
 
@@ -81,7 +83,7 @@ def tolerance_stage(
     try binds its decider exactly as the conversion will."""
     start = time.perf_counter()
     low = low if low is not None else opts.low  # type: ignore[attr-defined]  # RuleOptions carry theirs
-    search = _Search(program, ep, policy, opts, cal, tol, log, low, bind_kw)
+    search = _Search(program, log, _TrySetup(ep, policy, opts, cal, tol, low, bind_kw))
     result = meet_tolerance(
         tol, search.candidates, search.sources, search.measure, ranked_by=search.ranked_by
     )
@@ -93,31 +95,35 @@ def tolerance_stage(
     return result
 
 
+@dataclass(frozen=True)
+class _TrySetup:
+    """What every try is converted and measured with, as the conversion converts: the input ExportedProgram, the
+    policy, its options and the rest of ``policy.bind``'s keywords, the calibration (its kept sample: the batches),
+    the tolerance, the low dtype."""
+
+    ep: ExportedProgram
+    policy: Policy
+    opts: object
+    cal: Calibration
+    tol: Tolerance
+    low: torch.dtype
+    bind_kw: dict[str, Any]
+
+
 class _Search:
     """The running half of the search: the reference (instrumented once), the all-low program and its
     candidates, and ``measure(kept)`` (convert with ``kept`` in fp32, run, compare)."""
 
-    def __init__(
-        self,
-        program: Program,
-        ep: ExportedProgram,
-        policy: Policy,
-        opts: object,
-        cal: Calibration,
-        tol: Tolerance,
-        log: DiagnosticLog,
-        low: torch.dtype,
-        bind_kw: dict[str, Any],
-    ):
-        self.ep, self.policy, self.opts, self.cal, self.tol, self.low = ep, policy, opts, cal, tol, low
-        self.bind_kw = bind_kw
+    def __init__(self, program: Program, log: DiagnosticLog, setup: _TrySetup):
+        self.setup = setup
+        self.ep, self.low = setup.ep, setup.low
         self.cache_dtype = program.cache_dtype  # every try holds the caches as the conversion does
         self.allowed = list(getattr(log, "allowed", []))
         self.restore = output_dtypes(program.graph)
-        self.batches = cal.sample
+        self.batches = setup.cal.sample
         self.forwards = self.backwards = 0
         self.casts = CastCache()  # every try casts the same weights: once
-        candidate = hook(policy, "tolerance_candidate")
+        candidate = hook(setup.policy, "tolerance_candidate")
         # the all-low program: its decisions say which ops are candidates and how every op computes
         self.all_low = self._lower({})
         ops = [n for n in self.all_low.graph.nodes if n.op == "call_function"]
@@ -127,7 +133,7 @@ class _Search:
             for n in ops
             if (d := decisions[n.name]) is not None
             and candidate(d)
-            and d.dtype == low
+            and d.dtype == self.low
             and op_name(n.target) not in GEMM_OPS
         ]
         # the reference: the program's own semantics (its regions lowered as eager autocast runs them)
@@ -138,15 +144,15 @@ class _Search:
 
     def _lower(self, kept: dict[str, float] | None) -> Program:
         """The program the conversion builds with ``kept`` in fp32 (``None``: the program's own semantics)."""
-        fresh = Program(self.ep, self.cache_dtype if kept is not None else None)  # None: the reference
-        inline_regions(fresh.gm)
-        scratch = DiagnosticLog(allowed=self.allowed)
-        if kept is None:
-            lower(fresh, None, scratch, casts=self.casts)
-        else:
-            decider = self.policy.bind(fresh, self.opts, self.cal, fallback=kept, **self.bind_kw)
-            lower(fresh, decider, scratch, restore=self.restore, keep_io=True, casts=self.casts)
-        return fresh
+        decide = None if kept is None else functools.partial(self._decider, kept=kept)
+        cache_dtype = self.cache_dtype if kept is not None else None  # None: the reference
+        log = DiagnosticLog(allowed=self.allowed)
+        return lowered_copy(self.ep, decide, log, self.casts, self.restore, cache_dtype)
+
+    def _decider(self, fresh: Program, kept: dict[str, float]) -> Any:
+        """The decider the conversion binds into ``fresh`` with ``kept`` in fp32."""
+        t = self.setup
+        return t.policy.bind(fresh, t.opts, t.cal, fallback=kept, **t.bind_kw)
 
     def measure(self, kept: dict[str, float]) -> dict:
         """Errors of the program converted with ``kept`` in fp32, run as the converted program runs."""
@@ -170,7 +176,7 @@ class _Search:
             with torch.enable_grad():
                 self.forwards += 1
                 outs = user_outputs(ref, interp.run(*placeholder_values(ref, users[0])))
-                energy = probe_energies(outs, interp, low, self.tol)
+                energy = probe_energies(outs, interp, low, self.setup.tol)
             self.backwards += PROBES
         except Exception as exc:  # noqa: BLE001 - said in the tolerance diagnostic: the ranking falls back
             ranked_by = f"local rounding error (no gradients: {type(exc).__name__}: {first_line(exc)})"
@@ -194,6 +200,26 @@ class _Plain(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         with region_autocast(n):
             return super().run_node(n)
+
+
+def lowered_copy(
+    ep: ExportedProgram,
+    decide: Callable[[Program], Any] | None,
+    log: DiagnosticLog,
+    casts: CastCache,
+    restore: list[torch.dtype | None],
+    cache_dtype: torch.dtype | None = None,
+) -> Program:
+    """A fresh ``Program(ep)``, its regions inlined, lowered as the conversion lowers it: with the decider
+    ``decide(program)`` returns, the outputs restored to ``restore``'s dtypes (``decide`` None: the program's own
+    semantics). ``casts``: the weight casts every lowering of the search shares."""
+    fresh = Program(ep, cache_dtype)
+    inline_regions(fresh.gm)
+    if decide is None:
+        lower(fresh, None, log, casts=casts)
+    else:
+        lower(fresh, decide(fresh), log, restore=restore, keep_io=True, casts=casts)
+    return fresh
 
 
 def user_outputs(program: Program, flat_out: Any) -> list:

@@ -24,16 +24,20 @@ each rounding to the low dtype carries (``Source``). Here:
    than a quarter of the prefix). The matmul/conv family is never moved (exclude
    such an op explicitly with ``exclude_nodes`` if that is what it takes); when every candidate in fp32 still
    misses the tolerance: PrecastError ``tolerance-unmet``.
+
+The tolerance's bounds and the search's result (``Tolerance``, ``ToleranceResult``) are data the policy reads:
+``precast.policy.measurements``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from precast.errors import PrecastError
+from precast.policy.measurements import Tolerance, ToleranceResult
 
 KEYS = ("max_abs", "rel", "cosine")
 # error ~ energy ** POWER: 1 - cosine grows with the squared error, max_abs and rel with the error itself
@@ -41,31 +45,6 @@ POWER = {"cosine": 1.0, "rel": 0.5, "max_abs": 0.5}
 # measured prefixes after the all-low program before the search settles for a bracket within a quarter of the
 # prefix (it always stops at a bracket of one): with the reference and the all-low forwards, 2 + TRIES forwards
 TRIES = 5
-
-
-@dataclass
-class Tolerance:
-    spec: dict
-
-    def met(self, m: dict) -> bool:
-        return all((m["cosine"] >= lim) if k == "cosine" else (m[k] <= lim) for k, lim in self.spec.items())
-
-    def parts(self, m: dict) -> dict[str, float]:
-        """Per bound, the error as a fraction of what it allows (> 1: violated)."""
-        out = {}
-        for k, lim in self.spec.items():
-            if k == "cosine":
-                out[k] = (1.0 - m["cosine"]) / max(1.0 - lim, 1e-300)
-            else:
-                out[k] = m[k] / lim if lim > 0 else (0.0 if m[k] == 0 else math.inf)
-        return out
-
-    def score(self, m: dict) -> float:
-        """Error as a fraction of what the tolerance allows (> 1: violated), the worst bound."""
-        return max(self.parts(m).values())
-
-    def describe(self, m: dict) -> str:
-        return ", ".join(f"{k} {m[k]:.6g}" for k in self.spec)
 
 
 def parse_tolerance(tolerance: Any) -> Tolerance | None:
@@ -159,36 +138,6 @@ def rank(candidates: Sequence[str], sources: Sequence[Source]) -> Ranking:
     return Ranking(order, gain, left, fixed)
 
 
-@dataclass
-class ToleranceResult:
-    tolerance: Tolerance
-    all_low: dict  # errors with no fallback
-    floor: dict | None = None  # errors with every candidate in fp32 (when the search measured it)
-    achieved: dict | None = None  # errors of the program the search chose, as it measured them
-    kept: dict = field(default_factory=dict)  # node -> estimated share of the all-low error (of the allowed)
-    candidates: int = 0
-    tries: int = 0  # programs measured besides the all-low one
-    forwards: int = 0  # forwards of a program over the search's batches: reference, all-low, tries, check
-    backwards: int = 0  # backward passes of the instrumented reference forward (gradient probes)
-    seconds: float = 0.0  # the search's wall time (the check's added by tolerance_check)
-    refs: list = field(default_factory=list)
-    final: dict | None = None  # errors of the converted program (tolerance_check)
-    ranked_by: str = ""  # how the ranking was estimated
-    measured: dict = field(default_factory=dict)  # prefix length -> errors
-
-    def summary(self) -> str:
-        t = self.tolerance
-        cost = f"{self.forwards} forwards, {self.seconds:.1f} s"
-        if not self.kept:
-            return f"tolerance {t.spec} met with no fallback ({t.describe(self.all_low)}; {cost})"
-        names = ", ".join(self.kept)
-        return (
-            f"tolerance {t.spec}: all-low {t.describe(self.all_low)}; kept {len(self.kept)} of {self.candidates} "
-            f"candidate op(s) in fp32 ({names}) -> {t.describe(self.achieved)} ({self.tries} tries, {cost}; "
-            f"ranked by {self.ranked_by})"
-        )
-
-
 def _target_left(tol: Tolerance, points: list[tuple[float, dict]], goal: float) -> float:
     """Energy left at which the model puts every bound at ``goal`` (a fraction of what it allows), from the
     measured (energy left, errors) points nearest the boundary: power-law interpolation between a miss and a
@@ -234,56 +183,99 @@ def meet_tolerance(
     result.measured[0] = base
     if tol.met(base):
         return result
+    search = _ranked(tol, candidates, sources, result)
+    while search.open(tries):
+        k = _next_try(search)
+        _record(search, k, measure(search.kept(k)))
+    return _settled(search)
+
+
+@dataclass
+class _Bracket:
+    """The search between tries: the ranked candidates, the energy left after each prefix, each candidate's
+    share of the all-low error, and the bracket (``order[:lo]`` misses the tolerance; ``order[:hi]`` meets it)."""
+
+    tol: Tolerance
+    order: list[str]
+    left: list[float]
+    shares: dict[str, float]
+    result: ToleranceResult
+    informed: bool  # the energies say which prefix removes what
+    lo: int = 0
+    hi: int | None = None
+
+    def kept(self, k: int) -> dict[str, float]:
+        """The first ``k`` candidates, each with its share."""
+        return {c: self.shares[c] for c in self.order[:k]}
+
+    def open(self, tries: int) -> bool:
+        """Whether to measure another prefix: stop at a bracket of one, or after ``tries`` tries at a bracket
+        within a quarter of the prefix."""
+        lo, hi = self.lo, self.hi
+        return bool(self.order) and (
+            hi is None or (hi - lo > 1 and (self.result.tries < tries or hi - lo > max(1, hi // 4)))
+        )
+
+
+def _ranked(
+    tol: Tolerance, candidates: Sequence[str], sources: Sequence[Source], result: ToleranceResult
+) -> _Bracket:
+    """The candidates ranked, each one's estimated share of the all-low error (of what the tolerance allows)."""
     ranking = rank(candidates, sources)
     order, left = ranking.order, ranking.left
-    n = len(order)
     total = left[0] if left[0] > 0 else 1.0
-    base_score = tol.score(base)
+    base_score = tol.score(result.all_low)
     shares = {c: base_score * ranking.gain[c] / total for c in order}
+    return _Bracket(tol, order, left, shares, result, informed=left[0] > left[len(order)])
 
-    def kept_of(k: int) -> dict[str, float]:
-        return {c: shares[c] for c in order[:k]}
 
-    lo, hi = 0, None  # order[:lo] misses the tolerance; order[:hi] meets it
-    informed = left[0] > left[n]  # the energies say which prefix removes what
-    # stop at a bracket of one, or after ``tries`` tries at a bracket within a quarter of the prefix
-    while n and (hi is None or (hi - lo > 1 and (result.tries < tries or hi - lo > max(1, hi // 4)))):
-        if not informed:
-            k = (lo + hi) // 2 if hi is not None else min(max(1, 2 * lo), n)
-        else:
-            points = [(left[k], m) for k, m in result.measured.items()]
-            goal = 1.0 if hi is not None else 0.95  # a small margin while nothing meets it yet
-            want = _target_left(tol, points, goal)
-            k = next((i for i in range(n + 1) if left[i] <= want), n)
-            if hi is None:  # predicted, but at least doubling: a poor estimate costs log2(n) misses at most
-                k = min(max(k, lo + 1, 2 * lo), n)
-            else:  # predicted, but at least a quarter of the bracket in from either end
-                step = (hi - lo) // 4
-                k = min(max(k, lo + 1 + step), hi - 1 - step)
-        m = measure(kept_of(k))
-        result.measured[k] = m
-        result.tries += 1
-        if tol.met(m):
-            hi = k
-        else:
-            lo = k
-            if k == n:
-                result.floor = m
-                raise PrecastError(
-                    f"tolerance {tol.spec} cannot be met: with every op but the matmul/conv family in fp32 the "
-                    f"outputs still measure {tol.describe(m)} (all low precision: {tol.describe(base)}); loosen "
-                    "the tolerance, or exclude matmuls/convolutions explicitly with exclude_nodes / exclude_ops",
-                    code="tolerance-unmet",
-                )
-    if hi is None:  # no candidates at all
+def _next_try(search: _Bracket) -> int:
+    """The prefix to measure next: where the energies' model puts the boundary (bisection without energies)."""
+    lo, hi, left, n = search.lo, search.hi, search.left, len(search.order)
+    if not search.informed:
+        return (lo + hi) // 2 if hi is not None else min(max(1, 2 * lo), n)
+    points = [(left[k], m) for k, m in search.result.measured.items()]
+    goal = 1.0 if hi is not None else 0.95  # a small margin while nothing meets it yet
+    want = _target_left(search.tol, points, goal)
+    k = next((i for i in range(n + 1) if left[i] <= want), n)
+    if hi is None:  # predicted, but at least doubling: a poor estimate costs log2(n) misses at most
+        return min(max(k, lo + 1, 2 * lo), n)
+    # predicted, but at least a quarter of the bracket in from either end
+    step = (hi - lo) // 4
+    return min(max(k, lo + 1 + step), hi - 1 - step)
+
+
+def _record(search: _Bracket, k: int, m: dict) -> None:
+    """One try's errors: the bracket narrows; every candidate in fp32 still missing the tolerance ends it."""
+    tol, result = search.tol, search.result
+    result.measured[k] = m
+    result.tries += 1
+    if tol.met(m):
+        search.hi = k
+        return
+    search.lo = k
+    if k == len(search.order):
+        result.floor = m
         raise PrecastError(
-            f"tolerance {tol.spec} cannot be met: the outputs measure {tol.describe(base)} and no op outside "
-            "the matmul/conv family runs in low precision; loosen the tolerance, or exclude matmuls/convolutions "
-            "explicitly with exclude_nodes / exclude_ops",
+            f"tolerance {tol.spec} cannot be met: with every op but the matmul/conv family in fp32 the "
+            f"outputs still measure {tol.describe(m)} (all low precision: {tol.describe(result.all_low)}); loosen "
+            "the tolerance, or exclude matmuls/convolutions explicitly with exclude_nodes / exclude_ops",
+            code="tolerance-unmet",
+        )
+
+
+def _settled(search: _Bracket) -> ToleranceResult:
+    """The result: the shortest prefix found that meets the tolerance, its errors and the floor if measured."""
+    tol, result, n = search.tol, search.result, len(search.order)
+    if search.hi is None:  # no candidates at all
+        raise PrecastError(
+            f"tolerance {tol.spec} cannot be met: the outputs measure {tol.describe(result.all_low)} and no op "
+            "outside the matmul/conv family runs in low precision; loosen the tolerance, or exclude "
+            "matmuls/convolutions explicitly with exclude_nodes / exclude_ops",
             code="tolerance-unmet",
         )
     if n in result.measured:
         result.floor = result.measured[n]
-    result.kept = kept_of(hi)
-    result.achieved = result.measured[hi]
+    result.kept = search.kept(search.hi)
+    result.achieved = result.measured[search.hi]
     return result

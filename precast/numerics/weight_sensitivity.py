@@ -194,38 +194,60 @@ def estimate_costs(
     values = {n: _value(ep, n) for n in names}
     deltas, sizes = _perturbations(values, fmts, float_dtype)
     acc = {n: dict.fromkeys(deltas[n], 0.0) for n in names}
-    generator = torch.Generator().manual_seed(seed)
-    positions = 0
+    probing = _Probing(values, deltas, acc, metric, probes, torch.Generator().manual_seed(seed))
     batches = list(data)
     if not batches:
         raise PrecastError("weight sensitivity: no calibration batches (give a list of input tuples)")
     for index, batch in enumerate(batches):
-        user = runner.user_inputs(batch, index)
-        leaves = {n: values[n].detach().float().requires_grad_(True) for n in names}
-        with torch.enable_grad():
-            out = runner.run(user, leaves).float()
-            if metric == "kld":
-                logp = torch.log_softmax(out.reshape(-1, out.shape[-1]), -1)
-                positions += logp.shape[0]
-                probs = logp.detach().exp()
-            else:
-                positions += out.numel()
-            for k in range(probes):
-                if metric == "kld":
-                    drawn = torch.multinomial(probs, 1, generator=generator)
-                    loss = logp.gather(1, drawn).sum()
-                else:
-                    signs = torch.randint(0, 2, out.shape, generator=generator).float() * 2 - 1
-                    loss = (out * signs).sum()
-                grads = torch.autograd.grad(loss, list(leaves.values()), retain_graph=k + 1 < probes)
-                for n, g in zip(names, grads, strict=True):
-                    for f, d in deltas[n].items():
-                        acc[n][f] += float((g * d).sum()) ** 2
+        _probe_batch(probing, runner, batch, index)
         if progress is not None:
             progress(index + 1, len(batches))
+    positions = probing.positions
     scale = (0.5 if metric == "kld" else 1.0) / (probes * positions)
     costs = {n: WeightCost(n, shapes[n], sizes[n], {f: v * scale for f, v in acc[n].items()}) for n in names}
     return WeightCosts(metric, float_dtype, costs, positions, probes, time.perf_counter() - start)
+
+
+@dataclass
+class _Probing:
+    """The estimate as the batches add to it: each weight's value and its rounding per format, the squared
+    projections summed so far (weight -> format -> sum), the metric, the probes per batch, the random draws
+    and the positions (or output elements) seen."""
+
+    values: dict[str, torch.Tensor]
+    deltas: dict[str, dict[str, torch.Tensor]]
+    acc: dict[str, dict[str, float]]
+    metric: str
+    probes: int
+    generator: torch.Generator
+    positions: int = 0
+
+
+def _probe_batch(p: _Probing, runner: _Runner, batch: Any, index: int) -> None:
+    """One batch's ``probes`` backward passes: each weight's gradient projected on its rounding in each format,
+    squared, added to ``p.acc``."""
+    names = list(p.values)
+    user = runner.user_inputs(batch, index)
+    leaves = {n: p.values[n].detach().float().requires_grad_(True) for n in names}
+    with torch.enable_grad():
+        out = runner.run(user, leaves).float()
+        if p.metric == "kld":
+            logp = torch.log_softmax(out.reshape(-1, out.shape[-1]), -1)
+            p.positions += logp.shape[0]
+            probs = logp.detach().exp()
+        else:
+            p.positions += out.numel()
+        for k in range(p.probes):
+            if p.metric == "kld":
+                drawn = torch.multinomial(probs, 1, generator=p.generator)
+                loss = logp.gather(1, drawn).sum()
+            else:
+                signs = torch.randint(0, 2, out.shape, generator=p.generator).float() * 2 - 1
+                loss = (out * signs).sum()
+            grads = torch.autograd.grad(loss, list(leaves.values()), retain_graph=k + 1 < p.probes)
+            for n, g in zip(names, grads, strict=True):
+                for f, d in p.deltas[n].items():
+                    p.acc[n][f] += float((g * d).sum()) ** 2
 
 
 def _value(ep: ExportedProgram, name: str) -> torch.Tensor:

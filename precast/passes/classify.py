@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from precast.ir.diagnostics import DiagnosticLog, add, from_error, raise_errors
 from precast.ir.fake import FakeState, fake_cast, fake_state, foreign, node_signature
 from precast.ir.fake_run import MISSING, arg_name, fake_run_error, remember_run, run_fake, same_fake
 from precast.ir.graph import ASSERT_METADATA, tensor_args
-from precast.ir.mutation import analyze
+from precast.ir.mutation import AliasInfo, analyze
 from precast.ir.program import Program
 from precast.passes.caches import cache_reads, held_cache
 from precast.passes.decompose import (
@@ -59,6 +59,24 @@ class ClassifyResult:
     decomposed: list[str] | None = None
 
 
+@dataclass
+class _Walk:
+    """One classify walk: the program and its policy, the fake values so far (``env``), and the result."""
+
+    program: Program
+    policy: Policy | None
+    on_error: Callable | None
+    state: FakeState
+    # caches held in a low dtype (cache_dtype=): their readers see the program's dtype (passes/caches.py)
+    alias: AliasInfo | None
+    env: dict[torch.fx.Node, object] = field(default_factory=dict)
+    result: ClassifyResult = field(default_factory=lambda: ClassifyResult(decomposed=[]))
+
+    def load(self, a: object) -> object:
+        """An argument's fake value (a node's, from ``env``; anything else as it is)."""
+        return self.env[a] if isinstance(a, torch.fx.Node) else a
+
+
 def classify(
     program: Program,
     policy: Policy | None,
@@ -68,86 +86,116 @@ def classify(
     instead of raising them here (precast.ir.diagnostics records them, and re-raises unless the user allowed the
     code; an allowed ``composite-not-traced`` keeps the composite op as written)."""
     graph = program.graph
-    state = fake_state(program)
-    env: dict[torch.fx.Node, object] = {}
-    result = ClassifyResult(decomposed=[])
-    # caches held in a low dtype (cache_dtype=): their readers see the program's dtype (passes/caches.py)
-    alias = analyze(graph, program.input_spec, program.output_specs) if program.retyped else None
-
-    def load(a):
-        return env[a] if isinstance(a, torch.fx.Node) else a
-
+    walk = _Walk(
+        program,
+        policy,
+        on_error,
+        fake_state(program),
+        analyze(graph, program.input_spec, program.output_specs) if program.retyped else None,
+    )
     node = next(iter(graph.nodes))
     while node.op != "output":
         if node.op == "placeholder":
-            env[node] = node.meta["val"]
+            walk.env[node] = node.meta["val"]
         elif node.op == "get_attr":
-            env[node] = getattr(program.gm, node.target)
+            walk.env[node] = getattr(program.gm, node.target)
         elif node.op == "call_function":
-            args = torch.fx.node.map_aggregate(node.args, load)
-            kwargs = torch.fx.node.map_aggregate(node.kwargs, load)
-            decompose = should_decompose(node, args, kwargs, policy)
-            if decompose:
-                first = splice_decomposition(program, node, args, kwargs, state, policy, on_error)
-                if first is not None:
-                    result.decomposed.append(f"{node.name} ({node.target})")
-                    node = first
-                    continue
-            traced = node.meta.get(TRACED_META)
-            restore = cache_reads(node, args, kwargs, program, alias) if alias is not None else {}
-            if restore:
-                read = Decision(None, "none", "cache-read", "", casts=restore)
-                _, args, kwargs = apply_decision(
-                    node.target, args, kwargs, read, lambda v, d: fake_cast(state, v, d)
-                )
-            # nodes traced under autocast already hold eager's casts: deciding again would cast twice
-            decision = copy.copy(traced) if traced is not None else decide(node, args, kwargs, policy)
-            if restore:
-                decision = _with_cache_reads(
-                    decision, restore, program, cache_names(node, restore, program, alias)
-                )
-            # a value written into a tensor arrives in its dtype (a KV cache's index_copy_): precast/policy/writes.py
-            decision, write = cast_written_values(node, args, kwargs, decision, program.retyped)
-            if write is not None:
-                node.meta[WRITE_CAST_META] = write
-            else:
-                node.meta.pop(WRITE_CAST_META, None)
-            # export's runtime check of a `.to()` input: keep it true for the dtype that now flows
-            if node.target is ASSERT_METADATA and len(node.args) > 3:
-                # run_decompositions() records dtype positionally (a, size, stride, dtype): a keyword here
-                node.kwargs = {**node.kwargs, "dtype": node.args[3]}
-                node.args = node.args[:3]
-                args = args[:3]
-            if (
-                node.target is ASSERT_METADATA
-                and isinstance(args[0], torch.Tensor)
-                and node.kwargs.get("dtype") not in (None, args[0].dtype)
-            ):
-                decision = Decision(None, "none", "assert", "export's dtype check, updated to the new dtype")
-                decision.kwarg_updates = {"dtype": args[0].dtype}
-            # a composite kept as written (the trace changed nothing, or failed and the user allowed it): export
-            # recorded its value as autocast computed it, which need not be what it computes as written
-            recorded = (
-                _recorded(node, decision, env, state, program.retyped)
-                if traced is None and not decompose
-                else MISSING
-            )
-            if recorded is MISSING:
-                env[node] = _run(node, args, kwargs, decision, state, on_error)
-            else:
-                _check_dtypes(node, node.target, args, kwargs, on_error, state)
-                env[node] = recorded
-                remember_run(state, node, node.target, args, kwargs, recorded)
-            if decision is None and isinstance(node.target, torch._ops.OpOverload):
-                decision = _unchanged(node, env[node])
-            if decision is not None:
-                if decision.dtype is None:
-                    decision.dtype = _float_dtype(env[node])
-                node.meta["precast"] = decision
-                result.decided += 1
+            first = _classify_call(walk, node)
+            if first is not None:  # decomposed: its first new node is walked next
+                node = first
+                continue
         node = node.next
-    _store_vals(graph, env)
-    return result
+    _store_vals(graph, walk.env)
+    return walk.result
+
+
+def _classify_call(walk: _Walk, node: torch.fx.Node) -> torch.fx.Node | None:
+    """Decide one op and compute its fake value; or splice in its decomposition and return its first node."""
+    args = torch.fx.node.map_aggregate(node.args, walk.load)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, walk.load)
+    decompose = should_decompose(node, args, kwargs, walk.policy)
+    if decompose:
+        first = splice_decomposition(walk.program, node, args, kwargs, walk.state, walk.policy, walk.on_error)
+        if first is not None:
+            walk.result.decomposed.append(f"{node.name} ({node.target})")
+            return first
+    traced = node.meta.get(TRACED_META)
+    decision, args, kwargs = _decide(walk, node, args, kwargs, traced)
+    decision, args = _dtype_updates(node, args, kwargs, decision, walk.program.retyped)
+    # a composite kept as written (the trace changed nothing, or failed and the user allowed it): export
+    # recorded its value as autocast computed it, which need not be what it computes as written
+    recorded = (
+        _recorded(node, decision, walk.env, walk.state, walk.program.retyped)
+        if traced is None and not decompose
+        else MISSING
+    )
+    if recorded is MISSING:
+        walk.env[node] = _run(node, args, kwargs, decision, walk.state, walk.on_error)
+    else:
+        _check_dtypes(node, node.target, args, kwargs, walk.on_error, walk.state)
+        walk.env[node] = recorded
+        remember_run(walk.state, node, node.target, args, kwargs, recorded)
+    _store_decision(walk, node, decision)
+    return None
+
+
+def _decide(
+    walk: _Walk, node: torch.fx.Node, args: tuple, kwargs: dict, traced: Decision | None
+) -> tuple[Decision | None, tuple, dict]:
+    """The op's decision (the traced one, else the policy's), with the reads of held caches cast back first;
+    and the arguments as those casts leave them."""
+    program = walk.program
+    restore = cache_reads(node, args, kwargs, program, walk.alias) if walk.alias is not None else {}
+    if restore:
+        read = Decision(None, "none", "cache-read", "", casts=restore)
+        _, args, kwargs = apply_decision(
+            node.target, args, kwargs, read, lambda v, d: fake_cast(walk.state, v, d)
+        )
+    # nodes traced under autocast already hold eager's casts: deciding again would cast twice
+    decision = copy.copy(traced) if traced is not None else decide(node, args, kwargs, walk.policy)
+    if restore:
+        decision = _with_cache_reads(
+            decision, restore, program, cache_names(node, restore, program, walk.alias)
+        )
+    return decision, args, kwargs
+
+
+def _dtype_updates(
+    node: torch.fx.Node, args: tuple, kwargs: dict, decision: Decision | None, retyped: dict
+) -> tuple[Decision | None, tuple]:
+    """The decision with the casts of values written into tensors of another dtype, and export's dtype
+    assertions kept true for the dtype that now flows; and the arguments the assertion now takes."""
+    # a value written into a tensor arrives in its dtype (a KV cache's index_copy_): precast/policy/writes.py
+    decision, write = cast_written_values(node, args, kwargs, decision, retyped)
+    if write is not None:
+        node.meta[WRITE_CAST_META] = write
+    else:
+        node.meta.pop(WRITE_CAST_META, None)
+    # export's runtime check of a `.to()` input: keep it true for the dtype that now flows
+    if node.target is ASSERT_METADATA and len(node.args) > 3:
+        # run_decompositions() records dtype positionally (a, size, stride, dtype): a keyword here
+        node.kwargs = {**node.kwargs, "dtype": node.args[3]}
+        node.args = node.args[:3]
+        args = args[:3]
+    if (
+        node.target is ASSERT_METADATA
+        and isinstance(args[0], torch.Tensor)
+        and node.kwargs.get("dtype") not in (None, args[0].dtype)
+    ):
+        decision = Decision(None, "none", "assert", "export's dtype check, updated to the new dtype")
+        decision.kwarg_updates = {"dtype": args[0].dtype}
+    return decision, args
+
+
+def _store_decision(walk: _Walk, node: torch.fx.Node, decision: Decision | None) -> None:
+    """The op's decision on ``node.meta["precast"]`` (an op no rule decided: unchanged), its dtype filled in."""
+    if decision is None and isinstance(node.target, torch._ops.OpOverload):
+        decision = _unchanged(node, walk.env[node])
+    if decision is not None:
+        if decision.dtype is None:
+            decision.dtype = _float_dtype(walk.env[node])
+        node.meta["precast"] = decision
+        walk.result.decided += 1
 
 
 def cache_names(node: torch.fx.Node, restore: dict, program: Program, alias: Any) -> list[torch.fx.Node]:

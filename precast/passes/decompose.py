@@ -9,8 +9,10 @@ Input: an op node, its fake arguments, the policy. Output: the node replaced by 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -202,24 +204,48 @@ def splice_decomposition(
             node, "its decomposition creates tensor constants, which precast does not splice", on_error
         )
         return None
+    if _casts(traced) <= _plain_casts(node, args, kwargs, state):
+        return None
+    _stride_independent(traced)
+    why = f"{context}: inside {node.target} (a composite eager autocast decomposes), as eager runs it"
+    mark = functools.partial(Decision, None, source, "decomposed", why, region=region)  # one per new node
+    first, out = _copy_in(program.graph, node, args, kwargs, traced, mark)
+    if first is None:
+        return None
+    check_dynamic(state, node)
+    _replace_uses(program.graph, node, out)
+    return first
+
+
+def _plain_casts(node: torch.fx.Node, args: tuple, kwargs: dict, state: FakeState) -> int:
+    """How many casts the decomposition traced without autocast holds; -1 when that trace fails."""
     try:
         with _quiet_fake_tensor_log():
             plain = _casts(_trace(node.target, args, kwargs, state.mode, None))
     except Exception:  # noqa: BLE001 - eager would fail without autocast: autocast is what makes it run
         plain = -1
     check_dynamic(state, node)
-    if _casts(traced) <= plain:
-        return None
-    _stride_independent(traced)
+    return plain
+
+
+def _copy_in(
+    graph: torch.fx.Graph,
+    node: torch.fx.Node,
+    args: tuple,
+    kwargs: dict,
+    traced: torch.fx.GraphModule,
+    mark: Callable[[], Decision],
+) -> tuple[torch.fx.Node | None, object]:
+    """The traced decomposition's nodes copied into ``graph`` before ``node`` (its placeholders bound to the
+    node's tensor arguments, each new node marked with a decision of its own, ``mark()``): the first new node (None when there is
+    none) and the decomposition's outputs."""
     flat_nodes, _ = pytree.tree_flatten((node.args, node.kwargs))
     flat_vals, _ = pytree.tree_flatten((args, kwargs))
     tensor_nodes = [n for n, v in zip(flat_nodes, flat_vals, strict=True) if isinstance(v, torch.Tensor)]
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env: dict = dict(zip(placeholders, tensor_nodes, strict=True))
-    graph = program.graph
     first = out = None
     keep = {k: node.meta[k] for k in ("stack_trace", "nn_module_stack", "precast_regions") if k in node.meta}
-    why = f"{context}: inside {node.target} (a composite eager autocast decomposes), as eager runs it"
     with graph.inserting_before(node):
         for n in traced.graph.nodes:
             if n.op == "placeholder":
@@ -231,12 +257,15 @@ def splice_decomposition(
                 continue
             new = graph.node_copy(n, lambda a: env[a])
             new.meta.update(keep)
-            new.meta[TRACED_META] = Decision(None, source, "decomposed", why, region=region)
+            new.meta[TRACED_META] = mark()
             env[n] = new
             first = first or new
-    if first is None:
-        return None
-    check_dynamic(state, node)
+    return first, out
+
+
+def _replace_uses(graph: torch.fx.Graph, node: torch.fx.Node, out: object) -> None:
+    """The uses of ``node`` rewired to the decomposition's outputs (a multi-output op's through its getitems),
+    and ``node`` erased."""
     if isinstance(out, (list, tuple)):
         for user in list(node.users):
             if user.target is operator.getitem:
@@ -249,4 +278,3 @@ def splice_decomposition(
     else:
         node.replace_all_uses_with(out)
     graph.erase_node(node)
-    return first

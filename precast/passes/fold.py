@@ -32,7 +32,7 @@ from precast.ir.graph import (
     is_cast,
     is_noop_conversion,
 )
-from precast.ir.mutation import analyze
+from precast.ir.mutation import AliasInfo, analyze
 from precast.ir.program import ConstantSource, Program
 
 
@@ -143,82 +143,117 @@ def _chain_to_constant(program: Program, node: torch.fx.Node) -> list[torch.fx.N
     return list(reversed(chain))
 
 
+@dataclass
+class _Fold:
+    """One fold pass's state: the program, the cast cache, the result so far, and what was made per
+    (constant, dtype) and per (view, dtype), so each is made once."""
+
+    program: Program
+    casts: CastCache | None
+    result: FoldResult
+    # original placeholder -> FQN, captured before renames
+    original_name: dict[torch.fx.Node, str | None]
+    cast_constants: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = field(default_factory=dict)
+    rebuilt: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = field(default_factory=dict)
+    written: set[str] = field(default_factory=set)
+
+
 def fold_constant_casts(program: Program, casts: CastCache | None = None) -> FoldResult:
     """Fold the casts of read-only constants (the module docstring); ``casts``: a cache of constant casts
     shared with other lowerings of the same program (``CastCache``), else each is computed here."""
     result = FoldResult(bytes_before=constant_bytes(program))
     graph = program.graph
-    cast_constants: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
-    rebuilt: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
-    # original placeholder -> FQN, captured before renames
     original_name = {n: program.constant_target(n) for n in graph.nodes if n.op == "placeholder"}
+    fold = _Fold(program, casts, result, original_name)
     # export keeps a placeholder per name of a tied parameter even when only one is read: not ours to drop
     unused_from_start = {n for n in graph.nodes if n.op == "placeholder" and not n.users}
     alias = analyze(graph, program.input_spec, program.output_specs)
-    written = set()
-
     for node in list(graph.nodes):
-        if not is_cast(node):
-            continue
-        chain = _chain_to_constant(program, node.args[0])
-        if chain is None:
-            continue
-        const, views = chain[0], chain[1:]
-        if alias.written(const):
-            written.add(original_name[const])
-            continue
-        dtype = cast_dtype(node)
-        value = program.constant_value(const)
-        if value.dtype == dtype:
-            new_base = const
-        else:
-            key = (const, dtype)
-            if key not in cast_constants:
-                cast_value, clamped = (
-                    casts.cast(value, dtype)
-                    if casts is not None
-                    else cast_constant(value, dtype, program.absmax)
-                )
-                new = program.add_constant_like(const, cast_value, f"_{dtype_name(dtype)}")
-                if clamped:
-                    result.clamped[program.constant_target(new)] = clamped
-                source_of = program.original_of(program.constant_target(const))
-                program.sources[program.constant_target(new)] = ConstantSource(
-                    stored=program.constant_target(new),
-                    original=source_of.original if source_of else original_name[const],
-                    original_dtype=source_of.original_dtype if source_of else value.dtype,
-                    dtype=dtype,
-                )
-                cast_constants[key] = new
-            new_base = cast_constants[key]
-        # replay the view chain on the cast constant (shared per (view node, dtype))
-        current = new_base
-        for view in views:
-            if view.target in NOOP_CONVERSIONS:
-                continue  # an identity here (see NOOP_CONVERSIONS)
-            key = (view, dtype)
-            if key not in rebuilt:
-                with graph.inserting_before(node):
-                    rebuilt[key] = graph.call_function(
-                        view.target, (current, *view.args[1:]), dict(view.kwargs)
-                    )
-                rebuilt[key].meta.update({k: v for k, v in view.meta.items() if k != "val"})
-                val = view.meta.get("val")
-                if isinstance(val, torch.Tensor):
-                    rebuilt[key].meta["val"] = val.to(dtype)
-            current = rebuilt[key]
-        node.replace_all_uses_with(current)
-        graph.erase_node(node)
-        result.folded += 1
-
+        if is_cast(node):
+            _fold_cast(fold, node, alias)
     graph.eliminate_dead_code()
     result.dropped = program.remove_unused_constants(keep=unused_from_start)
-    # a cast constant whose fp32 original is gone takes the original's name: names stay recognizable
+    _take_original_names(fold)
+    result.created = [program.constant_target(n) for n in fold.cast_constants.values() if n.users]
+    result.written = sorted(fold.written)
+    result.bytes_after = constant_bytes(program)
+    graph.lint()
+    return result
+
+
+def _fold_cast(fold: _Fold, node: torch.fx.Node, alias: AliasInfo) -> None:
+    """Replace one cast of a read-only constant (through views) by the cast constant, its views replayed."""
+    chain = _chain_to_constant(fold.program, node.args[0])
+    if chain is None:
+        return
+    const, views = chain[0], chain[1:]
+    if alias.written(const):
+        fold.written.add(fold.original_name[const])
+        return
+    dtype = cast_dtype(node)
+    value = fold.program.constant_value(const)
+    new_base = const if value.dtype == dtype else _cast_once(fold, const, value, dtype)
+    current = _replay_views(fold, node, new_base, views, dtype)
+    node.replace_all_uses_with(current)
+    fold.program.graph.erase_node(node)
+    fold.result.folded += 1
+
+
+def _cast_once(fold: _Fold, const: torch.fx.Node, value: torch.Tensor, dtype: torch.dtype) -> torch.fx.Node:
+    """The constant ``const`` cast to ``dtype``, added to the program (with its source) the first time it is
+    asked for."""
+    program, key = fold.program, (const, dtype)
+    if key not in fold.cast_constants:
+        cast_value, clamped = (
+            fold.casts.cast(value, dtype)
+            if fold.casts is not None
+            else cast_constant(value, dtype, program.absmax)
+        )
+        new = program.add_constant_like(const, cast_value, f"_{dtype_name(dtype)}")
+        if clamped:
+            fold.result.clamped[program.constant_target(new)] = clamped
+        source_of = program.original_of(program.constant_target(const))
+        program.sources[program.constant_target(new)] = ConstantSource(
+            stored=program.constant_target(new),
+            original=source_of.original if source_of else fold.original_name[const],
+            original_dtype=source_of.original_dtype if source_of else value.dtype,
+            dtype=dtype,
+        )
+        fold.cast_constants[key] = new
+    return fold.cast_constants[key]
+
+
+def _replay_views(
+    fold: _Fold, node: torch.fx.Node, base: torch.fx.Node, views: list[torch.fx.Node], dtype: torch.dtype
+) -> torch.fx.Node:
+    """The view chain replayed on the cast constant before ``node`` (shared per (view node, dtype))."""
+    graph, current = fold.program.graph, base
+    for view in views:
+        if view.target in NOOP_CONVERSIONS:
+            continue  # an identity here (see NOOP_CONVERSIONS)
+        key = (view, dtype)
+        if key not in fold.rebuilt:
+            with graph.inserting_before(node):
+                fold.rebuilt[key] = graph.call_function(
+                    view.target, (current, *view.args[1:]), dict(view.kwargs)
+                )
+            fold.rebuilt[key].meta.update({k: v for k, v in view.meta.items() if k != "val"})
+            val = view.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                fold.rebuilt[key].meta["val"] = val.to(dtype)
+        current = fold.rebuilt[key]
+    return current
+
+
+def _take_original_names(fold: _Fold) -> None:
+    """A cast constant whose fp32 original is gone takes the original's name: names stay recognizable (when
+    it is the only cast copy still read; otherwise each keeps its own)."""
+    program, result, original_name = fold.program, fold.result, fold.original_name
     read_casts: dict[torch.fx.Node, int] = {}  # constant -> how many of its cast copies are still read
-    for (const, _dtype), new in cast_constants.items():
+    for (const, _dtype), new in fold.cast_constants.items():
         read_casts[const] = read_casts.get(const, 0) + bool(new.users)
     dropped = set(result.dropped)
-    for (const, _dtype), new in cast_constants.items():
+    for (const, _dtype), new in fold.cast_constants.items():
         if original_name[const] in dropped and new.users:
             src = program.sources.pop(program.constant_target(new))
             if read_casts[const] == 1:
@@ -230,8 +265,3 @@ def fold_constant_casts(program: Program, casts: CastCache | None = None) -> Fol
                 )
             else:
                 program.sources[src.stored] = src
-    result.created = [program.constant_target(n) for n in cast_constants.values() if n.users]
-    result.written = sorted(written)
-    result.bytes_after = constant_bytes(program)
-    graph.lint()
-    return result

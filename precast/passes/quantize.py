@@ -295,40 +295,62 @@ def quantize_weights(program: Program, rules: WeightRules) -> QuantizeResult:
     for reader, const, kind in reads:
         if alias.written(const):
             continue  # a weight the program writes is state, not a weight
-        name, original = _original(program, const)
-        value = program.constant_value(const)
-        shape = tuple(value.shape)
-        names = _names(program, const, reader, name)
-        fmt, why = _choose(rules, names, shape)
-        record = result.weights.get(name)
-        if record is None:
-            record = result.weights[name] = WeightRecord(
-                name, names, shape, fmt.name, why, original.numel() * original.element_size(), 0
-            )
-        elif fmt.name != record.format:
-            record.format, record.why = f"{record.format}+{fmt.name}", f"{record.why}; {why}"
-        record.names.extend(n for n in names if n not in record.names)
-        record.reads.append(reader.name)
-        if not fmt.quantized:
-            continue
-        if original.shape != value.shape:
-            raise PrecastError(
-                f"internal error in pass quantize_weights: {name} is {list(original.shape)} but read as "
-                f"{list(value.shape)}"
-            )
-        dt = value.dtype
-        parts = build.parts_of(const, name, original, fmt, dt)
-        if kind == "linear":
-            reader.replace_input_with(const, build.weight(reader, parts, fmt, dt, shape))
-        else:
-            rows = build.rows(reader, parts, fmt, dt, shape[1])
-            reader.replace_all_uses_with(rows)
-            program.graph.erase_node(reader)
-        _mark(reader if kind == "linear" else rows, name, fmt, why)
-        touched.add(const)
+        if _store_read(build, result, rules, reader, const, kind):
+            touched.add(const)
     for name, stored in build.stored.items():
         result.weights[name].stored.extend(stored)
     result.skipped = {k: v for k, v in other.items() if k not in result.weights}
+    _drop_unread(program, touched, result)
+    _count_bytes(program, result)
+    return result
+
+
+def _store_read(
+    build: _Builder,
+    result: QuantizeResult,
+    rules: WeightRules,
+    reader: torch.fx.Node,
+    const: torch.fx.Node,
+    kind: str,
+) -> bool:
+    """One read of a weight (``kind``: "linear" or "embedding"): its format chosen and put on the weight's
+    record; a quantized read replaced by the dequantized parts. Returns whether it was."""
+    program = build.program
+    name, original = _original(program, const)
+    value = program.constant_value(const)
+    shape = tuple(value.shape)
+    names = _names(program, const, reader, name)
+    fmt, why = _choose(rules, names, shape)
+    record = result.weights.get(name)
+    if record is None:
+        record = result.weights[name] = WeightRecord(
+            name, names, shape, fmt.name, why, original.numel() * original.element_size(), 0
+        )
+    elif fmt.name != record.format:
+        record.format, record.why = f"{record.format}+{fmt.name}", f"{record.why}; {why}"
+    record.names.extend(n for n in names if n not in record.names)
+    record.reads.append(reader.name)
+    if not fmt.quantized:
+        return False
+    if original.shape != value.shape:
+        raise PrecastError(
+            f"internal error in pass quantize_weights: {name} is {list(original.shape)} but read as "
+            f"{list(value.shape)}"
+        )
+    dt = value.dtype
+    parts = build.parts_of(const, name, original, fmt, dt)
+    if kind == "linear":
+        reader.replace_input_with(const, build.weight(reader, parts, fmt, dt, shape))
+    else:
+        rows = build.rows(reader, parts, fmt, dt, shape[1])
+        reader.replace_all_uses_with(rows)
+        program.graph.erase_node(reader)
+    _mark(reader if kind == "linear" else rows, name, fmt, why)
+    return True
+
+
+def _drop_unread(program: Program, touched: set[torch.fx.Node], result: QuantizeResult) -> None:
+    """The float constants no read uses any more, removed from the program (listed in ``result.dropped``)."""
     for const in touched:
         if not const.users:
             target = program.constant_target(const)
@@ -338,6 +360,10 @@ def quantize_weights(program: Program, rules: WeightRules) -> QuantizeResult:
             program.sources.pop(target, None)
             program.graph.erase_node(const)
             result.dropped.append(target)
+
+
+def _count_bytes(program: Program, result: QuantizeResult) -> None:
+    """Each weight's bytes after: its stored parts and any float copy of it still read."""
     stored = {}
     for node, spec in program.input_spec.items():
         value = program.constant_value(node) if spec.target else None
@@ -352,7 +378,6 @@ def quantize_weights(program: Program, rules: WeightRules) -> QuantizeResult:
         if record.weight in stored and record.weight not in still_float:
             still_float.append(record.weight)
         record.bytes_after = sum(stored.get(t, 0) for t in set(record.stored) | set(still_float))
-    return result
 
 
 def _mark(node: torch.fx.Node, weight: str, fmt: WeightFormat, why: str) -> None:

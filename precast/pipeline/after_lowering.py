@@ -33,7 +33,7 @@ from precast.pipeline.conversion import Conversion
 from precast.policy.auto import MARGIN
 from precast.policy.base import Decision
 from precast.policy.hooks import hook
-from precast.weights.streamed import stand_in
+from precast.weights.filled import stand_in
 
 MAX_DEVICE_FALLBACK_ROUNDS = 8
 

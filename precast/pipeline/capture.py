@@ -101,13 +101,30 @@ def capture(
                 "dynamic_shapes to torch.export.export instead"
             )
         return Captured(program_or_module)
-    if not isinstance(program_or_module, torch.nn.Module):
+    args, kwargs = _module_inputs(program_or_module, example_inputs)
+    ep, origin_of = _export_or_explain(
+        program_or_module, args, kwargs, dynamic_shapes, distinct_values, autocast
+    )
+    if autocast is not None:
+        for node in ep.graph.nodes:  # the top-level regions are the one the policy opened around the forward
+            if node.op == "call_function" and node.target is torch.ops.higher_order.wrap_with_autocast:
+                node.meta[POLICY_REGION] = True
+    ep = written_constants_as_buffers(ep)
+    held = {**ep.state_dict, **ep.constants}
+    origins = {fqn: origin_of[id(v)] for fqn, v in held.items() if id(v) in origin_of}
+    return Captured(ep, origins)
+
+
+def _module_inputs(module: object, example_inputs: Any) -> tuple[tuple, dict]:
+    """The example inputs to export ``module`` on, once what cannot be exported is refused (not a module, no
+    inputs, an ambient autocast)."""
+    if not isinstance(module, torch.nn.Module):
         raise PrecastError(
-            f"precast.convert takes a torch.export.ExportedProgram or an nn.Module, got {type(program_or_module).__name__}"
+            f"precast.convert takes a torch.export.ExportedProgram or an nn.Module, got {type(module).__name__}"
         )
     if example_inputs is None:
         raise PrecastError(
-            f"converting the module {type(program_or_module).__name__} needs example_inputs to export it; pass "
+            f"converting the module {type(module).__name__} needs example_inputs to export it; pass "
             "example_inputs=(x,) or export it yourself with torch.export.export"
         )
     args, kwargs = normalize_inputs(example_inputs)
@@ -117,33 +134,38 @@ def capture(
             "call it outside the autocast block and pass policy='torch' (and dtype=...) to get eager autocast "
             "semantics"
         )
-    name = type(program_or_module).__name__
+    return args, kwargs
+
+
+def _export_or_explain(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    dynamic_shapes: Any,
+    distinct_values: bool,
+    autocast: tuple[str, torch.dtype] | None,
+) -> tuple[ExportedProgram, dict[int, torch.Tensor]]:
+    """``_export``, its failure said in one line: autocast's when the forward exports without it, else the
+    export's, with how the example inputs bound to the forward."""
+    name = type(module).__name__
     try:
-        ep, origin_of = _export(program_or_module, args, kwargs, dynamic_shapes, distinct_values, autocast)
+        return _export(module, args, kwargs, dynamic_shapes, distinct_values, autocast)
     except PrecastError:
         raise
     except Exception as exc:
         first = first_line(exc)
         # blame autocast only when the forward exports without it: a forward that fails either way (example
         # inputs bound to the wrong parameters) is the export's failure, and says how the inputs were bound
-        if autocast is not None and _exports(program_or_module, args, kwargs, dynamic_shapes):
+        if autocast is not None and _exports(module, args, kwargs, dynamic_shapes):
             raise PrecastError(
                 f"policy='torch': {name} fails under eager torch.autocast({autocast[0]}, {autocast[1]}) itself "
                 f"while tracing: {first}; eager autocast has no result to reproduce (export it yourself and "
                 "convert with policy=None or 'rules')"
             ) from exc
         raise PrecastError(
-            f"torch.export.export failed on {name}: {first} ({binding(program_or_module, args, kwargs)}; fix the "
+            f"torch.export.export failed on {name}: {first} ({binding(module, args, kwargs)}; fix the "
             "export first: see https://pytorch.org/docs/stable/export.html)"
         ) from exc
-    if autocast is not None:
-        for node in ep.graph.nodes:  # the top-level regions are the one the policy opened around the forward
-            if node.op == "call_function" and node.target is torch.ops.higher_order.wrap_with_autocast:
-                node.meta[POLICY_REGION] = True
-    ep = written_constants_as_buffers(ep)
-    held = {**ep.state_dict, **ep.constants}
-    origins = {fqn: origin_of[id(v)] for fqn, v in held.items() if id(v) in origin_of}
-    return Captured(ep, origins)
 
 
 POLICY_REGION = "precast_policy_region"

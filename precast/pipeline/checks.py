@@ -27,10 +27,10 @@ from precast.dtypes import long_name
 from precast.errors import first_line, where
 from precast.ir.diagnostics import DiagnosticLog, raise_errors, record
 from precast.ir.inputs import normalize_inputs
+from precast.ir.program import program_devices
 from precast.pipeline.dtype_reads import (  # noqa: F401 - the checks' callers import them from here
     check_dtype_reads,
     dtype_reads_at_export,
-    program_device_types,
     shared_noop_conversions,
 )
 
@@ -83,7 +83,8 @@ def check_unused_enabled_inputs(ep: ExportedProgram, regions: list, rep: Diagnos
 
 
 def check_noop_regions(ep: ExportedProgram, regions: list, rep: DiagnosticLog) -> None:
-    devices = program_device_types(ep)
+    constants, inputs = program_devices(ep)  # every constant at its device, streamed ones at meta
+    devices = set(constants + inputs) or {"cpu"}
     for r in regions:
         if r.device_type in devices:
             continue

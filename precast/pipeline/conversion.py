@@ -30,7 +30,7 @@ from precast.pipeline.capture import capture, policy_region
 from precast.pipeline.options import CheckedOptions
 from precast.policy.base import Policy
 from precast.policy.hooks import Binding, hook
-from precast.weights.files import weightless
+from precast.weights.files import without_weights
 
 Inputs = tuple[tuple, dict]  # (args, kwargs)
 
@@ -121,7 +121,7 @@ def begin(
     policy object (or None); ``options``: what ``ConvertOptions.check`` returned."""
     given, low = options.given, options.low
     if options.files is not None:  # weights= : the program's constants found in the files become meta tensors
-        source = weightless(source, options.files)  # type: ignore[arg-type]
+        source = without_weights(source, options.files)  # type: ignore[arg-type]
     device_type = given.device_type or (hook(policy, "device_type") if policy is not None else None)
     under_autocast = policy is not None and hook(policy, "capture_under_autocast")
     region = policy_region(source, under_autocast, device_type, low)

@@ -21,21 +21,8 @@ from torch.export import ExportedProgram
 from precast.dtypes import long_name
 from precast.errors import user_source_code, user_source_line, where
 from precast.ir.diagnostics import DiagnosticLog, record
+from precast.ir.program import program_devices
 from precast.policy.torch_tables import Category, category
-
-
-def program_device_types(ep: ExportedProgram) -> set[str]:
-    """The device types of the program's inputs and weights (cpu when it has none)."""
-    out = set()
-    for n in ep.graph.nodes:
-        val = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(val, torch.Tensor):
-            out.add(val.device.type)
-    for v in list(ep.state_dict.values()) + list(ep.constants.values()):
-        if isinstance(v, torch.Tensor):
-            out.add(v.device.type)
-    return out or {"cpu"}
-
 
 # conversions whose target dtype is written into the graph (``x.to(input_dtype)`` records the dtype it read);
 # ``type_as`` reads its other tensor when it runs and is not one of them
@@ -124,7 +111,8 @@ def _target_dtype(node: torch.fx.Node) -> torch.dtype | None:
 
 
 def _autocast_device(ep: ExportedProgram) -> str:
-    devices = program_device_types(ep)
+    constants, inputs = program_devices(ep)
+    devices = set(constants) | set(inputs)
     return "cuda" if "cuda" in devices else "cpu"
 
 

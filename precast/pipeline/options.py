@@ -59,8 +59,8 @@ class ConvertOptions:
 
     @classmethod
     def from_keywords(cls, given: Mapping[str, Any]) -> ConvertOptions:
-        """The record from ``convert``'s keywords (a mapping of name -> value, bound by convert's declared
-        signature): the rules keywords picked by ``RulesPolicy``'s field names, the rest by this record's; a
+        """The record from ``convert``'s keywords (the mapping of name -> value ``convert`` writes out from its
+        parameters): the rules keywords picked by ``RulesPolicy``'s field names, the rest by this record's; a
         name that is neither is an error here, never silently dropped."""
         own = {f.name for f in dataclasses.fields(cls)} - {"rules"}
         unknown = set(given) - own - set(RULE_OPTIONS)

@@ -14,6 +14,7 @@ and diagnostics (``not-bitwise`` where bitwise was promised, ``measured-error`` 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
@@ -63,6 +64,23 @@ def reference_module(ep: ExportedProgram) -> torch.nn.Module:
     return strip_dtype_asserts(ep.module())
 
 
+@dataclass
+class _Verify:
+    """One verification's two sides and what its diagnostics need: the converted program, the reference
+    (``reference``: its kind, run on ``device`` in ``low``), the log, a run of the converted program to reuse."""
+
+    out: ExportedProgram
+    ep: ExportedProgram
+    rep: DiagnosticLog
+    reference: str
+    device: str
+    low: torch.dtype | None
+    original: torch.nn.Module | None
+    origins: dict[str, torch.Tensor]
+    ran: PyTree
+    promised: bool
+
+
 def verify_stage(
     out: ExportedProgram,
     ep: ExportedProgram,
@@ -81,19 +99,43 @@ def verify_stage(
     writes: neither the caller's module or program nor the returned program changes. ``reference``:
     "autocast" (eager autocast, promised bitwise: a difference is a warning), "program" (the unconverted
     program, promised bitwise) or "measured" (the unconverted program; the difference is information: rules,
-    auto, a policy of the user's; ``precast.policy.hooks.PolicyHooks.reference``). ``ran``: the converted program's outputs on the
-    example inputs when the device check already ran it there (``after_lowering.device_fallback``): not run
-    again. ``origins``: the caller's tensor behind each constant of ``ep`` exported from ``original``
-    (``capture.Captured.origins``), where the reference run swaps in its private copies. ``promised=False`` (caches held in a low dtype: ``cache_dtype=``): a difference from the reference is
-    the measured error of that choice, not a broken promise.
+    auto, a policy of the user's; ``precast.policy.hooks.PolicyHooks.reference``). ``ran``: the converted
+    program's outputs on the example inputs when the device check already ran it there
+    (``after_lowering.device_fallback``): not run again. ``origins``: the caller's tensor behind each constant
+    of ``ep`` exported from ``original`` (``capture.Captured.origins``), where the reference run swaps in its
+    private copies. ``promised=False`` (caches held in a low dtype: ``cache_dtype=``): a difference from the
+    reference is the measured error of that choice, not a broken promise.
     Returns the verification record ({} when it could not run; a diagnostic says why)."""
+    example = _example_batch(ep, rep, inputs)
+    if example is None:
+        return {}
+    check = _Verify(out, ep, rep, reference, device, low, original, origins or {}, ran, promised)
+    batches = [example]
+    second = _second_batch(ep, *example)
+    if second is not None:
+        batches.append(second)  # a dynamic batch dim: a program narrowed to the example size fails here
+    compared = _compare_batches(check, batches)
+    if compared is None:
+        return {}
+    results, name = compared
+    verification = _with_second_batch(results, batches)
+    if not verification["bitwise"]:
+        _record_difference(check, verification, results, batches, name)
+    return verification
+
+
+def _example_batch(
+    ep: ExportedProgram, rep: DiagnosticLog, inputs: tuple[tuple, dict] | None
+) -> tuple[tuple, dict] | None:
+    """The example inputs verification runs on, or None (a ``verification-skipped`` warning says why: there
+    are none, or they are on a device this machine does not have)."""
     if inputs is None and ep.example_inputs is None:
         diagnostics.record(
             rep,
             "verification-skipped",
             "not verified: the program has no example inputs; pass example_inputs=(x,) to convert",
         )
-        return {}
+        return None
     args, kwargs = inputs if inputs is not None else normalize_inputs(ep.example_inputs)
     if (
         any(
@@ -107,36 +149,46 @@ def verify_stage(
             "not verified: the example inputs are on a device this machine does not have; run precast check "
             "on a machine with it",
         )
-        return {}
-    batches = [(args, kwargs)]
-    second = _second_batch(ep, args, kwargs)
-    if second is not None:
-        batches.append(second)  # a dynamic batch dim: a program narrowed to the example size fails here
+        return None
+    return args, kwargs
+
+
+def _compare_batches(check: _Verify, batches: list[tuple[tuple, dict]]) -> tuple[list[dict], str] | None:
+    """Each batch through the converted program and the reference: one comparison per batch, and the
+    reference's name; None when a side cannot run (an error raised, or a diagnostic says why)."""
     results = []
     for i, (a, k) in enumerate(batches):
         # fresh private copies of the written state for each run, on both sides
-        if i == 0 and ran is not None:
-            module, got = None, ran
+        if i == 0 and check.ran is not None:
+            module, got = None, check.ran
         else:
-            module = private_state(out).module()  # unlifted once per run
-            ok, got = checks.run_checked(module, a, k, rep)
+            module = private_state(check.out).module()  # unlifted once per run
+            ok, got = checks.run_checked(module, a, k, check.rep)
             if not ok:
-                diagnostics.raise_errors(rep)
-                return {}  # allowed: the program fails on this device, so there is nothing to compare
-        ref, name = _reference(ep, reference, device, low, original, origins or {})
+                diagnostics.raise_errors(check.rep)
+                return None  # allowed: the program fails on this device, so there is nothing to compare
+        ref, name = _reference(
+            check.ep, check.reference, check.device, check.low, check.original, check.origins
+        )
         try:
             with torch.no_grad():
                 want = ref(*a, **k)
         except Exception as exc:  # noqa: BLE001 - the reference's own failure is reported, not raised raw
             diagnostics.record(
-                rep,
+                check.rep,
                 "verification-skipped",
                 f"not verified: {name} itself fails on the example inputs ({type(exc).__name__}: "
                 f"{first_line(exc)}); the converted program ran, there is nothing to compare it with",
             )
-            return {}
+            return None
         converted = module if got is None else (lambda *_a, _got=got, **_k: _got)
         results.append(compare(converted, lambda *_a, _w=want, **_k: _w, a, k, reference_name=name))
+    return results, name
+
+
+def _with_second_batch(results: list[dict], batches: list[tuple[tuple, dict]]) -> dict:
+    """The verification record: the example batch's comparison, with the second batch's (when dynamic) under
+    ``second_batch``; a second batch that alone differs makes the whole record not bitwise."""
     verification = results[0]
     if len(results) > 1:
         size = _batch_size(batches[1])
@@ -144,28 +196,34 @@ def verify_stage(
         if not results[1]["bitwise"] and results[0]["bitwise"]:
             verification["bitwise"] = False
             verification["verdict"] = f"at batch {size}: {results[1]['verdict']}"
-    if verification["bitwise"]:
-        return verification
+    return verification
+
+
+def _record_difference(
+    check: _Verify, verification: dict, results: list[dict], batches: list[tuple[tuple, dict]], name: str
+) -> None:
+    """The diagnostic for outputs that differ from the reference ``name``: torch.export's own difference from
+    eager (``export_baseline`` added to the record), a broken promise (``not-bitwise``), or information
+    (``measured-error``)."""
     baseline = (
-        _export_baseline(out, ep, batches)
-        if reference == "autocast" and original is not None and promised
+        _export_baseline(check.out, check.ep, batches)
+        if check.reference == "autocast" and check.original is not None and check.promised
         else None
     )
     if baseline is not None:
         baseline["export_vs_eager"] = max(r["max_abs"] for r in results)
         verification["export_baseline"] = baseline
         diagnostics.record(
-            rep,
+            check.rep,
             "export-differs-from-eager",
             f"outputs are bitwise the exported program; torch.export's record of the forward itself differs from "
             f"{name} by {baseline['export_vs_eager']:.3g} ({verification['verdict']} here)",
         )
-    elif reference in ("program", "autocast") and promised:
-        diagnostics.record(rep, "not-bitwise", f"outputs differ from {name}: {verification['verdict']}")
+    elif check.reference in ("program", "autocast") and check.promised:
+        diagnostics.record(check.rep, "not-bitwise", f"outputs differ from {name}: {verification['verdict']}")
     else:
         # nobody promised rules (or a policy of the user's) are bitwise: the measured difference is information
-        diagnostics.record(rep, "measured-error", f"outputs vs {name}: {verification['verdict']}")
-    return verification
+        diagnostics.record(check.rep, "measured-error", f"outputs vs {name}: {verification['verdict']}")
 
 
 def _export_baseline(out: ExportedProgram, ep: ExportedProgram, batches: list) -> dict | None:

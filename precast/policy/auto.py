@@ -32,7 +32,7 @@ from precast.policy.rules.table import Rule, RuleCall, keep_rules, rule
 from precast.policy.rules.taxonomy import op_kind, op_name
 
 if TYPE_CHECKING:
-    from precast.numerics.calibration import Calibration
+    from precast.policy.measurements import Calibration
 
 # the families auto measures (precast.ir.op_families); other ops follow their inputs
 MEASURED_OPS = MATMUL_OPS | CONV_OPS | ATTENTION_OPS

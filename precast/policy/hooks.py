@@ -21,8 +21,7 @@ from precast.ir.program import Program
 from precast.policy.base import Decision, Policy
 
 if TYPE_CHECKING:
-    from precast.numerics.calibration import Calibration
-    from precast.numerics.tolerance_search import ToleranceResult
+    from precast.policy.measurements import Calibration, ToleranceResult
 
 
 class PolicyHooks:

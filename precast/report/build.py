@@ -22,11 +22,11 @@ from precast.ir import diagnostics
 from precast.ir.diagnostics import Diagnostic
 from precast.ir.graph import constant_bytes, is_cast
 from precast.ir.program import META_KEY, Program
-from precast.numerics.calibration import Calibration
 from precast.numerics.tolerance import tolerance_check
 from precast.passes.quantize import is_dequant
 from precast.passes.runner import timed
 from precast.pipeline.conversion import Conversion
+from precast.policy.measurements import Calibration
 from precast.policy.rules.options import RuleOptions
 from precast.report.model import CastRecord, NodeRecord, Report, json_finite
 

@@ -19,6 +19,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from precast.errors import PrecastError
+from precast.ir.mutation import aliased_input
 
 _INDEX_WRITES = {
     # op -> (argument holding the destination, how to find the indexed dimension and its index tensor)
@@ -76,12 +77,13 @@ def cache_positions(ep: ExportedProgram) -> dict[str, int]:
 
 
 def _storage_root(node: Any) -> Any:
-    """Follow views (schema ``Tensor(a)`` returns) back to the value that owns the storage."""
-    while isinstance(node, torch.fx.Node) and node.op == "call_function":
-        schema = getattr(node.target, "_schema", None)
-        if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+    """Follow views and in-place ops back to the value that owns the storage (``ir.mutation``'s storage root:
+    each step its ``aliased_input``)."""
+    while isinstance(node, torch.fx.Node):
+        source = aliased_input(node)
+        if source is None:
             break
-        node = node.args[0]
+        node = source
     return node
 
 

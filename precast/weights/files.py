@@ -6,14 +6,14 @@ them with no values (its constants meta tensors).
 headers; ``read(name)`` copies one tensor in and closes the file again, so nothing stays mapped. The files are
 parsed by the safetensors library (no pickle, bounds checked); the index is JSON naming files inside the folder.
 
-``weightless(ep, files)`` is a copy of a program whose constants found in the files are meta tensors (shape and
+``without_weights(ep, files)`` is a copy of a program whose constants found in the files are meta tensors (shape and
 dtype checked against the file), so a conversion decides on the graph alone. It keeps real values only where the
 program needs them: the constants it writes (a KV cache saved with the weights) and one-element constants (an
 epsilon the rules read), both read from the files; constants absent from the files must hold values of their own
 (a rotary table made at construction), else a one-line error lists them. A program exported with fake weights
 (under ``FakeTensorMode``) or with meta weights is accepted as it is: its constants never held values.
 
-Input: a folder or file path; an ExportedProgram. Output: ``WeightFiles``; ``weightless`` -> ExportedProgram.
+Input: a folder or file path; an ExportedProgram. Output: ``WeightFiles``; ``without_weights`` -> ExportedProgram.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import ExportedProgram
 
 from precast.dtypes import absmax
 from precast.errors import NAMES_SHOWN, PrecastError, first_line, name_list
 from precast.io import SAFETENSORS_DTYPES
+from precast.ir.fake import has_data
 from precast.ir.program import CONSTANT_KINDS, written_targets
 
 INDEX = "model.safetensors.index.json"
@@ -47,11 +47,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if not n:
         return memoryview(b"")
     return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
-
-
-def has_values(t: object) -> bool:
-    """Whether ``t`` is a tensor holding data (not meta, not a fake tensor)."""
-    return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.device.type != "meta"
 
 
 class WeightFiles:
@@ -289,19 +284,37 @@ def _like(value: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     return real
 
 
-def weightless(ep: ExportedProgram, files: WeightFiles) -> ExportedProgram:
+def without_weights(ep: ExportedProgram, files: WeightFiles) -> ExportedProgram:
     """``ep`` with the constants found in ``files`` as meta tensors (see the module docstring)."""
     read = {s.target for s in ep.graph_signature.input_specs if s.kind in CONSTANT_KINDS}
     files.match(sorted(read))
     written = written_targets(ep)
-    problems, missing = [], []
     stores: list[dict[str, object]] = [dict(ep.state_dict), dict(ep.constants)]
+    problems, missing = _values_dropped(stores, files, read, written)
+    found = sum(name in files for store in stores for name in store)
+    _refuse_misfit(files, found, problems, missing)
+    out = copy.copy(ep)
+    out._state_dict, out._constants = stores
+    if ep.example_inputs is not None and not all(
+        has_data(t) for t in torch.utils._pytree.tree_leaves(ep.example_inputs) if isinstance(t, torch.Tensor)
+    ):
+        out._example_inputs = None  # fake example inputs of a weightless export: nothing to run on
+    return out
+
+
+def _values_dropped(
+    stores: list[dict[str, object]], files: WeightFiles, read: set[str], written: set[str]
+) -> tuple[list[str], list[str]]:
+    """Each constant of ``stores`` the files hold made a meta tensor in place (real values read for the state the
+    program writes and for one-element constants); returns the shape or dtype mismatches and the constants the
+    program reads that hold no value and are not in the files."""
+    problems, missing = [], []
     for store in stores:
         for name, value in store.items():
             if not isinstance(value, torch.Tensor):
                 continue
             if name not in files:
-                if not has_values(value):
+                if not has_data(value):
                     if name in read:
                         missing.append(name)
                     else:
@@ -317,7 +330,12 @@ def weightless(ep: ExportedProgram, files: WeightFiles) -> ExportedProgram:
                 store[name] = _like(value, files.read(name))  # written state and scalars: real values
             else:
                 store[name] = as_meta(value)
-    found = sum(name in files for store in stores for name in store)
+    return problems, missing
+
+
+def _refuse_misfit(files: WeightFiles, found: int, problems: list[str], missing: list[str]) -> None:
+    """One line when the files do not fit the program (``found`` of its constants in them): another model's,
+    other shapes or dtypes, or constants the program reads with a value nowhere."""
     if not found:
         raise PrecastError(
             f"weights {files.path}: these files belong to another model: none of its {len(files.where)} tensors is "
@@ -349,15 +367,6 @@ def weightless(ep: ExportedProgram, files: WeightFiles) -> ExportedProgram:
     if problems:
         more = f" ... ({len(problems)} problems in all)" if len(problems) > NAMES_SHOWN else ""
         raise PrecastError(f"weights {files.path}: {'; '.join(problems[:NAMES_SHOWN])}{more}")
-    out = copy.copy(ep)
-    out._state_dict, out._constants = stores
-    if ep.example_inputs is not None and not all(
-        has_values(t)
-        for t in torch.utils._pytree.tree_leaves(ep.example_inputs)
-        if isinstance(t, torch.Tensor)
-    ):
-        out._example_inputs = None  # fake example inputs of a weightless export: nothing to run on
-    return out
 
 
 def streamed_targets(ep: ExportedProgram) -> list[str]:
@@ -366,5 +375,5 @@ def streamed_targets(ep: ExportedProgram) -> list[str]:
         name
         for store in (ep.state_dict, ep.constants)
         for name, v in store.items()
-        if isinstance(v, torch.Tensor) and not has_values(v)
+        if isinstance(v, torch.Tensor) and not has_data(v)
     )

@@ -24,16 +24,12 @@ import torch
 from torch.export import ExportedProgram
 
 from precast.errors import NAMES_SHOWN, PrecastError, name_list
-from precast.weights.files import WeightFiles, has_values
+from precast.ir.fake import lacks_data
+from precast.weights.files import WeightFiles
 
 # the reader is precast.weights.files' (conversion streams the same files): one file or a folder of shards, headers
 # checked by the safetensors library, an index naming only files inside its folder, tensors read one at a time
 SafetensorsSource = WeightFiles
-
-
-def is_fake(value: object) -> bool:
-    """A tensor without data: on the meta device or a FakeTensor (a program converted with streamed weights)."""
-    return isinstance(value, torch.Tensor) and not has_values(value)
 
 
 def tensor_constants(ep: ExportedProgram) -> dict[str, torch.Tensor]:
@@ -80,7 +76,7 @@ def with_placeholders(ep: ExportedProgram, device: str) -> ExportedProgram:
     of an untouched ``torch.empty`` are never made resident."""
 
     def real(v: object) -> object:
-        if not is_fake(v):
+        if not lacks_data(v):
             return v
         t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
         return torch.nn.Parameter(t, requires_grad=False) if isinstance(v, torch.nn.Parameter) else t

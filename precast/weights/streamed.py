@@ -10,8 +10,8 @@ each tensor's bytes in header order; the result is read back by ``safetensors`` 
 written beside the target under a temporary name and renamed into place: never a partial output, never the
 input folder.
 
-Also ``stand_in(ep)``: the program with each value-less constant a zero broadcast to its shape (no memory), for
-the device check, which needs kernels to run, not values.
+``stand_in`` and ``with_weights`` (the program made runnable without or with its streamed values) are
+``precast.weights.filled``.
 
 Input: the converted ExportedProgram, the ``WeightFiles`` it was converted from, the output folder. Output: the
 report's ``weights`` record (files, bytes read and written, values clamped).
@@ -20,7 +20,6 @@ report's ``weights`` record (files, bytes read and written, values clamped).
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import re
@@ -29,28 +28,38 @@ import shutil
 import stat
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch.export import ExportedProgram
 
-from precast.errors import NAMES_SHOWN, PrecastError, name_list
+from precast.errors import PrecastError
 from precast.io import safetensors_header
 from precast.ir.program import constant_sources
 from precast.ir.weight_formats import quantized_part
 from precast.passes.fold import cast_constant
 from precast.progress import ProgressBar
-from precast.weights.files import INDEX, WeightFiles, has_values, streamed_targets, tensor_bytes
+from precast.weights.files import INDEX, WeightFiles, streamed_targets, tensor_bytes
 
 
-def _plan(
-    ep: ExportedProgram, files: WeightFiles
-) -> dict[Path, list[tuple[str, str, torch.dtype, tuple, str | None]]]:
-    """input shard -> [(stored name, original name, stored dtype, shape, derive)] for every value-less constant
-    (``derive``: the part of a weight stored in 8/4 bits, ``ConstantSource.derive``)."""
+class _Streamed(NamedTuple):
+    """One value-less constant to write: its stored name, the original weight it comes from, its stored dtype and
+    shape, and ``derive`` (the part of a weight stored in 8/4 bits, ``ConstantSource.derive``; else None)."""
+
+    stored: str
+    original: str
+    dtype: torch.dtype
+    shape: tuple
+    derive: str | None
+
+
+def _tensors_by_shard(ep: ExportedProgram, files: WeightFiles) -> dict[Path, list[_Streamed]]:
+    """input shard -> the value-less constants of ``ep`` whose original weights it holds."""
     sources = constant_sources(ep)
     values = {**ep.state_dict, **ep.constants}
-    plan: dict[Path, list[tuple[str, str, torch.dtype, tuple, str | None]]] = {}
+    by_shard: dict[Path, list[_Streamed]] = {}
     for stored in streamed_targets(ep):
         src = sources.get(stored)
         original = src.original if src is not None else stored
@@ -60,10 +69,10 @@ def _plan(
             )
         v = values[stored]
         derive = src.derive if src is not None else None  # a quantized weight's part (weight_format=)
-        plan.setdefault(files.file_of(original), []).append(
-            (stored, original, v.dtype, tuple(v.shape), derive)
+        by_shard.setdefault(files.file_of(original), []).append(
+            _Streamed(stored, original, v.dtype, tuple(v.shape), derive)
         )
-    return plan
+    return by_shard
 
 
 def resolved(path: str | os.PathLike) -> Path:
@@ -131,76 +140,106 @@ def write_weights(
 ) -> dict:
     """Write the weights ``ep`` holds no values for into ``out_dir`` (see the module docstring)."""
     out = check_weights_out(files, out_dir)
-    plan = _plan(ep, files)
+    by_shard = _tensors_by_shard(ep, files)
     out.parent.mkdir(parents=True, exist_ok=True)
     stale = remove_stale(out.parent)  # what a conversion killed outright (SIGKILL, power loss) left here
     with _work_folder(out.parent, out.name) as tmp:
-        record = _write(ep, files, plan, tmp, out, out_dir, progress)
+        record = _write(files, by_shard, tmp, out, out_dir, progress)
     record["stale_removed"] = stale
     return record
 
 
+@dataclass
+class _Written:
+    """What the shards written so far hold: the report's record (counts and bytes), the values clamped per
+    tensor, and the index's map (stored name -> shard)."""
+
+    record: dict[str, Any]
+    clamped: dict[str, int] = field(default_factory=dict)
+    weight_map: dict[str, str] = field(default_factory=dict)
+
+
 def _write(
-    ep: ExportedProgram,
     files: WeightFiles,
-    plan: dict[Path, list[tuple[str, str, torch.dtype, tuple, str | None]]],
+    by_shard: dict[Path, list[_Streamed]],
     tmp: Path,
     out: Path,
     out_dir: str | os.PathLike,
     progress: bool | None,
 ) -> dict:
     """The shards and the index written into ``tmp``, then renamed to ``out``."""
-    record = {
-        "source": str(files.path.absolute()),
-        "output": str(out),
-        "files": 0,
-        "tensors": 0,
-        "bytes_read": 0,
-        "bytes_written": 0,
-    }
-    clamped: dict[str, int] = {}
-    weight_map: dict[str, str] = {}
+    written = _Written(
+        {
+            "source": str(files.path.absolute()),
+            "output": str(out),
+            "files": 0,
+            "tensors": 0,
+            "bytes_read": 0,
+            "bytes_written": 0,
+        }
+    )
+    record = written.record
     start = time.perf_counter()
-    total = sum(len(v) for v in plan.values())
+    total = sum(len(v) for v in by_shard.values())
     with ProgressBar(f"writing weights to {out.name}", total, progress) as bar:
-        for shard, entries in sorted(plan.items()):
+        for shard, entries in sorted(by_shard.items()):
             entries.sort()
             name = shard.name if shard.suffix == ".safetensors" else "model.safetensors"
-            with open(tmp / name, "wb") as f:
-                f.write(
-                    safetensors_header(
-                        [(stored, dtype, shape) for stored, _o, dtype, shape, _d in entries],
-                        {"format": "pt", "written_by": "precast"},
-                        str(out / name),
-                    )
-                )
-                for stored, original, dtype, shape, derive in entries:
-                    value = files.read(original)
-                    record["bytes_read"] += value.numel() * value.element_size()
-                    if derive is not None:  # one part of a weight stored in 8/4 bits, from the original
-                        low, n = quantized_part(value, derive).to(dtype), 0
-                    else:
-                        low, n = cast_constant(value, dtype) if value.dtype != dtype else (value, 0)
-                    del value
-                    if n:
-                        clamped[stored] = n
-                    low = low.contiguous()
-                    if tuple(low.shape) != shape:
-                        raise PrecastError(
-                            f"internal: {stored} is {list(low.shape)}, the program says {list(shape)}"
-                        )
-                    f.write(tensor_bytes(low))
-                    record["bytes_written"] += low.numel() * low.element_size()
-                    weight_map[stored] = name
-                    bar.advance()
-                f.flush()
-                os.fsync(f.fileno())
+            _write_shard(files, entries, tmp / name, str(out / name), written, bar)
             record["files"] += 1
         index = {
             "metadata": {"total_size": record["bytes_written"], "written_by": "precast"},
-            "weight_map": dict(sorted(weight_map.items())),
+            "weight_map": dict(sorted(written.weight_map.items())),
         }
         (tmp / INDEX).write_text(json.dumps(index, indent=2))
+    _publish(files, tmp, out, out_dir)
+    record["tensors"] = len(written.weight_map)
+    record["clamped"] = written.clamped
+    record["seconds"] = round(time.perf_counter() - start, 3)
+    return record
+
+
+def _write_shard(
+    files: WeightFiles, entries: list[_Streamed], path: Path, where: str, written: _Written, bar: ProgressBar
+) -> None:
+    """One output shard: the safetensors header, then each tensor read, cast and written in header order."""
+    with open(path, "wb") as f:
+        f.write(
+            safetensors_header(
+                [(e.stored, e.dtype, e.shape) for e in entries],
+                {"format": "pt", "written_by": "precast"},
+                where,
+            )
+        )
+        for e in entries:
+            low = _converted(files, e, written)
+            f.write(tensor_bytes(low))
+            written.record["bytes_written"] += low.numel() * low.element_size()
+            written.weight_map[e.stored] = path.name
+            bar.advance()
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _converted(files: WeightFiles, e: _Streamed, written: _Written) -> torch.Tensor:
+    """The stored value of ``e``: its original read and cast (fp16's range clamped, counted) or quantized."""
+    value = files.read(e.original)
+    written.record["bytes_read"] += value.numel() * value.element_size()
+    if e.derive is not None:  # one part of a weight stored in 8/4 bits, from the original
+        low, n = quantized_part(value, e.derive).to(e.dtype), 0
+    else:
+        low, n = cast_constant(value, e.dtype) if value.dtype != e.dtype else (value, 0)
+    del value
+    if n:
+        written.clamped[e.stored] = n
+    low = low.contiguous()
+    if tuple(low.shape) != e.shape:
+        raise PrecastError(f"internal: {e.stored} is {list(low.shape)}, the program says {list(e.shape)}")
+    return low
+
+
+def _publish(files: WeightFiles, tmp: Path, out: Path, out_dir: str | os.PathLike) -> None:
+    """The written folder renamed into place, once the output is checked again (a link swapped meanwhile)."""
     # checked again just before the rename: a symlink swapped in meanwhile is refused, not followed
     if check_weights_out(files, out_dir) != out:
         raise PrecastError(
@@ -208,10 +247,6 @@ def _write(
             "writing); nothing was written"
         )
     _replace_dir(tmp, out)
-    record["tensors"] = len(weight_map)
-    record["clamped"] = clamped
-    record["seconds"] = round(time.perf_counter() - start, 3)
-    return record
 
 
 # the marker of a folder precast is writing (JSON: written_by, pid) and the lock its writer holds until done; a
@@ -319,55 +354,3 @@ def _ours(folder: Path) -> bool:
     return ours and all(
         e.is_file() and (e.suffix == ".safetensors" or e.name in (INDEX, MARK, LOCK)) for e in entries
     )
-
-
-def stand_in(ep: ExportedProgram) -> ExportedProgram:
-    """``ep`` with each value-less constant a zero of its dtype broadcast to its shape: runnable, no memory."""
-
-    def zero(v: torch.Tensor) -> torch.Tensor:
-        z = torch.zeros((), dtype=v.dtype).expand(v.shape)
-        return torch.nn.Parameter(z, requires_grad=False) if isinstance(v, torch.nn.Parameter) else z
-
-    out = copy.copy(ep)
-    out._state_dict = {k: v if has_values(v) else zero(v) for k, v in ep.state_dict.items()}
-    out._constants = {
-        k: v if not isinstance(v, torch.Tensor) or has_values(v) else zero(v) for k, v in ep.constants.items()
-    }
-    return out
-
-
-def with_weights(ep: ExportedProgram, weights: str | os.PathLike) -> ExportedProgram:
-    """``ep`` (converted with streamed weights, or exported without them) with its value-less constants read
-    from ``weights`` (a folder of shards or one file, names as the program stores them, dtypes and shapes
-    checked): a program that runs eagerly (``.module()``), saves with its weights, or goes to another backend."""
-    files = WeightFiles(weights)
-    targets = streamed_targets(ep)
-    files.match(targets)
-    missing, problems = [], []
-    values: dict[str, torch.Tensor] = {}
-    for name in targets:
-        v = {**ep.state_dict, **ep.constants}[name]
-        if name not in files:
-            missing.append(name)
-            continue
-        shape, dtype = files.shape_dtype(name)
-        if shape != tuple(v.shape) or dtype != v.dtype:
-            problems.append(
-                f"{name} is {dtype} {list(shape)} in the files, {v.dtype} {list(v.shape)} in the program"
-            )
-            continue
-        t = files.read(name)
-        values[name] = torch.nn.Parameter(t, requires_grad=False) if isinstance(v, torch.nn.Parameter) else t
-    if missing:
-        problems.insert(0, f"missing {len(missing)}: {name_list(missing)}")
-    if problems:
-        another = "these files belong to another model; " if len(missing) * 2 > len(targets) else ""
-        more = f" ... ({len(problems)} problems in all)" if len(problems) > NAMES_SHOWN else ""
-        raise PrecastError(
-            f"weights {files.path}: {another}pass the folder precast.convert wrote for this program: "
-            f"{'; '.join(problems[:NAMES_SHOWN])}{more}"
-        )
-    out = copy.copy(ep)
-    out._state_dict = {k: values.get(k, v) for k, v in ep.state_dict.items()}
-    out._constants = {k: values.get(k, v) for k, v in ep.constants.items()}
-    return out

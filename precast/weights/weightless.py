@@ -24,8 +24,9 @@ from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
 from precast.errors import PrecastError, first_line
+from precast.ir.fake import has_data
 from precast.threads import TORCH_LOCK
-from precast.weights.files import as_meta, has_values
+from precast.weights.files import as_meta
 
 
 @contextlib.contextmanager
@@ -78,7 +79,7 @@ def export_weightless(
                         module._parameters[name] = torch.nn.Parameter(fake, requires_grad=p.requires_grad)
                 for module in model.modules():
                     for name, b in list(module._buffers.items()):
-                        if b is not None and not has_values(b):
+                        if b is not None and not has_data(b):
                             saved.append((module._buffers, name, b))
                             module._buffers[name] = torch.empty_strided(
                                 b.shape, b.stride(), dtype=b.dtype, device=device
@@ -101,10 +102,10 @@ def export_weightless(
     out._state_dict = {k: _meta(v) for k, v in ep.state_dict.items()}
     out._constants = {k: _meta(v) if isinstance(v, torch.Tensor) else v for k, v in ep.constants.items()}
     # the caller's own inputs (small: token ids) stay the program's example inputs, as torch.export keeps them
-    real = all(has_values(t) for t in tensors)
+    real = all(has_data(t) for t in tensors)
     out._example_inputs = (tuple(args), kwargs) if real else None
     return out
 
 
 def _meta(v: torch.Tensor) -> torch.Tensor:
-    return v if has_values(v) else as_meta(v, requires_grad=False)
+    return v if has_data(v) else as_meta(v, requires_grad=False)

@@ -33,6 +33,7 @@ LAYERS = (
             "threads",
             "cpu",
             "version",
+            "optional",
         ),
     ),
     ("ir", ("ir",)),

@@ -114,12 +114,11 @@ def test_bad_backend_and_missing_source(tmp_path, capsys):
 
 def test_missing_backend_package_names_the_extra(programs, tmp_path, capsys, monkeypatch):
     """A backend module that cannot be imported (its engine not installed) is one line naming the pip extra."""
-    for module, extra in (
-        ("precast.backends.executorch", "executorch"),
-        ("precast.backends.onnx.export", "onnx"),
+    for module, backend, extra in (
+        ("precast.backends.executorch", "executorch", "executorch"),
+        ("precast.backends.onnx.export", "onnx", "onnx"),
     ):
         monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
-        backend = module.rsplit(".", 1)[1]
         out = tmp_path / f"m.{'pte' if backend == 'executorch' else 'onnx'}"
         code, err = run(capsys, str(programs / "mlp.pt2"), "--backend", backend, "-o", str(out))
         assert code == 2

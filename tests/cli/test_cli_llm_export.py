@@ -334,15 +334,13 @@ def test_gguf_without_its_packages_is_one_line(checkpoint, tmp_path, monkeypatch
 
 
 def test_openvino_missing_is_one_line_before_the_model_loads(checkpoint, tmp_path, monkeypatch, capsys):
-    from precast.backends.openvino import convert as openvino_convert
+    from precast.backends.openvino import convert as ov_convert
     from precast.errors import PrecastError
 
     def missing():
-        raise PrecastError(
-            f"OpenVINO is not installed (No module named 'openvino'); {openvino_convert.EXTRA}"
-        )
+        raise PrecastError(f"OpenVINO is not installed (No module named 'openvino'); {ov_convert.EXTRA}")
 
-    monkeypatch.setattr(openvino_convert, "require_openvino", missing)
+    monkeypatch.setattr(ov_convert, "require_openvino", missing)
     code, out, err = _run(capsys, checkpoint, "-o", tmp_path / "out", "--backend", "openvino")
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "--backend openvino: OpenVINO is not installed" in err and "precast[openvino]" in err

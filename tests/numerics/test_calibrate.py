@@ -13,8 +13,9 @@ import precast
 from precast.errors import PrecastError
 from precast.ir.program import Program
 from precast.numerics.calibrate import calibrate
-from precast.numerics.calibration import TOLERANCE_BATCHES, NodeStats
+from precast.numerics.calibration import TOLERANCE_BATCHES
 from precast.passes.regions import inline_regions
+from precast.policy.measurements import NodeStats
 
 
 class TupleOut(nn.Module):

@@ -13,7 +13,7 @@ from torch.export import Dim
 
 import precast
 from precast.errors import PrecastError
-from precast.policy.plan import op_keys
+from precast.policy.plan import load_plan, op_keys
 
 
 class Net(nn.Module):
@@ -112,3 +112,21 @@ def test_plan_refusals(tmp_path):
     bad.write_text('{"format": "precast-plan", "version": 1, "dtype": "bf16", "fp32": [{"module": "x"}]}')
     with pytest.raises(PrecastError, match="malformed plan entry"):
         precast.convert(Net().eval(), (X,), plan=str(bad))
+
+
+def test_cli_counts_the_plan_read_not_the_plan_written(original, tmp_path, capsys):
+    """``precast convert --plan P --write-plan W``: the "matched no op" warning counts P's ops against the ops P
+    decided; W (every op this conversion kept fp32, P's and the rules' own) is not what was applied."""
+    from precast.cli import main
+
+    _, ep, _, plan = original
+    one = dataclasses.replace(plan, fp32=plan.fp32[:1])
+    read, written, src = tmp_path / "p.json", tmp_path / "w.json", tmp_path / "m.pt2"
+    read.write_text(one.to_json(ep))
+    torch.export.save(ep, src)
+    args = ["convert", str(src), "-o", str(tmp_path / "o.pt2"), "--policy", "rules", "--dtype", "bf16"]
+    args += ["--exclude-ops", "aten.layer_norm"]  # the rules keep three ops of their own
+    assert main([*args, "--plan", str(read), "--write-plan", str(written)]) == 0
+    err = capsys.readouterr().err
+    assert len(load_plan(str(written)).fp32) > 1, "the plan written holds the rules' ops too"
+    assert "matched no op" not in err, err

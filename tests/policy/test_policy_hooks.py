@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 import precast
-from precast.numerics.calibration import Calibration
 from precast.policy.base import Decision
 from precast.policy.hooks import PolicyHooks, hook
+from precast.policy.measurements import Calibration
 from precast.policy.rules.taxonomy import casts_for, op_kind
 from tests.pipeline.test_device_fallback import WithFp32Only, _inputs
 

@@ -1,13 +1,14 @@
-"""Building, publishing and loading an AOTInductor cache entry for ``precast.compile`` (``backends/aoti/compiler.py``).
+"""Building and publishing an AOTInductor cache entry for ``precast.compile`` (``backends/aoti/compiler.py``;
+``load.py`` loads it).
 
-- ``build_locked``: compile ``program`` into a temporary folder under the key's file lock, write its manifest
-  (sha256 of the package, the compiled program's signature, the packed and folded plans, the constants'
-  layout) and rename it into place: an entry appears whole or not at all.
-- ``loader_constants``: the tensors the loader reads (the program's own, or those of ``weights=`` shards), plus
-  the packed copies and folded constants recomputed from them.
-- ``load_package``: load a package, its failure one line.
+- ``entry_manifest``: the entry's manifest, read if it is published and intact, else built.
+- ``build_locked``: compile the program (the int weights' rewrite applied, placeholders for streamed weights) into
+  a temporary folder under the key's file lock, write its manifest (sha256 of the package, the compiled program's
+  signature, the packed and folded plans, the constants' layout) and rename it into place: an entry appears
+  whole or not at all.
 
-Input: an ExportedProgram, its key and configs. Output: the entry's manifest; the loaded runner.
+Input: the program's facts and the compile's job (``facts.py``). Output: the entry's manifest and the seconds
+spent compiling.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from precast.backends.aoti.forms import Form
-from precast.backends.aoti.int_rewrite import inline_recipes
+from precast.backends.aoti.facts import CompileJob, ProgramFacts
+from precast.backends.aoti.int_rewrite import apply_int_weights, inline_recipes
+from precast.backends.aoti.load import load_package, loader_constants  # noqa: F401 - importable from here too
 from precast.backends.aoti.package_cache import (
     FORMAT,
     MANIFEST,
@@ -42,155 +44,161 @@ from precast.backends.aoti.package_cache import (
     write_durable,
 )
 from precast.backends.aoti.packed import (
-    gemm_pack,
     match_folded,
     match_packed,
-    recipe_sources,
     record_folded_constants,
     record_new_constants,
     record_scalar_constants,
-    replay,
 )
 from precast.errors import PrecastError, first_line
 from precast.io import check_space, file_lock
-from precast.ir.program import written_targets
 from precast.runtime.exported import dynamic_batch
 from precast.runtime.signature import ProgramSignature
 from precast.threads import TORCH_LOCK
-from precast.weights.sources import (
-    SafetensorsSource,
-    check_stored,
-    is_fake,
-    package_constants,
-    tensor_constants,
-)
+from precast.weights.sources import package_constants, tensor_constants, with_placeholders
 
 IN_SO = "aot_inductor.package_constants_in_so"
 
 
-def loader_constants(
-    ep: ExportedProgram,
-    source: SafetensorsSource | None,
-    layout: dict[str, Any],
-    plans: dict[str, Any],
-    folded: dict[str, Any],
-) -> dict[str, torch.Tensor]:
-    """The tensors the loader will read: the program's own (a buffer the code writes is copied: the caller's
-    program stays as it was), or those of ``source``; plus the packed copies, packed from them, and the
-    constants freezing folded, recomputed from them."""
-    program = tensor_constants(ep)
-    unread = set(layout["unread"])
-    every = set(layout["every"])
-    folded = {n: r for n, r in folded.items() if n in every and n not in unread}
-    needed = {n for n in layout["every"] if n not in unread and n not in plans and n not in folded}
-    wanted = needed | {p["source"] for n, p in plans.items() if n not in unread}
-    wanted |= set().union(*(recipe_sources(r) for r in folded.values())) if folded else set()
-    # the files hold what the program has no values for (streamed weights); a buffer made at construction
-    # (a rotary table) or a KV cache stays the program's own
-    from_files = {n for n in wanted if is_fake(program[n])} if source is not None else set()
-    written = written_targets(ep)
-    values = {n: program[n].clone() if n in written else program[n] for n in wanted - from_files}
-    if source is not None:
-        check_stored(source, program, from_files, "precast.compile(weights=...)")
-        values.update(source.read_many(from_files))
-    out = {n: values[n] for n in needed}
-    for name, plan in plans.items():
-        if name not in unread:
-            kw = {k: plan[k] for k in ("transposed", "block_n", "vnni")}
-            out[name] = gemm_pack(values[plan["source"]], **kw)
-    for name, recipe in folded.items():
-        out[name] = replay(recipe, values)
-    return out
+def entry_manifest(
+    facts: ProgramFacts, job: CompileJob, progress: bool | None, lock_timeout: float | None
+) -> tuple[float, dict[str, Any]]:
+    """The seconds spent compiling (0.0: published by an earlier run or by a process we waited for) and the
+    manifest of ``job``'s entry: read when published and intact, else built from a private copy of the program
+    (the int weights' rewrite applied; uninitialized placeholders for streamed weights) and published."""
+    manifest, _ = read_entry(job.entry, job.key)
+    if manifest is not None:
+        return 0.0, manifest
+    # a private copy: the caller's program stays as it is
+    rewritten, derived = apply_int_weights(facts.ep, job.ints)
+    program = with_placeholders(rewritten, facts.device) if facts.fake else rewritten
+    return build_locked(program, facts, job, progress, lock_timeout, derived=derived)
 
 
 def build_locked(
     ep: ExportedProgram,
-    root: Path,
-    key: str,
-    configs: dict[str, Any],
-    dynamic: bool,
-    stored: dict[str, StoredConstant],
+    facts: ProgramFacts,
+    job: CompileJob,
     progress: bool | None,
     lock_timeout: float | None,
-    fake: bool = False,
-    form: Form | None = None,
     derived: dict[str, Any] | None = None,
-    int_weights: dict[str, Any] | None = None,
 ) -> tuple[float, dict[str, Any]]:
-    """Compile and publish the entry for ``key`` unless another process did it while we waited for the lock.
+    """Compile ``ep`` and publish ``job``'s entry unless another process did it while we waited for the lock.
 
-    ``derived``: the recipes of constants ``ep`` holds that the caller's program does not (``aoti_int``: the
-    int4 kernel's packed weights), over the caller's stored names; written with freezing's folded constants
-    (those folded from a derived one are stated over the caller's names too), so every load recomputes them.
-    ``int_weights``: the manifest's record of which int weights a low-bit kernel reads.
+    ``ep``: the program to compile (``facts``' program rewritten, ``entry_manifest``). ``derived``: the recipes
+    of constants ``ep`` holds that the caller's program does not (``int_weights``: the int4 kernel's packed
+    weights), over the caller's stored names; written with freezing's folded constants (those folded from a
+    derived one are stated over the caller's names too), so every load recomputes them.
 
     Returns the seconds spent compiling (0.0 if another process published the entry first) and the manifest."""
-    entry = root / "aoti" / key
+    key, root = job.key, job.root
     with file_lock(root / "locks" / f"{key}.lock", f"compiling cache entry {key[:12]}", lock_timeout):
-        manifest, why = read_entry(entry, key)
+        manifest = _published_or_cleared(job)
         if manifest is not None:
             return 0.0, manifest
-        if why != "absent":
-            warn_rebuilding(entry, why)
-            remove_entry(entry, root)
-        for stale in (root / "tmp").glob(f"{key}.*"):  # left by a killed compile: we hold the lock
-            shutil.rmtree(stale, ignore_errors=True)
-        weights = sum(v.numel() * v.element_size() for v in tensor_constants(ep).values())
-        # the package holds the weights and the compiler writes intermediates: refuse early, not mid-write
-        check_space(root / "tmp", 2 * weights + (64 << 20), f"precast.compile: cache dir {root}")
-        build = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=root / "tmp"))
+        build = _build_dir(ep, job)
         try:
             started = time.perf_counter()
-            with (
-                _progress(
-                    progress, f"precast: compiling with AOTInductor ({key[:12]}, ~30 s on a small CPU)"
-                ),
-                TORCH_LOCK,
-            ):
-                compiled, packed = _with_derived(
-                    _aoti_compile(ep, build / PACKAGE, configs, dynamic), derived
-                )
-                layout = _layout(build / PACKAGE, ep, packed, configs)
-                if layout is None:  # the code reads constants precast cannot hand it: they go in the .so
-                    if fake:
-                        raise PrecastError(
-                            "precast.compile: AOTInductor computed constants from the weights' values, which a "
-                            "program with fake or meta weights does not have; load the weights into the program"
-                        )
-                    compiled, packed = _with_derived(
-                        _aoti_compile(ep, build / PACKAGE, {**configs, IN_SO: True}, dynamic), derived
-                    )
-                    layout = {"external": False, "every": [], "unread": []}
+            built = _compile_into(build / PACKAGE, ep, job, derived, bool(facts.fake), progress)
             seconds = time.perf_counter() - started
-            manifest = {
-                "format": FORMAT,
-                "key": key,
-                "files": {PACKAGE: sha256_file(build / PACKAGE)},
-                "signature": ProgramSignature.from_program(compiled).to_dict(),
-                "torch": torch.__version__,
-                "inductor_configs": configs,
-                "form": (form or Form("default", {}, "")).to_dict(),
-                "dynamic": dynamic,
-                "compile_seconds": round(seconds, 3),
-                "created": time.time(),
-                "constants": {
-                    name: [st.source.original, str(st.source.original_dtype), str(st.source.dtype)]
-                    + ([st.source.derive] if getattr(st.source, "derive", None) else [])
-                    for name, st in stored.items()
-                },
-                "packed": packed,
-                "weights": layout,
-                **({"int_weights": int_weights} if int_weights else {}),
-            }
-            write_durable(build / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=str))
-            fsync_dir(build)
-            os.rename(build, entry)  # atomic publish: the entry appears whole or not at all
-            fsync_dir(entry.parent)
+            manifest = _manifest(build / PACKAGE, job, facts.stored, built, seconds)
+            _publish(build, job.entry, manifest)
         except BaseException:
             shutil.rmtree(build, ignore_errors=True)
             raise
         notify_compiled(key, seconds, root)
         return seconds, manifest
+
+
+def _published_or_cleared(job: CompileJob) -> dict[str, Any] | None:
+    """Under the lock: the manifest another process published meanwhile; else None, with a damaged entry and the
+    temporary folders of killed compiles of this key removed."""
+    manifest, why = read_entry(job.entry, job.key)
+    if manifest is not None:
+        return manifest
+    if why != "absent":
+        warn_rebuilding(job.entry, why)
+        remove_entry(job.entry, job.root)
+    for stale in (job.root / "tmp").glob(f"{job.key}.*"):  # left by a killed compile: we hold the lock
+        shutil.rmtree(stale, ignore_errors=True)
+    return None
+
+
+def _build_dir(ep: ExportedProgram, job: CompileJob) -> Path:
+    """A new temporary folder to build the entry in, once the cache dir has room for it."""
+    weights = sum(v.numel() * v.element_size() for v in tensor_constants(ep).values())
+    # the package holds the weights and the compiler writes intermediates: refuse early, not mid-write
+    check_space(job.root / "tmp", 2 * weights + (64 << 20), f"precast.compile: cache dir {job.root}")
+    return Path(tempfile.mkdtemp(prefix=f"{job.key}.", dir=job.root / "tmp"))
+
+
+def _compile_into(
+    package: Path,
+    ep: ExportedProgram,
+    job: CompileJob,
+    derived: dict[str, Any] | None,
+    fake: bool,
+    progress: bool | None,
+) -> tuple[ExportedProgram, dict[str, Any], dict[str, Any]]:
+    """Compile ``ep`` into ``package``: the program compiled, its packed/folded plan and its constants' layout;
+    compiled again with the constants in the .so when its code reads constants precast cannot hand it."""
+    message = f"precast: compiling with AOTInductor ({job.key[:12]}, ~30 s on a small CPU)"
+    with _progress(progress, message), TORCH_LOCK:
+        compiled, packed = _with_derived(_aoti_compile(ep, package, job.configs, job.dynamic), derived)
+        layout = _layout(package, ep, packed, job.configs)
+        if layout is None:  # the code reads constants precast cannot hand it: they go in the .so
+            if fake:
+                raise PrecastError(
+                    "precast.compile: AOTInductor computed constants from the weights' values, which a "
+                    "program with fake or meta weights does not have; load the weights into the program"
+                )
+            compiled, packed = _with_derived(
+                _aoti_compile(ep, package, {**job.configs, IN_SO: True}, job.dynamic), derived
+            )
+            layout = {"external": False, "every": [], "unread": []}
+    return compiled, packed, layout
+
+
+def _manifest(
+    package: Path,
+    job: CompileJob,
+    stored: dict[str, StoredConstant],
+    built: tuple[ExportedProgram, dict[str, Any], dict[str, Any]],
+    seconds: float,
+) -> dict[str, Any]:
+    """The entry's manifest (``package_cache.read_entry`` checks it) for ``package`` and what built it (the
+    program compiled, its packed/folded plan, its constants' layout): the package's hash, the compiled program's
+    signature, how it was compiled, where each stored constant came from and the int weights a kernel reads."""
+    compiled, packed, layout = built
+    int_weights = job.ints.to_dict() if job.ints.key() else None
+    return {
+        "format": FORMAT,
+        "key": job.key,
+        "files": {PACKAGE: sha256_file(package)},
+        "signature": ProgramSignature.from_program(compiled).to_dict(),
+        "torch": torch.__version__,
+        "inductor_configs": job.configs,
+        "form": job.form.to_dict(),
+        "dynamic": job.dynamic,
+        "compile_seconds": round(seconds, 3),
+        "created": time.time(),
+        "constants": {
+            name: [st.source.original, str(st.source.original_dtype), str(st.source.dtype)]
+            + ([st.source.derive] if getattr(st.source, "derive", None) else [])
+            for name, st in stored.items()
+        },
+        "packed": packed,
+        "weights": layout,
+        **({"int_weights": int_weights} if int_weights else {}),
+    }
+
+
+def _publish(build: Path, entry: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest durably and rename the build folder into place: the entry appears whole or not at all."""
+    write_durable(build / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True, default=str))
+    fsync_dir(build)
+    os.rename(build, entry)  # atomic publish
+    fsync_dir(entry.parent)
 
 
 def _with_derived(
@@ -272,14 +280,3 @@ def _aoti_compile(
     # group size) are literals the loader is handed like the folded ones
     recipes, _ = match_folded({**scalars, **folded}, sources)
     return program, {"plans": plans, "unmatched": unmatched, "folded": recipes}
-
-
-def load_package(package: Path) -> Any:
-    import torch._inductor
-
-    try:
-        return torch._inductor.aoti_load_package(str(package))
-    except Exception as exc:
-        raise PrecastError(
-            f"precast.compile: cannot load {package}: {first_line(exc)[:300]}; delete the cache entry"
-        ) from exc

@@ -41,7 +41,6 @@ Input: an ExportedProgram (converted or not) and compile options. Output: a ``Co
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import threading
 import time
@@ -49,32 +48,21 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch.export import ExportedProgram
 
-from precast.backends.aoti.build import IN_SO, build_locked, load_package, loader_constants
+from precast.backends.aoti.build import IN_SO, entry_manifest
+from precast.backends.aoti.facts import CompileJob, ProgramFacts
 from precast.backends.aoti.forms import Form, as_configured, choose_form
-from precast.backends.aoti.int_rewrite import apply_int_weights
 from precast.backends.aoti.int_weights import int_kernel_configs, plan_int_weights, warn_int_weights
-from precast.backends.aoti.model import CompiledModel, initial_state
-from precast.backends.aoti.package_cache import (
-    PACKAGE,
-    cache_key,
-    read_entry,
-    resolve_cache_dir,
-    stored_constants,
-)
+from precast.backends.aoti.load import load_model, load_package
+from precast.backends.aoti.model import CompiledModel
+from precast.backends.aoti.package_cache import cache_key, resolve_cache_dir
 from precast.errors import PrecastError
-from precast.ir.program import written_targets
+from precast.ir.fake import has_data, lacks_data
+from precast.ir.program import program_devices
 from precast.runtime.exported import exported_program, with_example_inputs
-from precast.runtime.signature import ProgramSignature
 from precast.threads import TORCH_LOCK
-from precast.weights.sources import (
-    SafetensorsSource,
-    is_fake,
-    tensor_constants,
-    with_placeholders,
-)
+from precast.weights.sources import tensor_constants
 
 MODES = ("auto", "default", "max-autotune")
 
@@ -99,7 +87,7 @@ def compile_configs(
     model hands the loader tensors it owns, held once (``weights/sources.py``). Constants freezing computes
     from the weights (a transpose, oneDNN's blocked copy) are recomputed at load from recorded recipes
     (``packed.record_folded_constants``); a package whose code reads one precast cannot recompute keeps its
-    constants in the .so instead (``aoti_build.build_locked``)."""
+    constants in the .so instead (``build.build_locked``)."""
     configs = {**(form.configs if form else {}), **dict(inductor_configs or {})}
     if mode == "max-autotune":
         configs["max_autotune"] = True
@@ -141,98 +129,71 @@ def compile(
     ep = with_example_inputs(exported_program(program, "precast.compile"))
     if mode not in MODES:
         raise PrecastError(f"precast.compile: mode={mode!r}; choose one of {', '.join(MODES)}")
-    fake = sorted(n for n, v in tensor_constants(ep).items() if is_fake(v))
-    device = _check_fake(ep, fake, weights)
-    form = _form(ep, mode, device, bool(fake), cache_dir)
+    facts = _facts(ep, weights)
+    job = _job(facts, mode, inductor_configs, cache_dir, dynamic)
+    # warned from here: the warning names the line that called precast.compile
+    warn_int_weights(job.ints, freezing=bool(job.configs.get("freezing")))
+    model = None if weights is not None else _memoized(ep, job)
+    if model is not None:
+        return model
+    started = time.perf_counter()
+    compile_seconds, manifest = entry_manifest(facts, job, progress, lock_timeout)
+    model = load_model(facts, job, manifest, weights, compile_seconds, started)
+    with _MEMO_LOCK:
+        _MEMO.setdefault(ep, {})[job.options] = model
+    return model
+
+
+def _facts(ep: ExportedProgram, weights: Any) -> ProgramFacts:
+    """The program's facts, each read once (``facts.py``); refuses a fake-weight program this compile cannot
+    serve."""
+    constants = tensor_constants(ep)
+    fake = sorted(n for n, v in constants.items() if lacks_data(v))
+    return ProgramFacts(ep, constants, fake, _check_fake(ep, fake, weights))
+
+
+def _job(
+    facts: ProgramFacts,
+    mode: str,
+    inductor_configs: Mapping[str, Any] | None,
+    cache_dir: str | os.PathLike | None,
+    dynamic: bool,
+) -> CompileJob:
+    """The compile's decisions: the form, the final inductor configs, the int weights' plan, the cache folder
+    and the key; refuses configs a fake-weight program cannot compile with."""
+    form = _form(facts.ep, mode, facts.device, bool(facts.fake), cache_dir)
     configs = compile_configs(mode, inductor_configs, form)
-    # int8 / int4 weights: the linears a low-bit kernel will read (aoti_int; one warning line for the others);
+    # int8 / int4 weights: the linears a low-bit kernel will read (int_weights; one warning line for the others);
     # those kernels are ATen's, so a GEMM backend list without ATEN gets it added
-    ints = plan_int_weights(ep, device)
+    ints = plan_int_weights(facts.ep, facts.device)
     configs, int_why = int_kernel_configs(configs, ints)
     form = as_configured(form, configs)  # what the final configs compile, not what the form asked for
     if int_why:
         form = dataclasses.replace(form, why=f"{form.why}; {int_why}")
-    _check_fake_configs(fake, configs)
+    _check_fake_configs(facts.fake, configs)
     root = resolve_cache_dir(cache_dir)
-    warn_int_weights(ints, freezing=bool(configs.get("freezing")))
-    options = json.dumps(
-        {"configs": configs, "dynamic": dynamic, "root": str(root), "form": form.name},
-        sort_keys=True,
-        default=str,
-    )
     # by content; the form is in the configs, and the CPU's flags are in the key: a package built for AMX is
     # never served to a CPU without it; the int weights' rewrite is a function of the program and its plan
-    key = cache_key(ep, {**configs, "precast.form": form.name, **ints.key()}, dynamic)
-    with _MEMO_LOCK:
-        model = None if weights is not None else _MEMO.get(ep, {}).get(options)
-    if model is not None and model.key == key and not model.weights_replaced:
-        if not model.stateful:
-            return model
-        # a program that writes state (a KV cache): a model of its own each call, never another's state; the
-        # package is loaded again (AOTInductor keeps the state a loaded package writes per loaded package), the
-        # read-only weights shared
-        started = time.perf_counter()
-        with TORCH_LOCK:
-            runner = load_package(model.package_path)
-        return model._sibling(runner, time.perf_counter() - started)
+    key = cache_key(facts.ep, {**configs, "precast.form": form.name, **ints.key()}, dynamic, facts.device)
+    return CompileJob(root, key, configs, dynamic, form, ints)
 
-    stored = stored_constants(ep, device if fake else None)
-    entry = root / "aoti" / key
+
+def _memoized(ep: ExportedProgram, job: CompileJob) -> CompiledModel | None:
+    """The model an earlier compile of ``ep`` with these options made, while it still serves the program's
+    weights at this key: itself, or for a program that writes state, a model of its own; None otherwise."""
+    with _MEMO_LOCK:
+        model = _MEMO.get(ep, {}).get(job.options)
+    if model is None or model.key != job.key or model.weights_replaced:
+        return None
+    if not model.stateful:
+        return model
+    # a program that writes state (a KV cache): a model of its own each call, never another's state; the
+    # package is loaded again (AOTInductor keeps the state a loaded package writes per loaded package), the
+    # read-only weights shared
     started = time.perf_counter()
-    compile_seconds = 0.0
-    manifest, _ = read_entry(entry, key)
-    if manifest is None:
-        rewritten, derived = apply_int_weights(
-            ep, ints
-        )  # a private copy; the caller's program stays as it is
-        compile_seconds, manifest = build_locked(
-            with_placeholders(rewritten, device) if fake else rewritten,
-            root,
-            key,
-            configs,
-            dynamic,
-            stored,
-            progress,
-            lock_timeout,
-            fake=bool(fake),
-            form=form,
-            derived=derived,
-            int_weights=ints.to_dict() if ints.key() else None,
-        )
-    from_cache = compile_seconds == 0.0  # published by an earlier run or by a process we waited for
-    layout = manifest["weights"]
-    constants = None
-    if layout["external"]:
-        source = SafetensorsSource(weights, "precast.compile(weights=...)") if fake else None
-        constants = loader_constants(
-            ep, source, layout, manifest["packed"]["plans"], manifest["packed"].get("folded", {})
-        )
     with TORCH_LOCK:
-        runner = load_package(entry / PACKAGE)
-    model = CompiledModel(
-        runner,
-        entry / PACKAGE,
-        key,
-        stored,
-        ProgramSignature.from_dict(manifest["signature"]),
-        from_cache=from_cache,
-        compile_seconds=compile_seconds,
-        load_seconds=time.perf_counter() - started - compile_seconds,
-        packed=manifest.get("packed"),
-        constants=constants,
-        unread=tuple(layout["unread"]),
-        state=initial_state(_written_values(ep)),
-        form=manifest.get("form", form.to_dict()),
-    )
-    with _MEMO_LOCK:
-        _MEMO.setdefault(ep, {})[options] = model
-    return model
-
-
-def _written_values(ep: ExportedProgram) -> dict[str, torch.Tensor]:
-    """The program's values of the constants its code writes (a KV cache): the state each model starts from."""
-    program = tensor_constants(ep)
-    return {n: program[n] for n in sorted(written_targets(ep)) if n in program and not is_fake(program[n])}
+        runner = load_package(model.package_path)
+    return model._sibling(runner, time.perf_counter() - started)
 
 
 def _form(
@@ -254,12 +215,7 @@ def _form(
 
 def _check_fake(ep: ExportedProgram, fake: list[str], weights: Any) -> str:
     """The device the constants live on at run time; refuses a fake-weight program this compile cannot serve."""
-    inputs = [
-        n.meta["val"].device.type
-        for n in ep.graph.nodes
-        if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
-    ]
-    real = [v.device.type for v in tensor_constants(ep).values() if not is_fake(v)]
+    real, inputs = program_devices(ep, has_data)  # the constants holding data, then the inputs
     device = next((d for d in real + inputs if d != "meta"), "cpu")
     if weights is not None and not fake:
         raise PrecastError(

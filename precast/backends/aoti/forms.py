@@ -182,7 +182,7 @@ def choose_form(
     """The form ``mode="auto"`` compiles ``ep`` in here: measured (cached), or by ``$PRECAST_FORM``.
 
     ``caps``: the capabilities ``PRECAST_FORM=flags`` reads (``cpu_capabilities()`` by default); ``measure``:
-    what times the candidates (``form_measure.measure_forms`` with ``compile_fn``, ``precast.compile``, by default;
+    what times the candidates (``form_timing.measure_forms`` with ``compile_fn``, ``precast.compile``, by default;
     tests inject timings); ``exclude``: forms this program cannot compile in (streamed weights: no C++ GEMM
     template)."""
     if device != "cpu":

@@ -8,18 +8,26 @@ Input: an ExportedProgram and its ``IntPlan``. Output: the rewritten program and
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from precast.backends.aoti.int_weights import PACK_SUFFIX, SZ_SUFFIX, IntPlan, linear_args, value_of
+from precast.backends.aoti.int_weights import (
+    PACK_SUFFIX,
+    SZ_SUFFIX,
+    IntLinear,
+    IntPlan,
+    linear_args,
+    value_of,
+)
 from precast.backends.aoti.package_cache import StoredConstant
 from precast.backends.aoti.packed import recipe_sources, replay
 from precast.errors import PrecastError
+from precast.ir.fake import lacks_data
 from precast.ir.program import Program
-from precast.weights.sources import is_fake
 
 aten = torch.ops.aten
 
@@ -86,73 +94,96 @@ def apply_int_weights(ep: ExportedProgram, plan: IntPlan) -> tuple[ExportedProgr
     """A rewritten copy of ``ep`` (the caller's program untouched) and the recipes of its new constants."""
     if not plan.rewrites:
         return ep, {}
-    from torch._guards import detect_fake_mode
+    rw = _Rewrite.of(ep)
+    for r in plan.rewrites:
+        _rewrite_linear(rw, r)
+    rw.prog.graph.eliminate_dead_code()
+    rw.prog.remove_unused_constants()
+    return rw.prog.to_exported_program(), rw.recipes
 
-    prog = Program(ep)
-    nodes = {n.name: n for n in prog.graph.nodes}
-    by_target = {spec.target: node for node, spec in prog.input_spec.items()}
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in prog.graph.nodes if n.op == "placeholder"])
-    values = {**prog.state_dict, **{k: v for k, v in prog.constants.items() if isinstance(v, torch.Tensor)}}
-    recipes: dict[str, Any] = {}
-    made: dict[str, Node] = {}
 
-    def new_constant(like: str, suffix: str, recipe: dict[str, Any]) -> Node:
-        if like + suffix in made:
-            return made[like + suffix]
-        sources = {n: _computable(values[n]) for n in recipe_sources(recipe)}
+@dataclass
+class _Rewrite:
+    """The rewrite under way: the private program, its nodes by name and constant placeholders by stored name,
+    the fake mode new nodes' values are computed in, and the new constants made so far with their recipes."""
+
+    prog: Program
+    nodes: dict[str, Node]
+    by_target: dict[str, Node]
+    fake_mode: Any
+    values: dict[str, torch.Tensor]  # the constants' values by stored name
+    recipes: dict[str, Any] = field(default_factory=dict)  # new constant's stored name -> its recipe
+    made: dict[str, Node] = field(default_factory=dict)  # like + suffix -> the new constant's placeholder
+
+    @classmethod
+    def of(cls, ep: ExportedProgram) -> _Rewrite:
+        """A rewrite of a private copy of ``ep``."""
+        from torch._guards import detect_fake_mode
+
+        prog = Program(ep)
+        return cls(
+            prog,
+            {n.name: n for n in prog.graph.nodes},
+            {spec.target: node for node, spec in prog.input_spec.items()},
+            detect_fake_mode([n.meta.get("val") for n in prog.graph.nodes if n.op == "placeholder"]),
+            {**prog.state_dict, **{k: v for k, v in prog.constants.items() if isinstance(v, torch.Tensor)}},
+        )
+
+    def constant(self, like: str, suffix: str, recipe: dict[str, Any]) -> Node:
+        """The new constant ``like + suffix`` computed by ``recipe`` (once), next to the constant ``like``."""
+        if like + suffix in self.made:
+            return self.made[like + suffix]
+        sources = {n: _computable(self.values[n]) for n in recipe_sources(recipe)}
         value = replay(recipe, sources).contiguous()
-        node = prog.add_constant_like(by_target[like], value, suffix)
-        target = prog.input_spec[node].target
-        with fake_mode:
-            node.meta["val"] = replay(recipe, {n: by_target[n].meta["val"] for n in sources})
-        recipes[target] = recipe
-        made[like + suffix] = node
+        node = self.prog.add_constant_like(self.by_target[like], value, suffix)
+        target = self.prog.input_spec[node].target
+        with self.fake_mode:
+            node.meta["val"] = replay(recipe, {n: self.by_target[n].meta["val"] for n in sources})
+        self.recipes[target] = recipe
+        self.made[like + suffix] = node
         return node
 
-    def call(op: Any, *args: Any) -> Node:
-        node = prog.graph.call_function(op, args)
+    def call(self, op: Any, *args: Any) -> Node:
+        """A new call of ``op`` on ``args``, its fake value computed."""
+        node = self.prog.graph.call_function(op, args)
         vals = torch.utils._pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, Node) else a, args)
-        with fake_mode:
+        with self.fake_mode:
             node.meta["val"] = op(*vals)
         return node
 
-    for r in plan.rewrites:
-        linear = nodes[r.linear]
-        x, _, bias = linear_args(linear)
-        xv = value_of(x)
+
+def _rewrite_linear(rw: _Rewrite, r: IntLinear) -> None:
+    """One linear replaced by its int8 / int4 kernel's call (on 2-d activations; bias added after), its meta
+    kept."""
+    linear = rw.nodes[r.linear]
+    x, _, bias = linear_args(linear)
+    xv = value_of(x)
+    weight = value_of(rw.by_target[r.weight])
+    n, k = weight.shape if r.kind == "int8" else (weight.shape[0], 2 * weight.shape[1])
+    if r.kind == "int4":  # placeholders, next to the constants they are made from
+        pack = rw.constant(r.weight, PACK_SUFFIX, int4pack_recipe(r.weight, n, k))
+        sz = rw.constant(r.scale, SZ_SUFFIX, scales_zeros_recipe(r.scale, r.zero, n, k // r.group, r.dtype))
+    with rw.prog.graph.inserting_before(linear):
+        x2d = x if xv.dim() == 2 else rw.call(aten.reshape.default, x, [-1, k])
         if r.kind == "int8":
-            n, k = value_of(by_target[r.weight]).shape
+            scale = rw.call(aten.reshape.default, rw.by_target[r.scale], [n])
+            y = rw.call(aten._weight_int8pack_mm.default, x2d, rw.by_target[r.weight], scale)
         else:
-            n, k = value_of(by_target[r.weight]).shape[0], 2 * value_of(by_target[r.weight]).shape[1]
-        if r.kind == "int4":  # placeholders, next to the constants they are made from
-            pack = new_constant(r.weight, PACK_SUFFIX, int4pack_recipe(r.weight, n, k))
-            sz = new_constant(
-                r.scale, SZ_SUFFIX, scales_zeros_recipe(r.scale, r.zero, n, k // r.group, r.dtype)
-            )
-        with prog.graph.inserting_before(linear):
-            x2d = x if xv.dim() == 2 else call(aten.reshape.default, x, [-1, k])
-            if r.kind == "int8":
-                scale = call(aten.reshape.default, by_target[r.scale], [n])
-                y = call(aten._weight_int8pack_mm.default, x2d, by_target[r.weight], scale)
-            else:
-                y = call(aten._weight_int4pack_mm_for_cpu.default, x2d, pack, r.group, sz)
-            if bias is not None:
-                y = call(aten.add.Tensor, y, bias)
-            if xv.dim() != 2:
-                # sizes read from x, never the example's: a re-export makes the batch dynamic
-                lead = [call(aten.sym_size.int, x, i) for i in range(xv.dim() - 1)]
-                y = call(aten.reshape.default, y, [*lead, n])
-        y.meta.update({k: v for k, v in linear.meta.items() if k not in ("val", "tensor_meta")})
-        linear.replace_all_uses_with(y)
-        prog.graph.erase_node(linear)
-    prog.graph.eliminate_dead_code()
-    prog.remove_unused_constants()
-    return prog.to_exported_program(), recipes
+            y = rw.call(aten._weight_int4pack_mm_for_cpu.default, x2d, pack, r.group, sz)
+        if bias is not None:
+            y = rw.call(aten.add.Tensor, y, bias)
+        if xv.dim() != 2:
+            # sizes read from x, never the example's: a re-export makes the batch dynamic
+            lead = [rw.call(aten.sym_size.int, x, i) for i in range(xv.dim() - 1)]
+            y = rw.call(aten.reshape.default, y, [*lead, n])
+    y.meta.update({k: v for k, v in linear.meta.items() if k not in ("val", "tensor_meta")})
+    linear.replace_all_uses_with(y)
+    rw.prog.graph.erase_node(linear)
 
 
 def _computable(value: torch.Tensor) -> torch.Tensor:
     """``value``, or an empty meta tensor of its shape and dtype where it holds no data (streamed weights)."""
-    if is_fake(value):
+    if lacks_data(value):
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
     return value
 

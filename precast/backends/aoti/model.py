@@ -2,7 +2,7 @@
 
 The package's constants are outside it (``weights/sources.py``): the model owns the tensors the loader reads
 (``user_managed``), so it holds each weight once; under max-autotune it holds only the packed copies the code
-reads, and repacks them from new originals on ``load_weights``.
+reads, and repacks them from new originals on ``load_weights`` (its phases: ``backends/aoti/swap.py``).
 
 Input: a loader, the stored constants' sources, the packed-weights plan, the constants' values. Output: outputs of
 the compiled code; ``load_weights`` by original names (a state_dict, a .safetensors file or a directory of shards).
@@ -17,18 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
-from precast.backends.aoti.int_rewrite import derived_copy, original_shape
 from precast.backends.aoti.package_cache import StoredConstant
-from precast.backends.aoti.packed import gemm_pack, recipe_sources, replay
-from precast.errors import NAMES_SHOWN, PrecastError, name_list
-from precast.passes.fold import cast_constant
+from precast.backends.aoti.packed import recipe_sources
+from precast.backends.aoti.swap import check_swap, plan_swap, recompute, stored_update, weights_source
 from precast.runtime.owner import StateOwner, holds_state
 from precast.runtime.signature import ProgramSignature
-from precast.weights.files import has_values
-from precast.weights.sources import SafetensorsSource
 
 
 class CompiledModel:
@@ -180,127 +175,25 @@ class CompiledModel:
         names swapped, and those left as they were.
         """
         what = f"load_weights({self.package_path.name})"
-        source = _weights_source(state_dict, what)
-        by_original: dict[str, list[StoredConstant]] = {}
-        for st in self._stored.values():
-            by_original.setdefault(st.source.original, []).append(st)
-        swappable = set(self._runner.get_constant_fqns())
-        live = {n: r for n, r in self._folded.items() if n in swappable}
-        recomputed = set().union(*(recipe_sources(r) for r in live.values())) if live else set()
-        kept = sorted(
-            n for n, sts in by_original.items() if n not in source and not any(st.persistent for st in sts)
-        )
-        missing = sorted(n for n in by_original if n not in source and n not in kept)
-        unexpected = sorted(n for n in source if n not in by_original)
-        problems: list[str] = []
-        nodata: list[str] = []  # tensors without data the loader could read (fake, meta, ...)
-        nodata_why: dict[str, str] = {}
-        for name in sorted(set(by_original) & set(source)):
-            meta = _meta(source, name)
-            want = by_original[name][0]
-            if meta is None:
-                problems.append(f"{name} is a {type(source[name]).__name__}, not a tensor")
-                continue
-            if not isinstance(source, SafetensorsSource):
-                why = _no_data(source[name])
-                if why:
-                    nodata.append(name)
-                    nodata_why.setdefault(why, name)
-                    continue
-            shape = original_shape(by_original[name])
-            if shape is not None and meta[0] != shape:
-                problems.append(f"{name} has shape {meta[0]}, expected {shape}")
-            if meta[1] != want.source.original_dtype:
-                problems.append(f"{name} has dtype {meta[1]}, expected {want.source.original_dtype}")
-        folded = sorted(
-            st.source.stored
-            for st in self._stored.values()
-            if st.read and st.source.stored not in swappable and st.source.stored not in recomputed
-        )
-        if nodata:
-            kinds = ", ".join(f"{why} ({name})" for why, name in nodata_why.items())
-            problems.insert(
-                0,
-                f"{len(nodata)} tensor(s) hold no data the compiled code can read: {kinds}; give real CPU/device "
-                f"tensors (e.g. the module's state_dict after loading its weights): {name_list(nodata)}",
-            )
-        if unexpected:
-            problems.insert(0, f"unexpected {len(unexpected)}: {name_list(unexpected)}")
-        if missing:
-            problems.insert(0, f"missing {len(missing)}: {name_list(missing)}")
-        if folded:
-            problems.append(
-                f"compiled code folded {name_list(folded)} into itself (freezing, or "
-                "always_keep_tensor_constants=False); recompile without them to swap those"
-            )
-        if self._packed_unmatched:
-            problems.append(
-                f"compiled code packed weights into {name_list(sorted(self._packed_unmatched))} in a layout "
-                "precast cannot reproduce; recompile with mode='default' to swap them"
-            )
-        if problems:
-            given = set(source)
-            another = bool(by_original) and len(given & set(by_original)) * 2 < min(
-                len(by_original), len(given)
-            )
-            hint = "these weights belong to another model (most names differ); pass" if another else "pass"
-            raise PrecastError(
-                f"{what}: {hint} the original fp32 state_dict of the model the program was converted from "
-                f"(the compiled model still serves its previous weights); {len(problems)} problem(s): "
-                f"{'; '.join(problems[:NAMES_SHOWN])}{' ...' if len(problems) > NAMES_SHOWN else ''}"
-            )
-        names = {n for n in by_original if n not in kept}
-        pairs = (
-            source.read_many(names)
-            if isinstance(source, SafetensorsSource)
-            else ((n, source[n]) for n in names)
-        )
-        update: dict[str, torch.Tensor] = {}
-        for name, value in pairs:
-            for st in by_original[name]:
-                if not st.read:
-                    continue  # never read by the graph (e.g. num_batches_tracked): checked above, nothing to swap
-                # a fresh contiguous copy in the stored dtype: cast_constant, the rounding and fp16 clamping
-                # fold_constant_casts and the streamed writer apply; a quantized part (int8 / int4 weights:
-                # ``derive``) computed from the original as the conversion computed it
-                if getattr(st.source, "derive", None):
-                    update[st.source.stored] = derived_copy(value, st)
-                else:
-                    update[st.source.stored] = _stored_copy(value, st.device, st.source.dtype)
-        for (
-            name,
-            plan,
-        ) in self._packed.items():  # the GEMM template's copies, packed as the compile packed them
-            if plan["source"] in update:
-                update[name] = gemm_pack(
-                    update[plan["source"]],
-                    transposed=plan["transposed"],
-                    block_n=plan["block_n"],
-                    vnni=plan["vnni"],
-                )
-        for (
-            name,
-            recipe,
-        ) in live.items():  # freezing's folded constants, recomputed as the compile folded them
-            sources = recipe_sources(recipe)
-            if sources & set(update):
-                held = {n: (self._constants or {}).get(n) for n in sources - set(update)}
-                if any(v is None for v in held.values()):
-                    raise PrecastError(
-                        f"{what}: {name} is computed from {sorted(sources)}; pass all of them together"
-                    )
-                update[name] = replay(recipe, {**held, **{n: update[n] for n in sources & set(update)}})
-        for name in recomputed - swappable:  # read only through their folded copies: not the package's
-            update.pop(name, None)
+        source = weights_source(state_dict, what)
+        swap = plan_swap(what, source, self._stored, set(self._runner.get_constant_fqns()), self._folded)
+        check_swap(swap, self._stored, self._packed_unmatched)  # on any problem, the model keeps its weights
+        update = stored_update(swap)
+        recompute(update, swap, self._packed, self._constants)
+        self._load_update(update, swap.swappable)
+        self._replaced = True
+        return {"loaded": sorted(swap.names), "kept": swap.kept}
+
+    def _load_update(self, update: dict[str, torch.Tensor], swappable: set[str]) -> None:
+        """Hand ``update`` to the loader: by pointer, kept by the model (constants outside the package), or into
+        the package's own buffers (constants in the .so)."""
         if self._constants is None:
             self._load_into_so(update, full=set(update) >= swappable)
-        else:
-            for name in self._unread:  # only their packed copies are read: repacked above, not kept
-                update.pop(name, None)
-            self._runner.load_constants(update, check_full_update=False, user_managed=True)
-            self._constants.update(update)  # the loader reads these pointers now; the old tensors may go
-        self._replaced = True
-        return {"loaded": sorted(names), "kept": kept}
+            return
+        for name in self._unread:  # only their packed copies are read: repacked above, not kept
+            update.pop(name, None)
+        self._runner.load_constants(update, check_full_update=False, user_managed=True)
+        self._constants.update(update)  # the loader reads these pointers now; the old tensors may go
 
     @property
     def weights_replaced(self) -> bool:
@@ -316,48 +209,6 @@ class CompiledModel:
         if opaque:
             self._runner.load_constants(opaque, check_full_update=False, user_managed=True)
             self._held.update(opaque)
-
-
-def _weights_source(state_dict: Any, what: str) -> Mapping[str, torch.Tensor] | SafetensorsSource:
-    """``load_weights``' argument as a source of tensors by name; anything else is one line saying what to pass."""
-    if isinstance(state_dict, (str, os.PathLike)):
-        return SafetensorsSource(state_dict, what)
-    if isinstance(state_dict, torch.nn.Module):
-        raise PrecastError(f"{what}: got a {type(state_dict).__name__} module; pass its state_dict()")
-    if not isinstance(state_dict, Mapping):
-        raise PrecastError(
-            f"{what}: got {type(state_dict).__name__}; pass the original model's state_dict (a mapping of names "
-            "to tensors), a .safetensors file or a directory of shards"
-        )
-    odd = [k for k in state_dict if not isinstance(k, str)]
-    if odd:
-        raise PrecastError(
-            f"{what}: the state_dict's keys must be names (str); got {odd[0]!r} ({len(odd)} such)"
-        )
-    return state_dict
-
-
-def _no_data(value: torch.Tensor) -> str | None:
-    """Why ``value`` holds no data the loader can read (its pointer would be used as it is), or None."""
-    if isinstance(value, FakeTensor):
-        return "a FakeTensor"
-    if not has_values(value):
-        return f"a {value.device.type} tensor"
-    if value.layout != torch.strided or value.is_nested:
-        return f"a {str(value.layout).removeprefix('torch.')} tensor"
-    if type(value) not in (torch.Tensor, torch.nn.Parameter):
-        return f"a {type(value).__name__} (a tensor subclass)"
-    return None
-
-
-def _stored_copy(value: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    """A new contiguous tensor on ``device`` in ``dtype``, never sharing memory with ``value``."""
-    on = value.detach()
-    if on.dtype == dtype or on.device != torch.device(device):
-        on = on.to(device=device, copy=True, memory_format=torch.contiguous_format)
-    if on.dtype == dtype:
-        return on
-    return cast_constant(on, dtype)[0].contiguous()  # another dtype: a new tensor
 
 
 @dataclass(frozen=True)
@@ -388,10 +239,3 @@ def initial_state(values: Mapping[str, torch.Tensor]) -> dict[str, Initial]:
         zero = v.numel() > 0 and not bool(v.any())
         out[name] = Initial(tuple(v.shape), v.dtype, v.device, None if zero else v.clone())
     return out
-
-
-def _meta(source: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], Any] | None:
-    if isinstance(source, SafetensorsSource):
-        return source.meta(name)
-    value = source[name]
-    return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None

@@ -31,9 +31,10 @@ from torch.export.graph_signature import InputKind
 from precast import cpu
 from precast.errors import PrecastError
 from precast.io import cache_root, private_dir
-from precast.ir.program import CONSTANT_KINDS, ConstantSource, constant_sources
+from precast.ir.fake import has_data
+from precast.ir.program import CONSTANT_KINDS, ConstantSource, constant_sources, program_devices
 from precast.runtime.signature import ProgramSignature
-from precast.weights.files import has_values, tensor_bytes
+from precast.weights.files import tensor_bytes
 
 MANIFEST = "manifest.json"
 PACKAGE = "model.pt2"
@@ -104,7 +105,9 @@ def notify_compiled(key: str, seconds: float, root: Path) -> None:
 
 
 # ---- cache key --------------------------------------------------------------------------------------------
-def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic: bool) -> str:
+def cache_key(
+    ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic: bool, device: str | None = None
+) -> str:
     """sha256 of everything the compiled code depends on: the program (graph, signature, weights), the compile
     options, inductor's whole in-process config and environment, the C++ compiler and its version, the CPU's ISA,
     torch (version and git commit), precast's version and the device."""
@@ -125,7 +128,7 @@ def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic:
             else:
                 put("input", f"{node.name}:{val!r}")
     for name, value in sorted({**ep.constants, **ep.state_dict}.items()):
-        if isinstance(value, torch.Tensor) and not has_values(value):
+        if isinstance(value, torch.Tensor) and not has_data(value):
             # no data (streamed weights): the package is built without constants, so it depends on their
             # metadata only; the values are checked against it when loaded (weights/sources.py)
             put("fake-tensor", f"{name}:{value.dtype}:{tuple(value.shape)}:{value.stride()}")
@@ -139,7 +142,7 @@ def cache_key(ep: ExportedProgram, inductor_configs: Mapping[str, Any], dynamic:
     put("dynamic", str(dynamic))
     for label, text in toolchain().items():
         put(label, text)
-    device = program_device(ep)
+    device = device or program_device(ep)  # the device the code is built for (a meta-weight program: its inputs')
     put("device", device)
     if device == "cuda" and torch.cuda.is_available():
         put(
@@ -213,13 +216,10 @@ def _compiler_version(path: str, mtime_ns: int, size: int) -> str:
 
 
 def program_device(ep: ExportedProgram) -> str:
-    for value in list(ep.state_dict.values()) + list(ep.constants.values()):
-        if isinstance(value, torch.Tensor):
-            return value.device.type
-    for node in ep.graph.nodes:
-        if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor):
-            return node.meta["val"].device.type
-    return "cpu"
+    """The device the key names: the first tensor constant's (``meta`` for streamed weights), else the first
+    input's, else cpu."""
+    constants, inputs = program_devices(ep)
+    return next(iter(constants + inputs), "cpu")
 
 
 def stored_constants(ep: ExportedProgram, device: str | None = None) -> dict[str, StoredConstant]:

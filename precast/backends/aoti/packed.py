@@ -9,10 +9,30 @@ Input: the constants a compile added, the program's weights. Output: per packed 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+
+
+@contextlib.contextmanager
+def _observed_constants(observe: Callable[[torch.Tensor, str | None, Any], None]) -> Iterator[None]:
+    """Inductor's ``GraphLowering.add_tensor_constant`` wrapped for the block: ``observe(data, name, box)`` sees
+    each constant the lowering adds (the process-wide hook restored in ``finally``; call under ``TORCH_LOCK``)."""
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering.add_tensor_constant
+
+    def add_tensor_constant(self: Any, data: torch.Tensor, name: str | None = None) -> Any:
+        box = original(self, data, name)
+        observe(data, name, box)
+        return box
+
+    GraphLowering.add_tensor_constant = add_tensor_constant  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GraphLowering.add_tensor_constant = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -22,28 +42,20 @@ def record_new_constants() -> Iterator[dict[str, torch.Tensor]]:
     The C++ GEMM template (CPU, ``max_autotune``) adds one per weight it uses: the weight blocked into
     ``[n / block_n, k, block_n]`` (VNNI-interleaved for 16-bit types), computed from the weight's value at
     compile time; its code reads only that copy. Call under ``TORCH_LOCK`` (the hook is process-wide)."""
-    from torch._inductor.graph import GraphLowering
-
     added: dict[str, torch.Tensor] = {}
-    original = GraphLowering.add_tensor_constant
 
-    def add_tensor_constant(self: Any, data: torch.Tensor, name: str | None = None) -> Any:
-        box = original(self, data, name)
+    def observe(data: torch.Tensor, name: str | None, box: Any) -> None:
         # no failure is swallowed here (no silent except in the core): these reads cannot fail on a tensor, and a
         # copy not recorded is named by load_weights' refusal
         real = type(data) is torch.Tensor or type(data) is torch.nn.Parameter
         # name None: made by the lowering (the template's copies); the program's own constants come with their
-        # names (a 3-d KV cache, aoti_int's [K/g, N, 2] int4 scales). Integer copies too (the template on an int8
+        # names (a 3-d KV cache, int_weights's [K/g, N, 2] int4 scales). Integer copies too (the template on an int8
         # weight): matched like the others, or unmatched and refused by load_weights, never served stale
         if name is None and real and data.dim() == 3 and not data.is_mkldnn and not data.is_complex():
             added[box.get_name()] = data
-        return box
 
-    GraphLowering.add_tensor_constant = add_tensor_constant  # type: ignore[method-assign]
-    try:
+    with _observed_constants(observe):
         yield added
-    finally:
-        GraphLowering.add_tensor_constant = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -51,13 +63,9 @@ def record_scalar_constants() -> Iterator[dict[str, tuple[Any, torch.Tensor]]]:
     """Record the 0-d constants Inductor adds while lowering (the int4 kernel's group size, ``constantN``) as
     ``{name: (recipe, value)}``, each recipe a literal (``aten::scalar_tensor``) that ``replay`` rebuilds: with
     the constants outside the package the loader must be handed them. Call under ``TORCH_LOCK``."""
-    from torch._inductor.graph import GraphLowering
-
     added: dict[str, tuple[Any, torch.Tensor]] = {}
-    original = GraphLowering.add_tensor_constant
 
-    def add_tensor_constant(self: Any, data: torch.Tensor, name: str | None = None) -> Any:
-        box = original(self, data, name)
+    def observe(data: torch.Tensor, name: str | None, box: Any) -> None:
         # name None: made by a lowering, not one of the program's constants (those come with their names)
         real = type(data) is torch.Tensor and not data.is_mkldnn and data.device.type != "meta"
         if name is None and real and data.dim() == 0 and not data.is_complex():
@@ -67,13 +75,9 @@ def record_scalar_constants() -> Iterator[dict[str, tuple[Any, torch.Tensor]]]:
             }
             recipe = {"op": "aten::scalar_tensor.default", "args": [data.item()], "kwargs": kwargs}
             added[box.get_name()] = (recipe, data)
-        return box
 
-    GraphLowering.add_tensor_constant = add_tensor_constant  # type: ignore[method-assign]
-    try:
+    with _observed_constants(observe):
         yield added
-    finally:
-        GraphLowering.add_tensor_constant = original  # type: ignore[method-assign]
 
 
 def gemm_pack(weight: torch.Tensor, *, transposed: bool, block_n: int, vnni: int) -> torch.Tensor:

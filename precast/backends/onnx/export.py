@@ -36,6 +36,8 @@ from torch.export import ExportedProgram
 
 from precast.errors import PrecastError, first_line
 from precast.io import atomic_path
+from precast.optional import require
+from precast.progress import verbose
 from precast.runtime.exported import batch_symbols, exported_program, refuse_written_state
 from precast.threads import quiet_logger
 
@@ -43,15 +45,11 @@ EXTRA = "pip install 'precast[onnx]'"
 
 
 def require_modules(*modules: str) -> None:
-    import importlib
-
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            raise PrecastError(
-                f"precast.backends.onnx.export: {name} is not installed; {EXTRA} (onnx, onnxscript, onnxruntime)"
-            ) from exc
+    """Each of ``modules`` importable, or a one-line PrecastError naming the missing one and the extra."""
+    message = (
+        f"precast.backends.onnx.export: {{module}} is not installed; {EXTRA} (onnx, onnxscript, onnxruntime)"
+    )
+    require(*modules, message=message)
 
 
 @dataclass
@@ -100,6 +98,20 @@ def export_onnx(
     started = time.perf_counter()
     if dynamic_batch:
         ep = _dynamic(ep)
+    proto = _exported(ep, opset, optimize)
+    if dynamic_batch and len(batch_symbols(ep)) == 1:
+        _rename_dims(proto, batch_symbols(ep))
+    _check_valid(proto)
+    with atomic_path(path) as tmp:
+        onnx.save_model(proto, str(tmp))
+    info = inspect_onnx(path)
+    info.export_seconds = round(time.perf_counter() - started, 3)
+    return info
+
+
+def _exported(ep: ExportedProgram, opset: int | None, optimize: bool) -> Any:
+    """``torch.onnx.export`` of ``ep`` on its example inputs, quiet, then (``optimize``) onnxscript's
+    optimizer: the ModelProto, or one PrecastError line naming why the exporter failed."""
     if not ep.example_inputs:
         raise PrecastError(
             "export_onnx: the program carries no example inputs (torch.onnx.export needs them); export it with "
@@ -119,9 +131,14 @@ def export_onnx(
             ) from exc
         if optimize:
             _optimize(onnx_program.model)
-    proto = onnx_program.model_proto
-    if dynamic_batch and len(batch_symbols(ep)) == 1:
-        _rename_dims(proto, batch_symbols(ep))
+    return onnx_program.model_proto
+
+
+def _check_valid(proto: Any) -> None:
+    """ONNX's full model check; a failure is one PrecastError line: the op its opset has no fp16/bf16 kernel
+    type for and the route that works, else the checker's own first line."""
+    import onnx
+
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as exc:  # onnx raises ValidationError / InferenceError
@@ -140,11 +157,6 @@ def export_onnx(
             f"export_onnx: the exported model is invalid: {first_line(exc)[:300]}; "
             "report it with the program (torch.export.save) attached"
         ) from exc
-    with atomic_path(path) as tmp:
-        onnx.save_model(proto, str(tmp))
-    info = inspect_onnx(path)
-    info.export_seconds = round(time.perf_counter() - started, 3)
-    return info
 
 
 def _summary(exc: BaseException) -> str:
@@ -184,9 +196,8 @@ def _dynamic(ep: ExportedProgram) -> ExportedProgram:
             stacklevel=3,
         )
         out = ep
-    for (
-        w
-    ) in caught:  # torch's own warnings from the re-export pass through; precast.compile's wording does not
+    # torch's own warnings from the re-export pass through; precast.compile's wording does not
+    for w in caught:
         if not str(w.message).startswith("precast.compile:"):
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return out
@@ -207,7 +218,7 @@ def _quiet() -> Iterator[None]:
     import contextlib
     import io
 
-    if os.environ.get("PRECAST_VERBOSE"):
+    if verbose():
         yield
         return
     # and its op registry logs one warning per torchvision op when torchvision is absent (it is, here): noise

@@ -15,6 +15,7 @@ import torch
 
 from precast.backends.onnx.export import require_modules
 from precast.errors import PrecastError, first_line
+from precast.runtime.arrays import to_numpy, to_torch
 
 _ORT_FAILURE = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
 
@@ -110,14 +111,8 @@ def ort_feed(session: Any, inputs: Sequence[Any]) -> dict[str, Any]:
     for name, x in zip(names, leaves, strict=True):
         if x.dtype == torch.bfloat16:
             raise PrecastError(f"run_onnx: input {name} is bfloat16, which numpy cannot hold; pass float32")
-        feed[name] = x.detach().cpu().contiguous().numpy()
+        feed[name] = to_numpy(x.cpu())
     return feed
-
-
-def _to_torch(a: Any) -> torch.Tensor:
-    if a.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: reinterpret the bits
-        return torch.from_numpy(a.view("uint16").copy()).view(torch.bfloat16)
-    return torch.from_numpy(a)
 
 
 def run_onnx(model: str | os.PathLike | Any, inputs: Sequence[Any]) -> list[torch.Tensor]:
@@ -128,7 +123,7 @@ def run_onnx(model: str | os.PathLike | Any, inputs: Sequence[Any]) -> list[torc
         outs = session.run(None, feed)
     except Exception as exc:  # onnxruntime's InvalidArgument / Fail: wrong shapes or dtypes for this model
         raise PrecastError(f"run_onnx: ONNX Runtime failed: {first_line(exc)[:300]}") from exc
-    return [_to_torch(a) for a in outs]
+    return [to_torch(a, copy=False) for a in outs]  # ml_dtypes' bfloat16 read back through its bits
 
 
 def ort_runner(model: str | os.PathLike | Any, inputs: Sequence[Any]) -> Callable[[], list[Any]]:

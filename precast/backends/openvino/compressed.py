@@ -1,7 +1,7 @@
 """Which weights a program stores as int8 / int4 (issue 41) OpenVINO's CPU plugin runs compressed, read from the
 compiled model.
 
-What OpenVINO 2026.4.1's CPU plugin runs for each form (compute dtype ``dt``; ``openvino_weight_forms`` puts the
+What OpenVINO 2026.4.1's CPU plugin runs for each form (compute dtype ``dt``; ``weight_forms`` puts the
 int4 forms in the shape its frontend compresses):
 
 - **int8 linear** ``linear(x, _to_copy(q, dt) * scale, b)``: ``Constant(i8) -> Convert -> Multiply(scale)`` becomes
@@ -164,7 +164,7 @@ def _attr(node: torch.fx.Node) -> torch.Tensor | None:
 def decompression_nodes(gm: torch.fx.GraphModule) -> frozenset[str]:
     """The FX nodes that only unpack and dequantize a stored int8/int4 weight (its casts, the zero point's and the
     scale's, the subtract and multiply, the reshapes): everything computed from constants alone that a linear's or
-    embedding's weight is made of. ``openvino_plan.check_plan`` leaves them out of the plan check: OpenVINO runs them
+    embedding's weight is made of. ``plan_check.check_plan`` leaves them out of the plan check: OpenVINO runs them
     inside the compressed layer, or once at compile time, whatever dtype a policy decided for them."""
     constant: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:

@@ -1,7 +1,7 @@
 """``openvino.convert_model`` of a program: the OpenVINO model and the decomposed GraphModule it translated (whose
 node names the OpenVINO ops carry and whose nodes carry precast's decisions), the caches as OpenVINO variables
-where the program writes them (``openvino_state``), attention scales kept exact (``openvino_precision``), the
-rotary embedding in the form OpenVINO fuses (``openvino_fusions``); and
+where the program writes them (``kv_state``), attention scales kept exact (``precision``), the
+rotary embedding in the form OpenVINO fuses (``fusions``); and
 OpenVINO's messages cut to the line that names the cause. Compiling and running is ``backends/openvino/model.py``.
 
 Input: an ExportedProgram (checked by ``compile_openvino``). Output: (openvino.Model, torch.fx.GraphModule), or a
@@ -13,6 +13,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import copy
+import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -26,17 +28,18 @@ from precast.backends.openvino.growing_cache import Growing, grow_caches
 from precast.backends.openvino.kv_state import make_stateful, stateful_module
 from precast.backends.openvino.precision import exact_attention_scales
 from precast.backends.openvino.weight_forms import compressible_weights
-from precast.errors import PrecastError, first_line
+from precast.errors import PrecastError
+from precast.optional import require
+from precast.progress import loggers_held_back, verbose
 
 EXTRA = "pip install 'precast[openvino]' (openvino==2026.4.1)"
 
 
 def require_openvino() -> Any:
     """The ``openvino`` module, or a one-line PrecastError naming the extra to install."""
-    try:
-        import openvino
-    except ImportError as exc:
-        raise PrecastError(f"OpenVINO is not installed ({first_line(exc)}); {EXTRA}") from exc
+    require("openvino", message=f"OpenVINO is not installed ({{cause}}); {EXTRA}")
+    import openvino
+
     return openvino
 
 
@@ -44,18 +47,55 @@ def convert(
     ep: ExportedProgram, state: dict[str, str] | None = None
 ) -> tuple[Any, torch.fx.GraphModule, Growing | None]:
     """``openvino.convert_model`` of ``ep``, the decomposed GraphModule it translated (whose node names the
-    OpenVINO ops carry, and whose nodes carry precast's decisions: ``openvino_plan`` reads both), and how the
+    OpenVINO ops carry, and whose nodes carry precast's decisions: ``plan_check`` reads both), and how the
     caches are held (None: no state).
 
     Each user input keeps its static sizes; a symbolic size is a dynamic OpenVINO dimension. ``state`` (from
-    ``openvino_state.carried``): the caches become OpenVINO variables (``openvino_state``), in the growing form
-    OpenVINO fuses with attention where the program fits it (``openvino_kv``)."""
+    ``kv_state.carried``): the caches become OpenVINO variables (``kv_state``), in the growing form
+    OpenVINO fuses with attention where the program fits it (``growing_cache``)."""
     ov = require_openvino()
     from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
 
-    caches = [name for name, kind in (state or {}).items() if kind == "cache"]
+    inputs = _inputs(ov, ep, state or {})
+    try:
+        with _quiet(), torch.no_grad():
+            if state:
+                decoder = _stateful_decoder(TorchFXPythonDecoder, ov, ep, state, inputs)
+            else:
+                decoder = _decoder(TorchFXPythonDecoder, ep)
+            model = ov.convert_model(decoder, input=inputs.shapes)
+            fold_scalar_casts(model)
+    except Exception as exc:  # noqa: BLE001 - the frontend raises OpConversionFailure, RuntimeError, ...
+        raise _conversion_failed(exc) from exc
+    if inputs.names:
+        users = len(ep.graph_signature.user_outputs)
+        model = make_stateful(model, inputs.names, inputs.initial, users, growing=inputs.grown)
+    exact_attention_scales(model, decoder.pt_module)
+    return model, decoder.pt_module, inputs.growing
+
+
+@dataclasses.dataclass
+class _Inputs:
+    """The inputs of the module OpenVINO translates: each one's OpenVINO shape and torch dtype (the user
+    inputs, then ``beam_idx`` where the caches grow, then the caches), and the caches carried as variables."""
+
+    shapes: list[Any]
+    dtypes: list[torch.dtype]
+    names: list[str] = dataclasses.field(default_factory=list)  # the caches, in input (and output) order
+    initial: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # each cache's starting value
+    growing: Growing | None = None
+
+    @property
+    def grown(self) -> bool:
+        return bool(self.growing and self.growing.grown)
+
+
+def _inputs(ov: Any, ep: ExportedProgram, state: dict[str, str]) -> _Inputs:
+    """The user inputs' and caches' shapes (a symbolic size: a dynamic dimension) and dtypes; one PrecastError
+    line for an input that is not a tensor."""
+    caches = [name for name, kind in state.items() if kind == "cache"]
     kinds = (torch.export.graph_signature.InputKind.USER_INPUT,)
-    shapes, dtypes = [], []
+    inputs = _Inputs([], [])
     for spec in sorted(
         (s for s in ep.graph_signature.input_specs if s.kind in kinds or s.target in caches),
         key=lambda s: s.kind not in kinds,  # user inputs first, then the caches (stateful_module's order)
@@ -67,72 +107,69 @@ def convert(
                 "takes tensor inputs only (export the program with that value fixed)"
             )
         dims = [d if isinstance(d, int) else -1 for d in (_static(s) for s in val.shape)]
-        shapes.append(ov.PartialShape(dims))
-        dtypes.append(val.dtype)
-    names: list[str] = []
-    initial: dict[str, torch.Tensor] = {}
-    growing = None
-    try:
-        with _quiet(), torch.no_grad():
-            if state:
-                module, names = stateful_module(_decomposed(ep), state)
-                initial = {n: ep.state_dict[n] if n in ep.state_dict else ep.constants[n] for n in names}
-                growing = grow_caches(module, names, initial)
-                if growing.grown:  # beam_idx after the user inputs; each cache grows along dim 2
-                    users = len(shapes) - len(names)
-                    shapes = (
-                        shapes[:users]
-                        + [ov.PartialShape([-1])]
-                        + [
-                            ov.PartialShape([d if i != 2 else -1 for i, d in enumerate(growing.shapes[n])])
-                            for n in names
-                        ]
-                    )
-                    dtypes = dtypes[:users] + [torch.int32] + dtypes[users:]
-                # each input's type stated: the frontend would read a held cache's (cache_dtype) from the
-                # tensor metadata export wrote before precast retyped it
-                rotation_reads_promoted(module)
-                compressible_weights(module)  # int8/int4 weights in the forms OpenVINO keeps compressed
-                decoder = TorchFXPythonDecoder(
-                    module, input_shapes=shapes, input_types=dtypes, dynamic_shapes=True
-                )
-            else:  # what TorchFXPythonDecoder.from_exported_program does, the rotations rewritten between
-                module = _decomposed(ep).module()
-                rotation_reads_promoted(module)
-                compressible_weights(module)
-                decoder = TorchFXPythonDecoder(module, dynamic_shapes=True)
-            model = ov.convert_model(decoder, input=shapes)
-            fold_scalar_casts(model)
-    except Exception as exc:  # noqa: BLE001 - the frontend raises OpConversionFailure, RuntimeError, ...
-        cause = ov_message(exc)
-        route = (
-            "convert with policy='rules', which keeps the recurrent layer as aten.lstm in float32 (policy "
-            "'torch' takes autocast's oneDNN-only RNN kernel)"
-            if "mkldnn_rnn_layer" in cause
-            else "keep that op out of the program, or serve it with precast.compile (AOTInductor)"
-        )
-        raise PrecastError(
-            f"precast.compile(backend='openvino'): openvino.convert_model failed: {cause}; {route}"
-        ) from exc
-    if names:
-        users = len(ep.graph_signature.user_outputs)
-        model = make_stateful(model, names, initial, users, growing=bool(growing and growing.grown))
-    exact_attention_scales(model, decoder.pt_module)
-    return model, decoder.pt_module, growing
+        inputs.shapes.append(ov.PartialShape(dims))
+        inputs.dtypes.append(val.dtype)
+    return inputs
+
+
+def _stateful_decoder(
+    decoder_class: type, ov: Any, ep: ExportedProgram, state: dict[str, str], inputs: _Inputs
+) -> Any:
+    """The decoder (``decoder_class``: ``TorchFXPythonDecoder``) of the program with its caches as explicit
+    inputs and outputs (``stateful_module``), grown where they fit (``grow_caches``), the rotations and stored
+    weights in the forms OpenVINO fuses and keeps compressed."""
+    module, inputs.names = stateful_module(_decomposed(ep), state)
+    inputs.initial = {n: ep.state_dict[n] if n in ep.state_dict else ep.constants[n] for n in inputs.names}
+    inputs.growing = grow_caches(module, inputs.names, inputs.initial)
+    if inputs.grown:
+        _add_beam(ov, inputs)
+    rotation_reads_promoted(module)
+    compressible_weights(module)  # int8/int4 weights in the forms OpenVINO keeps compressed
+    # each input's type stated: the frontend would read a held cache's (cache_dtype) from the
+    # tensor metadata export wrote before precast retyped it
+    return decoder_class(module, input_shapes=inputs.shapes, input_types=inputs.dtypes, dynamic_shapes=True)
+
+
+def _add_beam(ov: Any, inputs: _Inputs) -> None:
+    """The grown caches' inputs: ``beam_idx`` (int32 ``[batch]``) after the user inputs, then each cache,
+    dynamic along the sequence (dim 2)."""
+    assert inputs.growing is not None
+    users = len(inputs.shapes) - len(inputs.names)
+    grown = [
+        ov.PartialShape([d if i != 2 else -1 for i, d in enumerate(inputs.growing.shapes[n])])
+        for n in inputs.names
+    ]
+    inputs.shapes = inputs.shapes[:users] + [ov.PartialShape([-1])] + grown
+    inputs.dtypes = inputs.dtypes[:users] + [torch.int32] + inputs.dtypes[users:]
+
+
+def _decoder(decoder_class: type, ep: ExportedProgram) -> Any:
+    """The decoder (``decoder_class``) of a stateless program: what
+    ``TorchFXPythonDecoder.from_exported_program`` does, the rotations and stored weights rewritten
+    between."""
+    module = _decomposed(ep).module()
+    rotation_reads_promoted(module)
+    compressible_weights(module)
+    return decoder_class(module, dynamic_shapes=True)
+
+
+def _conversion_failed(exc: BaseException) -> PrecastError:
+    """The frontend's failure as one line: its cause, and the route that works (another policy for oneDNN's
+    RNN kernel, AOTInductor for any other op)."""
+    cause = ov_message(exc)
+    route = (
+        "convert with policy='rules', which keeps the recurrent layer as aten.lstm in float32 (policy "
+        "'torch' takes autocast's oneDNN-only RNN kernel)"
+        if "mkldnn_rnn_layer" in cause
+        else "keep that op out of the program, or serve it with precast.compile (AOTInductor)"
+    )
+    return PrecastError(
+        f"precast.compile(backend='openvino'): openvino.convert_model failed: {cause}; {route}"
+    )
 
 
 def _decomposed(ep: ExportedProgram) -> ExportedProgram:
     """``ep`` decomposed with OpenVINO's own table (what ``TorchFXPythonDecoder.from_exported_program`` runs)."""
-    from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
-    from openvino.frontend.pytorch.torchdynamo.export_decompositions import ops_to_not_decompose
-    from torch.export.decomp_utils import CustomDecompTable
-
-    if TorchFXPythonDecoder._decomp_table is None:
-        table = CustomDecompTable()
-        for op in ops_to_not_decompose():
-            with contextlib.suppress(KeyError):  # an op the installed torch no longer decomposes
-                table.pop(op)
-        TorchFXPythonDecoder._decomp_table = table
     # torch's retrace annotates the node meta "custom" dict it carries over (a decomposition that calls a
     # torch.compiler.disable'd function adds "_torchdynamo_disable*" keys), and that dict is the caller's own
     # node's: each node reads a copy while it runs, its own dict restored after (the caller's program unchanged)
@@ -140,10 +177,25 @@ def _decomposed(ep: ExportedProgram) -> ExportedProgram:
     try:
         for node, custom in originals.items():
             node.meta["custom"] = copy.deepcopy(custom)
-        return ep.run_decompositions(TorchFXPythonDecoder._decomp_table)
+        return ep.run_decompositions(_decomposition_table())
     finally:
         for node, custom in originals.items():
             node.meta["custom"] = custom
+
+
+@functools.cache
+def _decomposition_table() -> Any:
+    """The table ``TorchFXPythonDecoder.from_exported_program`` builds (torch's default, less the ops OpenVINO
+    converts whole), built once by precast from the same public parts instead of read from or written into the
+    decoder's private class attribute (``_decomp_table``)."""
+    from openvino.frontend.pytorch.torchdynamo.export_decompositions import ops_to_not_decompose
+    from torch.export.decomp_utils import CustomDecompTable
+
+    table = CustomDecompTable()
+    for op in ops_to_not_decompose():
+        with contextlib.suppress(KeyError):  # an op the installed torch no longer decomposes
+            table.pop(op)
+    return table
 
 
 def _placeholder_val(ep: ExportedProgram, name: str) -> Any:
@@ -171,17 +223,34 @@ _PREAMBLE = ("Exception from", "Check '", "FrontEnd API failed", "Model wasn't f
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """OpenVINO's frontend logs a warning with a traceback (on the root logger) for every op of its keep-list
-    that the installed torch no longer decomposes: noise for the user, dropped for the conversion only."""
-    if os.environ.get("PRECAST_VERBOSE"):
+    """OpenVINO's own log records below ERROR held back while a program converts (``PRECAST_VERBOSE=1`` shows
+    them): its frontend's modules log on the ``openvino`` loggers, its ``convert_model`` (ovc) on the root
+    logger. Only those: the process's other loggers, and the root logger's records from other code, are left
+    alone."""
+    if verbose():
         yield
         return
-    before = logging.root.manager.disable
-    logging.disable(logging.WARNING)
+    import openvino
+
+    root = _RecordsFrom(os.path.dirname(openvino.__file__))
+    logging.root.addFilter(root)
     try:
-        yield
+        with loggers_held_back(("openvino",)):
+            yield
     finally:
-        logging.disable(before)
+        logging.root.removeFilter(root)
+
+
+class _RecordsFrom(logging.Filter):
+    """Drops the records below ERROR logged from the files under ``folder`` (a filter on one logger: the
+    records logged on that logger itself)."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.folder = os.path.join(folder, "")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or not record.pathname.startswith(self.folder)
 
 
 def shared_tensors(ov_model: Any, module: torch.nn.Module) -> tuple[torch.Tensor, ...]:

@@ -2,7 +2,7 @@
 
 A static cache (transformers' ``StaticCache``, the export recipe's) holds ``L`` slots; each call writes its keys and
 values at ``cache_position`` (``index_copy_``) and attends over all ``L`` slots, the unwritten ones masked. Carried
-as it is (``openvino_state``), OpenVINO scatters into the whole ``[B, H, L, D]`` variable, repeats it to every
+as it is (``kv_state``), OpenVINO scatters into the whole ``[B, H, L, D]`` variable, repeats it to every
 query head and converts and transposes all of it on every decode step: on the 0.246 B decoder of
 ``precast bench --llm`` (L = 512, 256 tokens live) about 185 MiB of extra memory traffic per token, 59.8 ms
 against OpenVINO's own export's 45-54 ms (Intel Xeon, AVX512-BF16, no AMX, 1 thread).
@@ -31,7 +31,7 @@ are overwritten or masked); a gap, which the static cache would fill with stale 
 A program that does not fit (another cache layout, a sliding-window cache, attention written out as matmuls, a
 non-zero initial cache) keeps the static form, which is correct but slower; ``Growing.reason`` says why.
 
-Input: the GraphModule of ``openvino_state.stateful_module`` and its cache names. Output: ``Growing`` (and the
+Input: the GraphModule of ``kv_state.stateful_module`` and its cache names. Output: ``Growing`` (and the
 module rewritten in place when it fits).
 """
 
@@ -74,11 +74,11 @@ def grow_caches(module: torch.fx.GraphModule, names: list[str], initial: dict[st
     """Rewrite ``module``'s caches into the growing form where it fits (see the module docstring); the module is
     changed only when every check passes."""
     try:
-        plan = _analyse(module, names, initial)
+        growth = _analyse(module, names, initial)
     except _NoFit as why:
         return Growing(reason=str(why))
-    _rewrite(module, plan)
-    return plan.growing
+    _rewrite(module, growth)
+    return growth.growing
 
 
 class _NoFit(Exception):
@@ -86,14 +86,17 @@ class _NoFit(Exception):
 
 
 @dataclasses.dataclass
-class _Plan:
+class _Growth:
+    """What ``_analyse`` found where every check passed: the caches' growing form (``growing``), and the nodes
+    ``_rewrite`` changes: each cache's write, its reads through repeat_kv, the attentions reading them."""
+
     growing: Growing
     writes: list[torch.fx.Node]  # index_copy per cache, in ``names`` order
     chains: list[tuple[torch.fx.Node, int, torch.fx.Node, int]]  # (write, n_rep, sdpa, arg) per read
     sdpas: list[torch.fx.Node]
 
 
-def _analyse(module: torch.fx.GraphModule, names: list[str], initial: dict[str, torch.Tensor]) -> _Plan:
+def _analyse(module: torch.fx.GraphModule, names: list[str], initial: dict[str, torch.Tensor]) -> _Growth:
     graph = module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     users_in = placeholders[: len(placeholders) - len(names)]
@@ -133,7 +136,7 @@ def _analyse(module: torch.fx.GraphModule, names: list[str], initial: dict[str, 
     growing.positions = _positions_input(writes, users_in)
     _check_by_evaluation(module, users_in, growing, writes, [_mask(s) for s in sdpas])
     growing.grown = True
-    return _Plan(growing, writes, chains, sdpas)
+    return _Growth(growing, writes, chains, sdpas)
 
 
 def _chain_to_attention(
@@ -288,25 +291,25 @@ def _run(module: torch.fx.GraphModule, node: torch.fx.Node, env: dict) -> Any:
         raise _NoFit(f"{node.name} did not run on sample positions ({exc})") from exc
 
 
-def _rewrite(module: torch.fx.GraphModule, plan: _Plan) -> None:
+def _rewrite(module: torch.fx.GraphModule, growth: _Growth) -> None:
     graph = module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    last_user = placeholders[len(placeholders) - len(plan.writes) - 1]
+    last_user = placeholders[len(placeholders) - len(growth.writes) - 1]
     taken = {n.name for n in graph.nodes}
     name = BEAM_INPUT if BEAM_INPUT not in taken else f"{BEAM_INPUT}_precast"
     with graph.inserting_after(last_user):
         beam = graph.placeholder(name)
-    beam.meta["val"] = torch.zeros(plan.growing.batch, dtype=torch.int32)
+    beam.meta["val"] = torch.zeros(growth.growing.batch, dtype=torch.int32)
     grown: dict[torch.fx.Node, torch.fx.Node] = {}
-    for write in plan.writes:
+    for write in growth.writes:
         cache, _, _, new = write.args[:4]
         with graph.inserting_before(write):
             past = graph.call_function(aten.index_select.default, (cache, 0, beam))
             cat = graph.call_function(aten.cat.default, ([past, new], 2))
         cat.meta = {k: v for k, v in write.meta.items() if k != "val"}
         grown[write] = cat
-    shapes = dict(zip(plan.writes, plan.growing.shapes.values(), strict=True))  # names' order, both
-    for write, n_rep, sdpa, arg in plan.chains:
+    shapes = dict(zip(growth.writes, growth.growing.shapes.values(), strict=True))  # names' order, both
+    for write, n_rep, sdpa, arg in growth.chains:
         cat = grown[write]
         B, H, _, D = shapes[write]
         read = cat
@@ -323,13 +326,13 @@ def _rewrite(module: torch.fx.GraphModule, plan: _Plan) -> None:
     # the live length after the write, the last position + 1 (the positions are consecutive and continue the
     # cache: checked before every call): read from the cache's shape instead, OpenVINO would read the shape of
     # a variable, which keeps it from fusing that attention under the bf16 hint
-    positions = next(n for n in placeholders if n.name == plan.growing.positions)
+    positions = next(n for n in placeholders if n.name == growth.growing.positions)
     body = next(n for n in graph.nodes if n.op != "placeholder")
     with graph.inserting_before(body):
         last = graph.call_function(aten.select.int, (positions, 0, -1))
         live = graph.call_function(aten.add.Tensor, (last, 1))
     sliced: dict[torch.fx.Node, torch.fx.Node] = {}
-    for sdpa in plan.sdpas:
+    for sdpa in growth.sdpas:
         mask = _mask(sdpa)
         if mask not in sliced:
             with graph.inserting_before(sdpa):

@@ -19,8 +19,12 @@ cache write would be lost and every call would restart from the exported cache. 
    (a ``Constant``), so the IR saved and reloaded in plain OpenVINO starts from the program's cache too, and
    ``infer_request.reset_state()`` returns to it.
 
-4. ``GrowingState``: where ``openvino_kv`` rewrote the caches into OpenVINO's fused growing form, the live positions
-   and the static cache's contract, checked before every call; the state read back as the static buffers.
+4. ``GrowingState``: where ``growing_cache`` rewrote the caches into OpenVINO's fused growing form, the live positions
+   and the static cache's contract, checked before every call; the state read back as the static buffers; the
+   caches' dtype as the precision OpenVINO's fused attention keeps them in (``cache_precision``).
+
+Tensors cross between torch and OpenVINO here (``ov_tensor``, ``to_torch``: a call's inputs and outputs, the
+variables' values), through ``precast.runtime.arrays``.
 
 Input: an ExportedProgram decomposed with OpenVINO's table. Output: the GraphModule to convert and the state
 names; then the stateful ``openvino.Model``.
@@ -28,7 +32,7 @@ names; then the stateful ``openvino.Model``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -37,6 +41,10 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from precast.errors import PrecastError
 from precast.ir.program import Program, written_targets
+from precast.runtime import arrays
+
+if TYPE_CHECKING:
+    from precast.backends.openvino.growing_cache import Growing
 
 
 def carried(ep: ExportedProgram, what: str) -> dict[str, str]:
@@ -110,7 +118,7 @@ def make_stateful(
 ) -> Any:
     """``model`` (converted from ``stateful_module``: ``users`` user outputs, then one per cache) with each
     cache's Parameter/Result pair made one variable named after the cache, started from ``initial[name]``.
-    ``growing`` (``openvino_kv``): the caches grow along dim 2 and start empty (the ``beam_idx`` input stays)."""
+    ``growing`` (``growing_cache``): the caches grow along dim 2 and start empty (the ``beam_idx`` input stays)."""
     import openvino as ov
     from openvino.op.util import Variable, VariableInfo
 
@@ -133,14 +141,12 @@ def make_stateful(
         if growing:  # empty along the sequence: the live positions are all the variable holds
             shape = list(start.shape)
             shape[2] = 0
-            init = ov.op.Constant(_ov_tensor(torch.zeros(shape, dtype=start.dtype)))
+            init = ov.op.Constant(ov_tensor(torch.zeros(shape, dtype=start.dtype), shared=False))
             read = ov.op.read_value(init, variable)
-        elif bool((start == 0).all()):
-            read = ov.op.read_value(
-                variable
-            )  # OpenVINO starts (and resets) an uninitialised variable at zeros
+        elif bool((start == 0).all()):  # OpenVINO starts (and resets) an uninitialised variable at zeros
+            read = ov.op.read_value(variable)
         else:
-            init = ov.op.Constant(_ov_tensor(start))
+            init = ov.op.Constant(ov_tensor(start, shared=False))
             read = ov.op.read_value(init, variable)
         read.set_friendly_name(f"{name}/ReadValue")
         for target in list(param.output(0).get_target_inputs()):
@@ -154,13 +160,15 @@ def make_stateful(
     return ov.Model(results[:users], sinks, params[:first_cache], model.get_friendly_name())
 
 
-def _ov_tensor(t: torch.Tensor) -> Any:
-    import openvino as ov
-
-    t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        return ov.Tensor(t.view(torch.int16).numpy().copy(), list(t.shape), ov.Type.bf16)
-    return ov.Tensor(t.numpy().copy())
+def cache_precision(model: Any) -> str:
+    """The dtype precast stored the caches in (``cache_dtype``), as OpenVINO's ``KV_CACHE_PRECISION``: its fused
+    attention keeps the cache in that precision, not the variable's (its default on x86 is u8, quantised)."""
+    kinds = {
+        op.get_output_element_type(0).get_type_name()
+        for op in model.get_ordered_ops()
+        if op.get_type_name() == "ReadValue"
+    }
+    return kinds.pop() if len(kinds) == 1 else "f32"  # caches of several dtypes: none rounded further
 
 
 def state_values(request: Any) -> dict[str, torch.Tensor]:
@@ -195,28 +203,35 @@ _TORCH_DTYPES = {
 }
 
 
+# ---- tensors in and out (through numpy: ``precast.runtime.arrays``) ----------------------------------------
+def ov_tensor(t: torch.Tensor, *, shared: bool) -> Any:
+    """``t`` as an ``openvino.Tensor`` of its dtype: over torch's memory (``shared``: the caller keeps ``t``
+    alive while OpenVINO reads it, an input of one call) or over a copy (an initial value OpenVINO keeps)."""
+    import openvino as ov
+
+    data = arrays.to_numpy(t, copy=not shared)
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: hand OpenVINO the bits
+        return ov.Tensor(data, list(t.shape), ov.Type.bf16)
+    return ov.Tensor(data, shared_memory=True) if shared else ov.Tensor(data)
+
+
 def to_torch(tensor: Any) -> torch.Tensor:
-    """A copy (the infer request reuses its output buffers) as a torch tensor of the same dtype."""
-    data = tensor.data
-    out = torch.from_numpy(data.copy())
-    if str(tensor.element_type.get_type_name()) == "bf16":  # returned as 2-byte values: reinterpret the bits
-        out = out.view(torch.bfloat16)
-    return out
+    """A copy (the infer request reuses its output buffers) as a torch tensor of the same dtype (a bf16
+    tensor's data comes as 2-byte values: its bits, reinterpreted)."""
+    return arrays.to_torch(tensor.data, bfloat16=str(tensor.element_type.get_type_name()) == "bf16")
 
 
 class GrowingState:
-    """The live positions of caches held in OpenVINO's growing form (``openvino_kv``), and the contract the
+    """The live positions of caches held in OpenVINO's growing form (``growing_cache.py``), and the contract the
     program's static cache had: a call's positions (``cache_position``) are consecutive and start at the live
     length (continue), at 0 (a new conversation) or in between (the cache is cut back there); a gap past the live
     length is refused in one line, before OpenVINO runs."""
 
-    def __init__(self, growing: Any, position_index: int, initial: dict[str, torch.Tensor]):
-        import openvino as ov
-
+    def __init__(self, growing: Growing, position_index: int, initial: dict[str, torch.Tensor]):
         self.growing = growing
         self.dtypes = {name: t.dtype for name, t in initial.items()}  # each variable's (empty at the start)
         self.position_index = position_index  # in the program's flat user inputs
-        self.beam = ov.Tensor(torch.arange(growing.batch, dtype=torch.int32).numpy())
+        self.beam = ov_tensor(torch.arange(growing.batch, dtype=torch.int32), shared=False)
         self.live = 0
 
     def begin(self, request: Any, positions: Any) -> int:

@@ -108,10 +108,8 @@ class PlanCheck:
     lowered: list[LayerPrecision] = field(default_factory=list)  # undecided fp32 layers run in low precision
     hint: str | None = None  # the precision hint the model was compiled with (None: OpenVINO's default)
     fallback: str = ""  # why an earlier hint was given up (``precision_hint="auto"``), when it was
-    form: str = ""  # how the model was made for its hint (``openvino_precision.prepare``)
-    reason: str = (
-        ""  # why that hint (``openvino_precision.hint_reason``): the CPU's capabilities, or the caller
-    )
+    form: str = ""  # how the model was made for its hint (``precision.prepare``)
+    reason: str = ""  # why that hint (``precision.hint_reason``): the CPU's capabilities, or the caller
 
     @property
     def checked(self) -> int:
@@ -147,7 +145,7 @@ class PlanCheck:
 def planned_dtypes(graph_module: torch.fx.GraphModule) -> dict[str, tuple[str, str]]:
     """FX node name -> (precast's dtype name, the precast node's name), for nodes precast decided a float
     dtype for (from the decision record a conversion writes into custom meta; it survives saving). The nodes that
-    only dequantize an int8/int4 weight are left out (``openvino_weights.decompression_nodes``)."""
+    only dequantize an int8/int4 weight are left out (``compressed.decompression_nodes``)."""
     out = {}
     skip = decompression_nodes(graph_module)
     for node in graph_module.graph.nodes:
@@ -190,7 +188,7 @@ def _rt(info: Any, key: str) -> str:
 def _runtime(op: Any, layer_type: str, info: Any) -> tuple[str, ...]:
     precision = _OV_DTYPES.get(_rt(info, "runtimePrecision"))
     if precision is None and layer_type == "FullyConnected" and op.get_input_size():
-        # a compressed weight (openvino_weights): runtimePrecision is the weight's type (i8, u4), the layer
+        # a compressed weight (compressed): runtimePrecision is the weight's type (i8, u4), the layer
         # computes in its activation's
         precision = _OV_DTYPES.get(str(op.get_input_element_type(0).get_type_name()))
     if layer_type != "Subgraph":

@@ -7,7 +7,7 @@ Measured on OpenVINO 2026.4.1's CPU plugin (2-core AMD EPYC with avx512_bf16), a
 - **``hints_to_try``.** With ``precision_hint="auto"`` (the default), a program whose plan lowers ops to bf16, on
   a CPU whose OpenVINO default is bf16 (native bf16), is compiled with the bf16 hint first, the ops the plan keeps
   fp32 marked to keep their precision (``keep_plan_fp32``: left alone, OpenVINO lowers them, keeping only the
-  graph's tail after the last Linear/convolution in fp32); if the plan check (``openvino_plan.check_plan``) still
+  graph's tail after the last Linear/convolution in fp32); if the plan check (``plan_check.check_plan``) still
   finds a layer not running precast's dtype, the program is compiled again with the f32 hint, which runs every
   dtype the graph states but fp16 (in f32). ``hint_reason`` says why the first hint was chosen; on a CPU without
   native bf16 (plain AVX2) it is f32, where OpenVINO runs bf16 matmuls and convolutions in fp32.
@@ -174,7 +174,7 @@ def prepare(
 def _bf16_form(model: Any, fused_cache: bool) -> tuple[Any, str]:
     """A copy of ``model`` for the bf16 hint, and its form (see ``prepare``)."""
     if fused_cache:
-        # caches in OpenVINO's growing form (openvino_kv): the casts as written, so that every bf16 weight stays
+        # caches in OpenVINO's growing form (growing_cache): the casts as written, so that every bf16 weight stays
         # one bf16 constant (read through casts to f32, OpenVINO folds each into an f32 copy: +780 MiB on the
         # 0.246 B decoder) and the attention stays the bf16 ScaledDotProductAttention OpenVINO fuses with the
         # cache, whose kernel keeps the scores and the softmax in f32 as torch's does
@@ -196,7 +196,7 @@ def _bf16_form(model: Any, fused_cache: bool) -> tuple[Any, str]:
 
 def fp32_ops(model: Any, graph_module: Any) -> list[Any]:
     """The computing ops of ``model`` (named ``<fx node>/...`` by OpenVINO's frontend) that run an FX node the
-    plan decided fp32, or an undecided one the program computes in fp32 (what ``openvino_plan.check_plan`` holds
+    plan decided fp32, or an undecided one the program computes in fp32 (what ``plan_check.check_plan`` holds
     each layer to), with an f32 output. None for a program without precast's decisions: no plan to keep."""
     import openvino as ov
 

@@ -40,7 +40,7 @@ from precast.policy.rules.table import Rule, RuleCall, is_default, rules_table
 from precast.policy.rules.taxonomy import op_kind
 
 if TYPE_CHECKING:
-    from precast.numerics.calibration import Calibration
+    from precast.policy.measurements import Calibration
 
 # a custom rule: (node, context) -> reason to keep the node in fp32, or None
 CustomRule = Callable[[torch.fx.Node, "RuleContext"], "str | None"]

@@ -27,7 +27,7 @@ from precast.policy.rules.options import RuleOptions, match_node, matches_op
 from precast.policy.rules.taxonomy import FP32_KERNEL_OPS, casts_for, op_name
 
 if TYPE_CHECKING:
-    from precast.numerics.calibration import Calibration
+    from precast.policy.measurements import Calibration
 
 
 class Asker(Protocol):
@@ -123,32 +123,36 @@ def custom_rule(fn: Callable[[torch.fx.Node, Any], str | None] | Rule) -> Rule:
 # ---- the user's include / exclude options (source "user") ------------------------------------------------
 
 
+def _listed(call: RuleCall, option: str, dtype: torch.dtype) -> Decision | None:
+    """The user's include / exclude ``option``: ``dtype`` for an op it lists (``*_nodes``: a pattern matching
+    the node's name or module path; ``*_ops``: the op), saying what matched; None for any other op."""
+    listed = getattr(call.opts, option)
+    hit = match_node(call.node, listed) if option.endswith("_nodes") else matches_op(call.node.target, listed)
+    return None if hit is None else call.decision(dtype, "user", option, f"{option}: {hit}")
+
+
 @rule("include_nodes", compute_only=False)
 def include_nodes(call: RuleCall) -> Decision | None:
     """A node whose name or module path matches ``include_nodes`` runs in the low dtype."""
-    hit = match_node(call.node, call.opts.include_nodes)
-    return call.decision(call.low, "user", "include_nodes", f"include_nodes: {hit}") if hit else None
+    return _listed(call, "include_nodes", call.low)
 
 
 @rule("include_ops", compute_only=False)
 def include_ops(call: RuleCall) -> Decision | None:
     """An op listed in ``include_ops`` runs in the low dtype."""
-    op = matches_op(call.node.target, call.opts.include_ops)
-    return None if op is None else call.decision(call.low, "user", "include_ops", f"include_ops: {op}")
+    return _listed(call, "include_ops", call.low)
 
 
 @rule("exclude_nodes", compute_only=False)
 def exclude_nodes(call: RuleCall) -> Decision | None:
     """A node whose name or module path matches ``exclude_nodes`` stays fp32."""
-    hit = match_node(call.node, call.opts.exclude_nodes)
-    return call.decision(torch.float32, "user", "exclude_nodes", f"exclude_nodes: {hit}") if hit else None
+    return _listed(call, "exclude_nodes", torch.float32)
 
 
 @rule("exclude_ops", compute_only=False)
 def exclude_ops(call: RuleCall) -> Decision | None:
     """An op listed in ``exclude_ops`` stays fp32."""
-    op = matches_op(call.node.target, call.opts.exclude_ops)
-    return None if op is None else call.decision(torch.float32, "user", "exclude_ops", f"exclude_ops: {op}")
+    return _listed(call, "exclude_ops", torch.float32)
 
 
 # ---- the policy's own rules (source "rules") ----------------------------------------------------------------

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 import precast
-from precast.backends.aoti import form_timing as form_measure
-from precast.backends.aoti import forms
+from precast.backends.aoti import form_timing, forms
 from precast.backends.aoti.forms import as_configured, choose_form, form_of, matmul_weight_bytes, pick
 from precast.backends.aoti.package_cache import MANIFEST, cache_key
 from precast.backends.aoti.packed import match_folded, recipe_sources, replay, same_bits
@@ -131,8 +130,8 @@ def test_a_cached_choice_is_reused_without_timing(measured):
     first = choose_form(ep, cache_dir=measured, measure=timings)
     again = choose_form(ep, cache_dir=measured, measure=timings)
     assert len(timings.calls) == 1 and again.to_dict() == first.to_dict()
-    data = json.loads((measured / form_measure.FORMS_FILE).read_text())  # JSON, never a pickle
-    assert data["version"] == form_measure.FORMS_VERSION and len(data["entries"]) == 1
+    data = json.loads((measured / form_timing.FORMS_FILE).read_text())  # JSON, never a pickle
+    assert data["version"] == form_timing.FORMS_VERSION and len(data["entries"]) == 1
     # another thread count, dtype or shape set is another measurement
     threads = torch.get_num_threads()
     torch.set_num_threads(1 if threads != 1 else 2)
@@ -145,7 +144,7 @@ def test_a_cached_choice_is_reused_without_timing(measured):
 
 
 def test_load_during_the_timing_is_recorded(measured, monkeypatch):
-    monkeypatch.setattr(form_measure.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.setattr(form_timing.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
     monkeypatch.setattr(forms, "others_busy", lambda before, after, wall: None)  # no /proc/stat: load average
     form = choose_form(linear_program(torch.bfloat16), cache_dir=measured, measure=Timings(ZEN4))
     assert form.record["under_load"] and form.record["load"] == 64.0
@@ -171,7 +170,7 @@ def test_fp32_programs_and_other_devices_are_never_timed(measured):
     timings = Timings(ZEN4)
     assert choose_form(linear_program(torch.float32), cache_dir=measured, measure=timings).name == "default"
     assert choose_form(linear_program(torch.bfloat16), device="cuda", measure=timings).name == "default"
-    assert not timings.calls and not (measured / form_measure.FORMS_FILE).exists()
+    assert not timings.calls and not (measured / form_timing.FORMS_FILE).exists()
 
 
 def test_precast_form_overrides_and_a_bad_one_is_one_line(measured, monkeypatch):
@@ -193,11 +192,11 @@ def test_a_malformed_choice_cache_is_measured_again(measured, text):
     ep = linear_program(torch.bfloat16)
     timings = Timings(ZEN4)
     key = forms.choice_key(torch.bfloat16, ((64, 32), (64, 64)), torch.get_num_threads(), forms.CANDIDATES)
-    (measured / form_measure.FORMS_FILE).write_text(text.replace('"k"', f'"{key}"'))
+    (measured / form_timing.FORMS_FILE).write_text(text.replace('"k"', f'"{key}"'))
     with pytest.warns(UserWarning, match="form cache"):
         assert choose_form(ep, cache_dir=measured, measure=timings).name == "gemm-template"
     assert len(timings.calls) == 1
-    assert key in json.loads((measured / form_measure.FORMS_FILE).read_text())["entries"]
+    assert key in json.loads((measured / form_timing.FORMS_FILE).read_text())["entries"]
 
 
 # ---- the form recorded is the one the final configs compile (issue 40 item 9) -----------------------------------
@@ -331,7 +330,7 @@ def test_measure_forms_times_what_precast_compiles(tmp_path):
     cache that is deleted after."""
     from precast.backends.aoti.compiler import compile as aoti_compile
 
-    times = form_measure.measure_forms(torch.bfloat16, ((16, 32),), {"default": {}}, tmp_path, aoti_compile)
+    times = form_timing.measure_forms(torch.bfloat16, ((16, 32),), {"default": {}}, tmp_path, aoti_compile)
     assert set(times) == {"default"} and isinstance(times["default"], float) and times["default"] > 0
     assert not list((tmp_path / "tmp").glob("forms.*"))
 
@@ -339,12 +338,12 @@ def test_measure_forms_times_what_precast_compiles(tmp_path):
 def test_other_processes_busy_during_the_timing_is_under_load(measured, monkeypatch):
     """What other processes took while precast timed (all CPU time less this process's and its children's), not
     the load average, which counts precast's own compiles just before the timing."""
-    assert form_measure.others_busy((100.0, 10.0), (103.0, 10.5), 2.0) == 1.25  # 3 s in all, 0.5 s precast's
-    assert form_measure.others_busy((0.0, 0.0), (1.0, 1.0), 2.0) == 0.0  # only precast itself
-    assert form_measure.others_busy(None, (1.0, 1.0), 2.0) is None  # no /proc/stat
-    assert form_measure.cpu_seconds() is None or len(form_measure.cpu_seconds()) == 2
+    assert form_timing.others_busy((100.0, 10.0), (103.0, 10.5), 2.0) == 1.25  # 3 s in all, 0.5 s precast's
+    assert form_timing.others_busy((0.0, 0.0), (1.0, 1.0), 2.0) == 0.0  # only precast itself
+    assert form_timing.others_busy(None, (1.0, 1.0), 2.0) is None  # no /proc/stat
+    assert form_timing.cpu_seconds() is None or len(form_timing.cpu_seconds()) == 2
     monkeypatch.setattr(forms, "others_busy", lambda before, after, wall: 1.25)
-    monkeypatch.setattr(form_measure.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    monkeypatch.setattr(form_timing.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
     form = choose_form(linear_program(torch.bfloat16), cache_dir=measured, measure=Timings(ZEN4))
     assert form.record["under_load"] and form.record["others_busy"] == 1.25
     assert "other processes busy on 1.25 core(s)" in form.why

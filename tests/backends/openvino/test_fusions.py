@@ -23,7 +23,7 @@ import openvino as ov  # noqa: E402
 import openvino.opset13 as ops  # noqa: E402
 
 import precast  # noqa: E402
-import precast.backends.openvino.convert as openvino_convert  # noqa: E402
+import precast.backends.openvino.convert as ov_convert  # noqa: E402
 from precast.backends.openvino.fusions import fold_scalar_casts, rotation_reads_promoted  # noqa: E402
 from precast.backends.openvino.precision import native_bf16  # noqa: E402
 
@@ -160,7 +160,7 @@ def test_openvino_fuses_the_rotary_embedding(converted, monkeypatch):
     emulated = [x for x in model.plan.overridden if x.planned == ("bf16",) and x.runtime == ("fp32",)]
     assert model.plan.overridden == ([] if native_bf16(ov.Core()) else emulated), model.plan.summary()
     assert {n.name: n.meta.get("custom") for n in converted.graph.nodes} == records
-    monkeypatch.setattr(openvino_convert, "rotation_reads_promoted", lambda gm: 0)
+    monkeypatch.setattr(ov_convert, "rotation_reads_promoted", lambda gm: 0)
     unfused = precast.compile(converted, backend="openvino", precision_hint="f32", dynamic=False, warn=False)
     if native_bf16(ov.Core()):
         # the control: the bf16 casts around the rotation keep OpenVINO from fusing it without the rewrite (where

@@ -72,7 +72,7 @@ def raw_f32_hint(ep, x: torch.Tensor) -> torch.Tensor:
     it into an element-wise Subgraph, which rounds correctly."""
     import openvino as ov
 
-    from precast.backends.openvino.model import _to_torch
+    from precast.backends.openvino.kv_state import to_torch
     from precast.runtime.exported import dynamic_batch
 
     model, _, _ = convert(dynamic_batch(ep))
@@ -84,7 +84,7 @@ def raw_f32_hint(ep, x: torch.Tensor) -> torch.Tensor:
     assert types == ["Input", "Convert", "Output"], types
     request = compiled.create_infer_request()
     request.infer([ov.Tensor(x.numpy())])
-    return _to_torch(request.get_output_tensor(0))
+    return to_torch(request.get_output_tensor(0))
 
 
 def test_f32_hint_casts_round_to_nearest_even():
@@ -350,7 +350,7 @@ def test_bf16_forms_against_the_fp32_model(monkeypatch):
     longer rounded); where both run it in the same reported precision (this Intel Xeon with AVX512-BF16 and no AMX
     runs the attention as one bf16 ``Subgraph`` in every form: 1.78e-5 against 2.49e-5; an AMX Xeon: 1.78e-5 in
     all three) only the ordering is asserted. The fallback form is taken, and said, when the f32 typing fails."""
-    from precast.backends.openvino import precision as openvino_precision
+    from precast.backends.openvino import precision
 
     program, x, want = attention_program()
     errors, reported = {}, {}
@@ -363,12 +363,12 @@ def test_bf16_forms_against_the_fp32_model(monkeypatch):
     def fails(model):
         raise RuntimeError("Check 'element::Type::merge' failed\nmore")
 
-    monkeypatch.setattr(openvino_precision, "lowered_by_openvino", fails)
+    monkeypatch.setattr(precision, "lowered_by_openvino", fails)
     fallback = precast.compile(program, backend="openvino")
     assert fallback.plan.form.startswith("casts as written, attention in f32 (f32 typing failed: Check")
     errors["attention in f32"] = 1 - flat_error(fallback(x), want)[1]
     reported["attention in f32"] = softmax_layers(fallback.compiled)
-    monkeypatch.setattr(openvino_precision, "attention_in_f32", lambda model: 0)
+    monkeypatch.setattr(precision, "attention_in_f32", lambda model: 0)
     as_written = precast.compile(program, backend="openvino")
     errors["as written"] = 1 - flat_error(as_written(x), want)[1]
     reported["as written"] = softmax_layers(as_written.compiled)
@@ -407,7 +407,7 @@ def test_lowered_form_keeps_weights_in_bf16(name, monkeypatch):
     layer), where an unmarked cast is folded into an f32 copy (the control: no bf16 constant). The same layers run
     in the same precisions and the outputs are bitwise the same; the layer norms' scales stay fused (a marked cast
     there would split them off)."""
-    from precast.backends.openvino import precision as openvino_precision
+    from precast.backends.openvino import precision
 
     if name == "attention":
         program, x, _ = attention_program()
@@ -418,7 +418,7 @@ def test_lowered_form_keeps_weights_in_bf16(name, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PlanOverrideWarning)  # the check is the control's, not the hint's
         kept = compile_openvino(program, precision_hint="bf16", dynamic=False)
-        monkeypatch.setattr(openvino_precision, "_reads_compressed", lambda reader: False)
+        monkeypatch.setattr(precision, "_reads_compressed", lambda reader: False)
         folded = compile_openvino(program, precision_hint="bf16", dynamic=False)
     assert kept.plan.form == folded.plan.form and kept.plan.form.startswith("lowered by OpenVINO")
     layers, constants = runtime_layers(kept.compiled)

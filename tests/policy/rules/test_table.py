@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from precast.ir.program import Program
-from precast.numerics.calibration import Calibration, NodeStats
 from precast.policy.auto import AUTO_RULES, AutoPolicy
+from precast.policy.measurements import Calibration, NodeStats
 from precast.policy.rules import table
 from precast.policy.rules.policy import RulesPolicy
 from precast.policy.rules.table import RuleCall, custom_rule
