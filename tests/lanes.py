@@ -5,7 +5,8 @@ Every test runs in both lanes except those below: each entry is a test id prefix
 parametrization), the one lane that runs it, and why one lane is enough. What is listed is precast's own logic that
 no torch version changes (argument checks, file trust, caches and locks, the CLI's exits, benchmark harnesses), a
 flow whose version-dependent parts other tests check in both lanes, or one of several parametrizations of the
-same check, split so each runs on one torch. ``PRECAST_LANE`` unset (pytest run by hand): everything runs.
+same check, split so each runs on one torch; and (``REALMODEL_POLICY_LANE``) the transformers real-model tier's
+policies torch and rules, one dtype per lane. ``PRECAST_LANE`` unset (pytest run by hand): everything runs.
 
 The floor lane also runs what only it can (the bare install, the real SmolLM2 weights); the latest lane the vision
 real-model tier (torchvision and timm exist only there).
@@ -17,6 +18,11 @@ FLOOR, LATEST = "floor", "latest"
 
 _CACHE = "the compile cache's own logic (keys, locks, atomic entries, copies): precast's code, the same on every torch"
 _CLI = "the CLI's argument checks, messages and exit codes: precast's code; the conversions behind them run in both lanes"
+_SWAP = (
+    "precast's own checks around one compiled model (load_weights, a copy's weights, state after a swap); "
+    "AOTInductor's compile and load of converted programs run in both lanes (test_outputs_equal_converted_program, "
+    "the load_weights swap tests, tests/backends/aoti/test_load_weights.py)"
+)
 _BENCH = "a benchmark harness's tables and arithmetic (no timing is asserted); the forms it builds are tested in both lanes"
 _OV = (
     "OpenVINO running precast's programs of real decoders: OpenVINO's side is the same in both lanes, and the torch "
@@ -34,6 +40,19 @@ ONE_LANE: dict[str, tuple[str, str]] = {
     "tests/backends/aoti/test_compile.py::test_tampered_entry_is_rebuilt": (FLOOR, _CACHE),
     "tests/backends/aoti/test_compile.py::test_second_compile_in_fresh_process_loads_fast": (FLOOR, _CACHE),
     "tests/backends/aoti/test_compile.py::test_cli_compile_copies_package": (FLOOR, _CACHE),
+    "tests/backends/aoti/test_compile.py::test_cnn_state_dict_with_unread_buffers_reloads": (FLOOR, _SWAP),
+    "tests/backends/aoti/test_compile.py::test_compile_of_a_modified_copy_uses_the_copys_weights": (
+        FLOOR,
+        _SWAP,
+    ),
+    "tests/backends/aoti/test_compile.py::test_load_weights_accepts_state_dict_without_non_persistent_buffers": (
+        FLOOR,
+        _SWAP,
+    ),
+    "tests/backends/aoti/test_compile.py::test_a_stateful_compile_after_load_weights_starts_from_the_program": (
+        FLOOR,
+        _SWAP,
+    ),
     "tests/cli/test_cli.py": (FLOOR, _CLI),
     "tests/cli/test_cli_bad_inputs.py": (FLOOR, _CLI),
     "tests/cli/test_cli_generate.py": (FLOOR, _CLI),
@@ -80,6 +99,16 @@ ONE_LANE: dict[str, tuple[str, str]] = {
     "tests/realmodels/test_llm.py::test_openvino_reset_and_two_models_keep_their_own_state": (LATEST, _OV),
     "tests/realmodels/test_llm.py::test_openvino_cut_back_a_bf16_cache_is_a_fresh_start_there": (LATEST, _OV),
 }
+
+
+# tests/realmodels/test_realmodels.py: each transformers model runs policy None in both lanes (the export of its
+# autocast regions is what changes between torch versions), and the other policies split between the lanes, so
+# each lane converts every family under a policy torch and a policy rules, in the other dtype than the other lane
+REALMODEL_POLICY_LANE = {"torch-bf16": FLOOR, "rules-fp16": FLOOR, "torch-fp16": LATEST, "rules-bf16": LATEST}
+REALMODEL_POLICY_WHY = (
+    "the transformers models' policies split between the lanes: every family runs policy None, policy torch and "
+    "policy rules in each lane, one dtype each (the dtype is a parameter of the same lowering)"
+)
 
 
 def matches(prefix: str, nodeid: str) -> bool:

@@ -32,3 +32,18 @@ def test_the_longest_prefix_decides(monkeypatch):
     monkeypatch.setattr(lanes, "ONE_LANE", {"tests/bench": ("floor", "a folder")})
     assert lanes.lane_of("tests/bench/test_x.py::test_y") == ("floor", "a folder")
     assert lanes.lane_of("tests/benchmarks/test_x.py::test_y") is None
+
+
+def test_realmodel_policy_split_names_real_policies_and_both_lanes():
+    """Every policy the transformers models run in one lane exists, and each lane gets a policy torch and a policy
+    rules (so each lane converts every family under both), policy None staying in both."""
+    from tests.realmodels.conftest import POLICIES
+
+    split = lanes.REALMODEL_POLICY_LANE
+    assert set(split) <= set(POLICIES) and "none" not in split
+    for lane in (lanes.FLOOR, lanes.LATEST):
+        mine = [p for p, owner in split.items() if owner == lane]
+        assert any(p.startswith("torch") for p in mine) and any(p.startswith("rules") for p in mine), (
+            lane,
+            mine,
+        )

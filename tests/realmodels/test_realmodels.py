@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 import precast
 from precast.metrics import row_cosine
 from tests.helpers import assert_bitwise, constant_casts
+from tests.lanes import FLOOR, LATEST, REALMODEL_POLICY_LANE, REALMODEL_POLICY_WHY
 from tests.realmodels.builders import BATCHES
 from tests.realmodels.conftest import BUILDERS, POLICIES, VISION_MODELS
 
@@ -37,14 +39,18 @@ ROOT = Path(__file__).resolve().parents[2]
 # Three vision models of different families add policy "auto" (bf16: native on this CPU, where auto has a real
 # choice to make); auto times every matmul/conv on this machine, so the others leave it out (CI's budget).
 VISION_AUTO = ("mobilenetv3_small_050", "resnet10t", "vit_tiny_patch16_224")
+# Policy None on three vision models of different families (a CNN, a ViT, a hybrid): the vision programs have no
+# autocast region, so policy None is the unchanged program, whose path every transformers model and the unit zoo
+# check too; its conversions and saved copies were a fifth of the latest lane.
+VISION_NONE = ("convnext_atto", "tv_resnet18", "vit_tiny_patch16_224")
 # The vision tier runs in the latest lane only, and its conversions are most of that lane's time (CI's budget:
 # 45 minutes for both lanes): each vision model runs policy torch in one dtype, alternating bf16 / fp16 down the
 # sorted list (autocast's dtype is a parameter of the same lowering; both dtypes run on every transformers model
-# and the unit zoo), rules in fp16 (every weight stored fp16: the stricter range), and rules bf16 with auto on
-# the three models above.
+# and the unit zoo), rules in fp16 (every weight stored fp16: the stricter range), policy None on the three above,
+# and rules bf16 with auto on the three of VISION_AUTO.
 VISION_RUNS = {
     m: (
-        "none",
+        *(("none",) if m in VISION_NONE else ()),
         "torch-bf16" if i % 2 == 0 else "torch-fp16",
         "rules-fp16",
         *(("rules-bf16", "auto-bf16") if m in VISION_AUTO else ()),
@@ -68,7 +74,22 @@ DECOMPOSE = (
 
 
 def cases(policy_ids: list[str], runs: dict = RUNS) -> list:
-    return [pytest.param(m, p, id=f"{m}-{p}") for m in MODELS for p in policy_ids if p in runs.get(m, BASE)]
+    """(model, policy) parameters; a transformers model's policy runs in the lane ``tests/lanes.py``'s
+    ``REALMODEL_POLICY_LANE`` gives it (all of them when pytest runs by hand)."""
+    return [
+        pytest.param(m, p, id=f"{m}-{p}", marks=_lane_mark(m, p))
+        for m in MODELS
+        for p in policy_ids
+        if p in runs.get(m, BASE)
+    ]
+
+
+def _lane_mark(model: str, policy_id: str) -> tuple:
+    lane = os.environ.get("PRECAST_LANE")
+    wanted = None if model in VISION_MODELS else REALMODEL_POLICY_LANE.get(policy_id)
+    if lane not in (FLOOR, LATEST) or wanted in (None, lane):
+        return ()
+    return (pytest.mark.skip(reason=f"runs in the {wanted} lane only: {REALMODEL_POLICY_WHY}"),)
 
 
 # Lowest cosine to fp32 eager under policy "rules", per output row (token / sentence / image), minimum over the

@@ -142,7 +142,9 @@ def cache_key(
     put("dynamic", str(dynamic))
     for label, text in toolchain().items():
         put(label, text)
-    device = device or program_device(ep)  # the device the code is built for (a meta-weight program: its inputs')
+    device = device or program_device(
+        ep
+    )  # the device the code is built for (a meta-weight program: its inputs')
     put("device", device)
     if device == "cuda" and torch.cuda.is_available():
         put(
