@@ -29,7 +29,6 @@ from torch.export import ExportedProgram
 
 from precast.backends.aoti.facts import CompileJob, ProgramFacts
 from precast.backends.aoti.int_rewrite import apply_int_weights, inline_recipes
-from precast.backends.aoti.load import load_package, loader_constants  # noqa: F401 - importable from here too
 from precast.backends.aoti.package_cache import (
     FORMAT,
     MANIFEST,
