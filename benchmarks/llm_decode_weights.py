@@ -1,5 +1,6 @@
 """Decode speed with weights stored in 8 and 4 bits (issue 41), in one interleaved run: precast's plan (policy
-torch, bf16, KV cache bf16) with ``weight_format="int8"`` / ``"int4"`` on AOTInductor (``precast.compile()``, no
+torch, bf16, KV cache bf16) with ``weight_format="int8"`` / ``"int8-asym"`` (forms ``..._int8a``) / ``"int4"`` on
+AOTInductor (``precast.compile()``, no
 options) and on OpenVINO (``precast.compile(backend="openvino")``, the default call), beside the same plan with bf16
 weights and OpenVINO's own exports of the same seeded weights (optimum-intel; ``optimum-cli --weight-format int8``).
 
@@ -31,9 +32,11 @@ from precast.bench import decode, decode_anchor, decode_model
 FORMS = (
     "precast_torch",
     "precast_torch_int8",
+    "precast_torch_int8a",
     "precast_torch_int4",
     "precast_openvino",
     "precast_openvino_int8",
+    "precast_openvino_int8a",
     "precast_openvino_int4",
     "openvino_anchor",
     "openvino_anchor_int8",
@@ -42,7 +45,10 @@ FORMS = (
 TARGETS = (
     ("precast_openvino_int8", "openvino_anchor_int8", 0.97),
     ("precast_openvino_int8", "precast_openvino", 1.4),
+    ("precast_openvino_int8a", "openvino_anchor_int8", 0.97),
+    ("precast_openvino_int8a", "precast_openvino", 1.4),
     ("precast_torch_int8", "precast_torch", 1.3),
+    ("precast_torch_int8a", "precast_torch", 1.3),
     ("precast_openvino_int4", "precast_openvino", None),
     ("precast_torch_int4", "precast_torch", None),
 )

@@ -6,13 +6,16 @@ with the whole model in bf16 (weights only; the activations stay the model's own
 - ``asym``: ``s = (max - min) / 255`` with an integer zero point (NNCF's ``INT8_ASYM``, what
   ``optimum-cli --weight-format int8`` stores);
 - ``sym_mse`` / ``asym_mse``: the row's range clipped by the ratio in 0.70..0.99 that minimises the row's squared
-  rounding error (a data-free scale search).
+  rounding error (a data-free scale search);
+- ``asym_fp32_scale`` / ``asym_fp16_scale``: asym with its scale exact / on fp16's grid (NNCF stores f16 scales);
+  ``precast int8-asym``: precast's own format (its bf16-grid scale rounded up, so the 256 integers cover the row).
 
 Scales are on bf16's grid as precast stores them. Text and metric as ``benchmarks/llm_weights.py``: Python's
 documentation topics, 1024 tokens skipped (the calibration part there), the next ``--tokens`` evaluated in windows
 of 256, KLD(fp32 || form) in nats/token and top-1 agreement.
 
-    PYTHONPATH=. python -m benchmarks.llm_int8_schemes [--tokens 2048] [--work /tmp/precast-bench]
+    PYTHONPATH=. python -m benchmarks.llm_int8_schemes [--tokens 2048] [--work /tmp/precast-bench] [--schemes ...]
+        [--no-bf16]
 """
 
 from __future__ import annotations
@@ -61,12 +64,43 @@ def searched(scheme):
     return run
 
 
-SCHEMES = {"sym": sym, "asym": asym, "sym_mse": searched(sym), "asym_mse": searched(asym)}
+def asym_grid(grid: torch.dtype | None):
+    """asym with its scale stored in ``grid`` (None: exact fp32), rounded to nearest."""
+
+    def run(w: torch.Tensor) -> torch.Tensor:
+        lo, hi = w.amin(1, keepdim=True).clamp(max=0), w.amax(1, keepdim=True).clamp(min=0)
+        s = ((hi - lo) / 255).clamp_min(1e-12)
+        s = s if grid is None else s.to(grid).float()
+        z = (-lo / s).round().clamp(0, 255)
+        return ((w / s).round() + z).clamp(0, 255).sub(z) * s
+
+    return run
+
+
+def precast_format(name: str):
+    """precast's own format (``precast.ir.weight_formats``), scales on bf16's grid, read in fp32."""
+    from precast.ir.weight_formats import dequantize, parse_format, quantize
+
+    fmt = parse_format(name)
+    return lambda w: dequantize(quantize(w, fmt, torch.bfloat16), fmt, torch.float32)
+
+
+SCHEMES = {
+    "sym": sym,
+    "asym": asym,
+    "sym_mse": searched(sym),
+    "asym_mse": searched(asym),
+    "asym_fp32_scale": asym_grid(None),
+    "asym_fp16_scale": asym_grid(torch.float16),
+    "precast int8-asym": precast_format("int8-asym"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    ap.add_argument("--no-bf16", action="store_true", help="the fp32 model only")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument(
         "--work", type=Path, default=Path(os.environ.get("PRECAST_BENCH_WORK", "/tmp/precast-bench"))
@@ -95,13 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     names = [k for k, v in state.items() if v.dim() == 2]
     print(f"{cpu_line()}; torch {torch.__version__}; {len(names)} 2-d weights; {args.tokens} tokens")
     print("| scheme | KLD (fp32 model) | top-1 | KLD (bf16 model) | top-1 |\n|---|---|---|---|---|")
-    for label, scheme in SCHEMES.items():
+    for label in args.schemes:
+        scheme = SCHEMES[label]
         started = time.perf_counter()
         for n in names:
             model.state_dict()[n].copy_(scheme(state[n]))
         f32 = run()
         model.to(torch.bfloat16)
-        b16 = run()
+        b16 = {"kld": float("nan"), "top1": float("nan")} if args.no_bf16 else run()
         model.to(torch.float32)
         model.load_state_dict(state)
         print(

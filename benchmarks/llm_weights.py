@@ -52,6 +52,21 @@ def q4_k_m_rule(names: list[str], layers: int) -> dict[str, str]:
     return plan
 
 
+def plan_total(costs, formats: dict[str, str]) -> tuple[int, float]:
+    """(bytes, estimated KLD) of a plan; a format the estimate did not cover (int8-asym): its bytes from the
+    format (bf16 scales), no estimate (nan)."""
+    from precast.ir.weight_formats import parse_format
+
+    if all(f in w.estimate for w in costs.weights.values() for f in set(formats.values())):
+        return costs.total(formats)
+    total = 0.0
+    for name, w in costs.weights.items():
+        f = formats.get(name, "float")
+        numel = torch.Size(w.shape).numel()
+        total += w.bytes[f] if f in w.bytes else parse_format(f).bits(w.shape, torch.bfloat16) * numel / 8
+    return int(total), float("nan")
+
+
 def random_plan(costs, target_bytes: int, seed: int = 0) -> dict[str, str]:
     """int4-g64 everywhere, then random weights to int8 while the bytes stay within ``target_bytes``."""
     plan = {n: "int4-g64" for n in costs.weights}
@@ -171,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         "bf16": {},
         "int8": dict.fromkeys(names, "int8"),
         "int8 (table bf16)": {n: "int8" for n in names if n not in table},
+        "int8-asym": dict.fromkeys(names, "int8-asym"),
+        "int8-asym (table bf16)": {n: "int8-asym" for n in names if n not in table},
         "int4-g64": dict.fromkeys(names, "int4-g64"),
     }
     elements = sum(torch.Size(c.shape).numel() for c in costs.weights.values())
@@ -205,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 for inputs, targets, ref in references:
                     for k, v in compare(ref, run(inputs), targets).items():
                         sums[k] += v
-            est_bytes, est = costs.total(formats)
+            est_bytes, est = plan_total(costs, formats)
             rows[f"{label} [{where}]"] = {
                 "kld": sums["kld"] / sums["n"],
                 "top1": sums["top1"] / sums["n"],

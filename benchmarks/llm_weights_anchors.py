@@ -396,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--fresh", action="store_true", help="redo the NNCF compressions (exports are reused)")
     ap.add_argument(
+        "--no-nncf",
+        action="store_true",
+        help="only optimum-cli's fp32 and int8 exports as anchors (no NNCF int4 rows)",
+    )
+    ap.add_argument(
         "--work", type=Path, default=Path(os.environ.get("PRECAST_BENCH_WORK", "/tmp/precast-bench"))
     )
     ap.add_argument("--out", type=Path, default=None, help="JSON file")
@@ -501,15 +506,21 @@ def main(argv: list[str] | None = None) -> int:
         {"name": f"nncf mixed {b} bits", "bits": b, "all_layers": True, "out": str(work / f"nncf-{b}bits")}
         for b in budgets
     ]
-    targets += [
-        {"name": "nncf int4 defaults", "ratio": 1.0, "all_layers": False, "out": str(work / "nncf-int4")},
-        {
-            "name": "nncf int4 all layers",
-            "ratio": 1.0,
-            "all_layers": True,
-            "out": str(work / "nncf-int4-all"),
-        },
-    ]
+    if args.no_nncf:
+        targets = []
+    targets += (
+        []
+        if args.no_nncf
+        else [
+            {"name": "nncf int4 defaults", "ratio": 1.0, "all_layers": False, "out": str(work / "nncf-int4")},
+            {
+                "name": "nncf int4 all layers",
+                "ratio": 1.0,
+                "all_layers": True,
+                "out": str(work / "nncf-int4-all"),
+            },
+        ]
+    )
     spec = {
         "fp32_xml": exports["fp32"]["xml"],
         "calibration": calibration,

@@ -42,11 +42,18 @@ OPENVINO = ("precast_openvino", "openvino_anchor", "openvino_anchor_inprocess")
 # table (benchmarks/llm_decode_weights.py runs them beside their bf16 forms)
 WEIGHTS = (
     "precast_torch_int8",
+    "precast_torch_int8a",
     "precast_torch_int4",
     "precast_openvino_int8",
+    "precast_openvino_int8a",
     "precast_openvino_int4",
     "openvino_anchor_int8",
 )
+_FORMAT_OF = {
+    "int8": "int8",
+    "int8a": "int8-asym",
+    "int4": "int4",
+}  # a form's name's last part -> weight format
 DEFAULT_VARIANTS = EAGER + HAND + PRECAST + OPENVINO
 VARIANTS = DEFAULT_VARIANTS + WEIGHTS
 # max-autotune with Inductor's C++ GEMM template alone: choosing between it and ATen by timing both at compile
@@ -165,9 +172,9 @@ def build_hand(b: Build, v: Variant) -> None:
 
 
 def weight_format_of(name: str) -> str | None:
-    """The weight format a form's name ends with (``precast_torch_int8`` -> ``int8``), or None."""
-    last = name.rsplit("_", 1)[1]
-    return last if last in ("int8", "int4") else None
+    """The weight format a form's name ends with (``precast_torch_int8`` -> ``int8``, ``..._int8a`` ->
+    ``int8-asym``), or None."""
+    return _FORMAT_OF.get(name.rsplit("_", 1)[1])
 
 
 def build_precast(b: Build, v: Variant) -> None:
@@ -271,9 +278,11 @@ BUILDERS: dict[str, Callable[[Build, Variant], None]] = {
     **dict.fromkeys(HAND, build_hand),
     **dict.fromkeys(PRECAST, build_precast),
     "precast_torch_int8": build_precast,
+    "precast_torch_int8a": build_precast,
     "precast_torch_int4": build_precast,
     "precast_openvino": build_precast_openvino,
     "precast_openvino_int8": build_precast_openvino,
+    "precast_openvino_int8a": build_precast_openvino,
     "precast_openvino_int4": build_precast_openvino,
     ANCHOR: build_anchor,
     "openvino_anchor_int8": build_anchor,

@@ -48,9 +48,9 @@ ARGUMENTS = (
         nargs="+",
         default=None,
         metavar="FORMAT",
-        help="store linear/embedding weights in int8 (per output channel) or int4 (groups of 64; int4-g32, "
-        "int4-g128): one format for every weight, and/or PATTERN=FORMAT over weight names, first match first "
-        "(e.g. 'lm_head.weight=int8' int4; float: as the policy computes); docs/weight_formats.md",
+        help="store linear/embedding weights in int8 (per output channel, symmetric), int8-asym (with a zero "
+        "point, as OpenVINO's int8 export) or int4 (groups of 64; int4-g32, int4-g128): one format for every weight, "
+        "and/or PATTERN=FORMAT over weight names, first match first (e.g. 'lm_head.weight=int8' int4; float: as the policy computes); docs/weight_formats.md",
     ),
     flag("--exclude-nodes", nargs="*", default=(), metavar="REGEX"),
     flag("--exclude-ops", nargs="*", default=(), metavar="OP"),

@@ -45,8 +45,9 @@ ARGUMENTS = (
         nargs="+",
         default=None,
         metavar="FORMAT",
-        help="linear/embedding weights in int8 (per output channel), int4 (groups of 64), int4-g32, int4-g128, "
-        "float, and/or PATTERN=FORMAT over weight names (as precast convert; default: float, the --dtype)",
+        help="linear/embedding weights in int8 (per output channel, symmetric), int8-asym (with a zero point), "
+        "int4 (groups of 64), int4-g32, int4-g128, float, and/or PATTERN=FORMAT over weight names (as precast "
+        "convert; default: float, the --dtype)",
     ),
     flag(
         "--bits",

@@ -4,7 +4,13 @@ A weight of a linear, matmul or embedding is stored in one of:
 
 - ``float``: the dtype its reader computes in (the policy's low dtype or fp32), as every conversion does;
 - ``int8``: per output channel (row), symmetric: ``q = round(w / s)`` in [-127, 127], ``s = absmax(row) / 127``
-  on the scale grid (``scale_grid``: bf16's values) stored in the compute dtype, value ``q * s``;
+  on the scale grid (``scale_grid``: the compute dtype's values, bf16's for a table read in fp32 and bf16) stored
+  in the compute dtype, value ``q * s`` (the form AOTInductor's int8 kernel reads);
+- ``int8-asym``: per output channel, asymmetric with an integer zero point (NNCF's ``INT8_ASYM``, what
+  ``optimum-cli export openvino --weight-format int8`` stores): ``s = (max - min) / 255`` rounded up to the scale
+  grid (so the 256 integers cover the row: ``_scale_up``), ``z = round(-min / s)`` in [0, 255],
+  ``q = round(w / s) + z`` in [0, 255] (uint8), value ``(q - z) * s``; ``z`` one byte per row. The same bits, a
+  finer step for a row whose values are not centred on zero;
 - ``int4`` (``int4-g32``, ``int4-g64``, ``int4-g128``): grouped along the input dimension, asymmetric with an
   integer zero point: ``s = (max - min) / 15``, ``z = round(-min / s)`` in [0, 15], ``q = round(w / s) + z`` in
   [0, 15], value ``(q - z) * s``; two values packed per byte (low nibble the even index), ``z`` one byte per
@@ -31,12 +37,20 @@ from precast.errors import PrecastError
 
 INT4_GROUPS = (32, 64, 128)
 DEFAULT_INT4_GROUP = 64  # divides the hidden sizes of most LLMs (576, 1536, 2048, 4096, ...)
-_SPELLING = re.compile(r"^(float|int8|int4)(?:[-_:]?g(\d+))?$")
+_SPELLING = re.compile(r"^(float|int8|int4)(?:[-_:]?(sym|asym))?(?:[-_:]?g(\d+))?$")
+# kind -> the stored parts of one weight, by role
+_PARTS = {
+    "float": (),
+    "int8": ("q", "scale"),
+    "int8-asym": ("q", "scale", "zero"),
+    "int4": ("q", "scale", "zero"),
+}
 
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """One storage format: ``kind`` "float" | "int8" | "int4", ``group`` the int4 group size (else None)."""
+    """One storage format: ``kind`` "float" | "int8" | "int8-asym" | "int4", ``group`` the int4 group size (else
+    None)."""
 
     kind: str
     group: int | None = None
@@ -47,8 +61,13 @@ class WeightFormat:
 
     @property
     def tag(self) -> str:
-        """The prefix of the parts' ``derive`` tags (``int8``, ``int4g64``)."""
-        return f"int4g{self.group}" if self.kind == "int4" else self.kind
+        """The prefix of the parts' ``derive`` tags (``int8``, ``int8a``, ``int4g64``)."""
+        return {"int4": f"int4g{self.group}", "int8-asym": "int8a"}.get(self.kind, self.kind)
+
+    @property
+    def suffix(self) -> str:
+        """What the names of its stored constants end with (``_int8``, ``_int8a_zero``): identifier characters."""
+        return "int8a" if self.kind == "int8-asym" else self.kind
 
     @property
     def quantized(self) -> bool:
@@ -56,7 +75,7 @@ class WeightFormat:
 
     def parts(self) -> tuple[str, ...]:
         """The stored constants of one weight in this format, by role."""
-        return {"float": (), "int8": ("q", "scale"), "int4": ("q", "scale", "zero")}[self.kind]
+        return _PARTS[self.kind]
 
     def bits(self, shape: tuple[int, ...], scale_dtype: torch.dtype) -> float:
         """Stored bits per weight element, scales and zero points included."""
@@ -64,6 +83,8 @@ class WeightFormat:
         scale_bits = torch.finfo(scale_dtype).bits
         if self.kind == "int8":
             return 8 + scale_bits / k
+        if self.kind == "int8-asym":
+            return 8 + (scale_bits + 8) / k
         if self.kind == "int4":
             return 4 + (scale_bits + 8) / self.group
         return float(scale_bits)
@@ -71,29 +92,35 @@ class WeightFormat:
 
 FLOAT = WeightFormat("float")
 INT8 = WeightFormat("int8")
+INT8_ASYM = WeightFormat("int8-asym")
 
 
 def parse_format(value: object, what: str = "weight_format") -> WeightFormat:
-    """``"int8"``, ``"int4"`` (group 64), ``"int4-g32"``/``"int4-g128"``, ``"float"``, or a ``WeightFormat``; one
-    line for anything else."""
+    """``"int8"`` (symmetric; ``"int8-sym"``), ``"int8-asym"``, ``"int4"`` (group 64, asymmetric; ``"int4-asym"``),
+    ``"int4-g32"``/``"int4-g128"``, ``"float"``, or a ``WeightFormat``; one line for anything else."""
     if isinstance(value, WeightFormat):
         return value
     if isinstance(value, str):
         m = _SPELLING.match(value.strip().lower())
-        if m:
-            kind, group = m.group(1), m.group(2)
-            if kind == "int4":
-                g = int(group) if group else DEFAULT_INT4_GROUP
-                if g not in INT4_GROUPS:
-                    raise PrecastError(
-                        f"{what}={value!r}: int4 groups are {', '.join(map(str, INT4_GROUPS))} (e.g. 'int4-g128')"
-                    )
-                return WeightFormat("int4", g)
-            if group is None:
-                return WeightFormat(kind)
+        kind, sym, group = m.groups() if m else (None, None, None)
+        if kind == "int4" and sym == "sym":
+            raise PrecastError(
+                f"{what}={value!r}: int4 is stored asymmetric (with a zero point) only; give 'int4' or 'int4-g128'"
+            )
+        if kind == "int4":
+            g = int(group) if group else DEFAULT_INT4_GROUP
+            if g not in INT4_GROUPS:
+                raise PrecastError(
+                    f"{what}={value!r}: int4 groups are {', '.join(map(str, INT4_GROUPS))} (e.g. 'int4-g128')"
+                )
+            return WeightFormat("int4", g)
+        if kind == "int8" and group is None:
+            return INT8_ASYM if sym == "asym" else INT8
+        if kind == "float" and group is None and sym is None:
+            return FLOAT
     raise PrecastError(
-        f"{what}={value!r}: give 'int8', 'int4' (group 64), 'int4-g32', 'int4-g128' or 'float' (stored in the "
-        "dtype its op computes in)"
+        f"{what}={value!r}: give 'int8' (symmetric), 'int8-asym', 'int4' (group 64), 'int4-g32', 'int4-g128' or "
+        "'float' (stored in the dtype its op computes in)"
     )
 
 
@@ -106,17 +133,38 @@ def fits(fmt: WeightFormat, shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def scale_grid(dtype: torch.dtype) -> torch.dtype:
-    """The values a weight's scales take when it is read in ``dtype``: bf16's (8 significant bits, fp32's range)
-    for bf16 and fp32 reads, so that one set of integers serves a weight read in both (a tied embedding table:
-    fp32 under autocast, bf16 as the head) with each read's scales exact in its dtype; fp16's for fp16 reads. The
-    integers are rounded against the scale as stored: no accuracy is lost to the grid."""
-    return torch.float16 if dtype == torch.float16 else torch.bfloat16
+def scale_grid(dtype: torch.dtype, also: frozenset[torch.dtype] | set[torch.dtype] = frozenset()) -> torch.dtype:
+    """The values a weight's scales take when it is read in ``dtype``, ``also`` the dtypes of the weight's other
+    reads: the read's own dtype, except an fp32 read of a weight also read in bf16 (fp16), which takes bf16's
+    (fp16's) grid, so that one set of integers serves both reads (a tied embedding table: fp32 under autocast, bf16
+    as the head) with each read's scales exact in its dtype. The integers are rounded against the scale as stored:
+    no accuracy is lost to the grid but its spacing (on SmolLM2-135M, int8-asym with fp32 scales 0.00397
+    nats/token, on bf16's grid 0.00405: docs/benchmarks/llm_weights.md)."""
+    if dtype == torch.float32:
+        for low in (torch.bfloat16, torch.float16):
+            if low in also:
+                return low
+    return dtype
 
 
 def _scale_of(peak: torch.Tensor, levels: int, scale_dtype: torch.dtype) -> torch.Tensor:
     """The step, stored in ``scale_dtype``: ``peak / levels``, never zero (a zero row stores zeros exactly)."""
     scale = (peak / levels).to(scale_dtype)
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def _scale_up(span: torch.Tensor, levels: int, scale_dtype: torch.dtype) -> torch.Tensor:
+    """The step ``span / levels`` rounded **up** to ``scale_dtype``'s grid (never zero): the integers then cover
+    the whole range. Rounding to nearest would shrink a step by up to half the grid's spacing (2**-9 relative in
+    bf16), which over 255 steps clips a row's extreme values by up to one step."""
+    step = span / levels
+    scale = step.to(scale_dtype)
+    if step.device.type != "meta":
+        below = scale.to(step.dtype) < step
+        scale = torch.where(below, (scale.view(_BITS[scale_dtype]) + 1).view(scale_dtype), scale)
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
@@ -130,6 +178,14 @@ def quantize(weight: torch.Tensor, fmt: WeightFormat, scale_dtype: torch.dtype) 
         scale = _scale_of(w.abs().amax(dim=1, keepdim=True), 127, scale_dtype)
         q = torch.clamp(torch.round(w / scale.to(torch.float32)), -127, 127).to(torch.int8)
         return {"q": q, "scale": scale}
+    if fmt.kind == "int8-asym":
+        low = w.amin(dim=1, keepdim=True).clamp(max=0)
+        high = w.amax(dim=1, keepdim=True).clamp(min=0)
+        scale = _scale_up(high - low, 255, scale_dtype)
+        step = scale.to(torch.float32)
+        zero = torch.clamp(torch.round(-low / step), 0, 255)
+        q = torch.clamp(torch.round(w / step) + zero, 0, 255).to(torch.uint8)
+        return {"q": q, "scale": scale, "zero": zero.to(torch.uint8)}
     if fmt.kind == "int4":
         g = fmt.group
         groups = w.reshape(n, k // g, g)
@@ -153,6 +209,8 @@ def dequantize(parts: dict[str, torch.Tensor], fmt: WeightFormat, dtype: torch.d
     """The value the parts stand for, in ``dtype``: the ops the conversion writes into the graph, in its order."""
     if fmt.kind == "int8":
         return parts["q"].to(dtype) * parts["scale"]
+    if fmt.kind == "int8-asym":
+        return (parts["q"].to(dtype) - parts["zero"].to(dtype)) * parts["scale"]
     n, half = parts["q"].shape
     q = unpack_int4(parts["q"]).reshape(n, (2 * half) // fmt.group, fmt.group).to(dtype)
     return ((q - parts["zero"].to(dtype)) * parts["scale"]).reshape(n, 2 * half)
@@ -170,10 +228,12 @@ def derive_tag(fmt: WeightFormat, scale_dtype: torch.dtype, role: str) -> str:
 
 def parse_tag(tag: str) -> tuple[WeightFormat, torch.dtype, str]:
     """``"int4g64-bf16.scale"`` -> (int4-g64, torch.bfloat16, "scale"); one line for a tag this precast cannot read."""
-    m = re.fullmatch(r"(int8|int4)(?:g(\d+))?-(bf16|fp16|fp32)\.(q|scale|zero)", tag)
+    m = re.fullmatch(r"(int8a?|int4)(?:g(\d+))?-(bf16|fp16|fp32)\.(q|scale|zero)", tag)
     if not m or (m.group(1) == "int4") != (m.group(2) is not None):
         raise PrecastError(f"unknown stored weight part {tag!r} (written by a newer precast?)")
-    fmt = WeightFormat("int4", int(m.group(2))) if m.group(1) == "int4" else INT8
+    fmt = {"int4": lambda: WeightFormat("int4", int(m.group(2))), "int8a": lambda: INT8_ASYM}.get(
+        m.group(1), lambda: INT8
+    )()
     return fmt, _BY_SHORT[m.group(3)], m.group(4)
 
 

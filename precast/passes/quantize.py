@@ -4,9 +4,11 @@ Runs after the casts are folded and simplified, so a weight is read as the const
 policy's low dtype, or fp32). For each such read the rules (``WeightRules``: a format for every weight, or glob
 patterns over weight names) pick a format (``precast.ir.weight_formats``); the weight is quantized from its
 **original** value (the fp32 weight of the program the conversion started from, never the already-rounded bf16
-copy), stored as its parts (int8 ``q`` + ``scale``; int4 packed ``q`` + ``scale`` + ``zero``), and the read becomes:
+copy), stored as its parts (int8 ``q`` + ``scale``; int8-asym ``q`` + ``scale`` + ``zero``; int4 packed ``q`` +
+``scale`` + ``zero``), and the read becomes:
 
-- linear ``linear(x, w, b)``: ``w = q.to(dt) * scale`` (int8) or the int4 unpack, ``(q - zero).to(dt) * scale``,
+- linear ``linear(x, w, b)``: ``w = q.to(dt) * scale`` (int8), ``(q.to(dt) - zero.to(dt)) * scale`` (int8-asym)
+  or the int4 unpack, ``(q - zero).to(dt) * scale``,
   reshaped to [out, in]: the weight-side decompression OpenVINO fuses into its compressed FullyConnected and
   the AOTInductor backend turns into torch's int8/int4 kernels (``precast.backends``);
 - embedding ``embedding(w, ids)``: the rows are gathered first, then dequantized (the whole table never is).
@@ -158,8 +160,9 @@ def _reads(program: Program) -> tuple[list[tuple[torch.fx.Node, torch.fx.Node, s
 class _Builder:
     """Adds the parts of each (weight, format, compute dtype) once, and the dequantizing ops per read."""
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, read_dtypes: dict[str, set[torch.dtype]]):
         self.program = program
+        self.read_dtypes = read_dtypes  # weight -> the dtypes its linear/embedding reads compute in (scale_grid)
         self.state = fake_state(program)
         # (weight, format, grid) -> its parts; (weight, format, dtype) -> a scale read in another dtype
         self.parts: dict[tuple[str, WeightFormat, torch.dtype], dict[str, torch.fx.Node]] = {}
@@ -170,7 +173,7 @@ class _Builder:
     def parts_of(
         self, const: torch.fx.Node, name: str, value: torch.Tensor, fmt: WeightFormat, dt: torch.dtype
     ) -> dict[str, torch.fx.Node]:
-        grid = scale_grid(dt)
+        grid = scale_grid(dt, self.read_dtypes.get(name, set()))
         key = (name, fmt, grid)
         if key not in self.parts:  # the integers: one copy per weight and grid, whatever dtypes read it
             values = quantize(value, fmt, grid)
@@ -196,7 +199,7 @@ class _Builder:
         grid: torch.dtype,
         role: str,
     ) -> torch.fx.Node:
-        suffix = f"_{fmt.kind}" if role == "q" else f"_{fmt.kind}_{role}"
+        suffix = f"_{fmt.suffix}" if role == "q" else f"_{fmt.suffix}_{role}"
         with self.state.mode:
             fake = torch.empty(part.shape, dtype=part.dtype, device=const.meta["val"].device)
         node = self.program.add_constant_like(const, part, suffix, kind=InputKind.BUFFER, val=fake, base=name)
@@ -218,23 +221,30 @@ class _Builder:
             node.meta.setdefault("custom", {}).setdefault(META_KEY, {})[DEQUANT] = True
         return node
 
+    def dequantized(
+        self, reader: torch.fx.Node, q: torch.fx.Node, zero: torch.fx.Node | None, scale: torch.fx.Node, dt
+    ) -> torch.fx.Node:
+        """``q.to(dt) * scale``, or ``(q.to(dt) - zero.to(dt)) * scale`` (the ops ``dequantize`` computes)."""
+        value = self.op(reader, aten._to_copy.default, q, dtype=dt)
+        if zero is not None:
+            z = self.op(reader, aten._to_copy.default, zero, dtype=dt)
+            value = self.op(reader, aten.sub.Tensor, value, z)
+        return self.op(reader, aten.mul.Tensor, value, scale)
+
     def weight(
         self, reader: torch.fx.Node, parts: dict, fmt: WeightFormat, dt: torch.dtype, shape
     ) -> torch.fx.Node:
         """The dequantized [out, in] weight, inserted before ``reader``."""
         n, k = shape
         with self.program.graph.inserting_before(reader):
-            if fmt.kind == "int8":
-                q = self.op(reader, aten._to_copy.default, parts["q"], dtype=dt)
-                return self.op(reader, aten.mul.Tensor, q, parts["scale"])
+            if fmt.kind in ("int8", "int8-asym"):
+                return self.dequantized(reader, parts["q"], parts.get("zero"), parts["scale"], dt)
             g = fmt.group
             lo = self.op(reader, aten.bitwise_and.Scalar, parts["q"], 15)
             hi = self.op(reader, aten.bitwise_right_shift.Tensor_Scalar, parts["q"], 4)
             q = self.op(reader, aten.stack.default, [lo, hi], -1)
             q = self.op(reader, aten.view.default, q, [n, k // g, g])
-            q = self.op(reader, aten._to_copy.default, q, dtype=dt)
-            z = self.op(reader, aten._to_copy.default, parts["zero"], dtype=dt)
-            w = self.op(reader, aten.mul.Tensor, self.op(reader, aten.sub.Tensor, q, z), parts["scale"])
+            w = self.dequantized(reader, q, parts["zero"], parts["scale"], dt)
             return self.op(reader, aten.view.default, w, [n, k])
 
     def rows(
@@ -244,12 +254,9 @@ class _Builder:
         ids = reader.args[1]
         n = parts["q"].meta["val"].shape[0]
         with self.program.graph.inserting_before(reader):
-            if fmt.kind == "int8":
-                scale = self.op(reader, EMBEDDING, parts["scale"], ids)
-                q = self.op(
-                    reader, aten._to_copy.default, self.op(reader, EMBEDDING, parts["q"], ids), dtype=dt
-                )
-                return self.op(reader, aten.mul.Tensor, q, scale)
+            if fmt.kind in ("int8", "int8-asym"):
+                gathered = {role: self.op(reader, EMBEDDING, part, ids) for role, part in parts.items()}
+                return self.dequantized(reader, gathered["q"], gathered.get("zero"), gathered["scale"], dt)
             g = fmt.group
 
             def rows_of(part: torch.fx.Node) -> torch.fx.Node:  # [n, k/g, 1] read as [..., k/g, 1]
@@ -268,9 +275,7 @@ class _Builder:
                 -1,
                 [k // g, g],
             )
-            q = self.op(reader, aten._to_copy.default, q, dtype=dt)
-            z = self.op(reader, aten._to_copy.default, rows_of(parts["zero"]), dtype=dt)
-            w = self.op(reader, aten.mul.Tensor, self.op(reader, aten.sub.Tensor, q, z), scale)
+            w = self.dequantized(reader, q, rows_of(parts["zero"]), scale, dt)
             return self.op(reader, aten.flatten.using_ints, w, -2, -1)
 
 
@@ -290,7 +295,10 @@ def quantize_weights(program: Program, rules: WeightRules) -> QuantizeResult:
     result = QuantizeResult()
     alias = analyze(program.graph, program.input_spec, program.output_specs)
     reads, other = _reads(program)
-    build = _Builder(program)
+    read_dtypes: dict[str, set[torch.dtype]] = {}
+    for _, const, _ in reads:
+        read_dtypes.setdefault(_original(program, const)[0], set()).add(program.constant_value(const).dtype)
+    build = _Builder(program, read_dtypes)
     touched: set[torch.fx.Node] = set()
     for reader, const, kind in reads:
         if alias.written(const):

@@ -17,8 +17,9 @@ def test_weight_format_of_a_form_name():
 
     assert weight_format_of("precast_torch_int8") == "int8"
     assert weight_format_of("precast_openvino_int4") == "int4"
+    assert weight_format_of("precast_openvino_int8a") == "int8-asym"
     assert weight_format_of("precast_torch") is None and weight_format_of("precast_torch_autotune") is None
-    assert {weight_format_of(n) for n in WEIGHTS} == {"int8", "int4"}
+    assert {weight_format_of(n) for n in WEIGHTS} == {"int8", "int8-asym", "int4"}
 
 
 def test_quick_openvino_bf16_and_int8(tmp_path):

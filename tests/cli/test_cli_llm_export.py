@@ -404,7 +404,7 @@ REFUSALS = [
     ),
     (["{model}", "--probes", "2"], "--probes applies to a budget"),
     (["{model}", "--bits", "5", "--weight-format", "int8"], "not allowed with argument"),
-    (["{model}", "--weight-format", "int3"], "--weight-format int3: give 'int8', 'int4'"),
+    (["{model}", "--weight-format", "int3"], "--weight-format int3: give 'int8' (symmetric), 'int8-asym'"),
     (
         ["{model}", "--bits", "5", "--calibration-text", "{text}", "--budget-formats", "int2"],
         "--budget-formats",

@@ -55,7 +55,7 @@ def llama():
 @pytest.fixture(scope="module")
 def costs(llama):
     _, ep, batches = llama
-    c = estimate_costs(ep, batches[:2], ("int4", "int8"), float_dtype=torch.bfloat16, probes=8)
+    c = estimate_costs(ep, batches[:2], ("int4", "int8", "int8-asym"), float_dtype=torch.bfloat16, probes=8)
     ablate(ep, batches[2:], c, "int4-g64")
     return c
 
@@ -70,7 +70,12 @@ def test_the_estimate_ranks_weights_as_their_ablation_does(costs):
     assert 0.5 < sum(est) / sum(truth) < 2.0
     for w in costs.weights.values():  # int8 rounds 16x finer than int4: far cheaper everywhere
         assert w.estimate["int8"] < w.estimate["int4-g64"] / 20
-        assert w.bytes["int4-g64"] < w.bytes["int8"] < w.bytes["float"]
+        assert w.bytes["int4-g64"] < w.bytes["int8"] < w.bytes["int8-asym"] < w.bytes["float"]
+        # int8-asym: a step as fine as int8's, placed differently (one weight's estimate from 8 draws varies by
+        # 2x either way between the two roundings; their sums over the weights agree within 25%)
+        assert 0 < w.estimate["int8-asym"] < w.estimate["int4-g64"] / 20
+    sym, asym = (sum(w.estimate[f] for w in costs.weights.values()) for f in ("int8", "int8-asym"))
+    assert 0.75 < asym / sym < 1.25
 
 
 def test_spearman():

@@ -72,23 +72,41 @@ def _dequantized(model: Net, fmt: WeightFormat, dtype: torch.dtype, names: list[
 
 
 # ---- the formats ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("spelling", ["int8", "int4", "int4-g32", "int4-g128", "INT4_g64", "float"])
-def test_format_spellings(spelling):
+@pytest.mark.parametrize(
+    ("spelling", "name"),
+    [
+        ("int8", "int8"),
+        ("int8-sym", "int8"),
+        ("int8-asym", "int8-asym"),
+        ("INT8_ASYM", "int8-asym"),
+        ("int4", "int4-g64"),
+        ("int4-asym", "int4-g64"),
+        ("int4-g32", "int4-g32"),
+        ("int4-g128", "int4-g128"),
+        ("INT4_g64", "int4-g64"),
+        ("float", "float"),
+    ],
+)
+def test_format_spellings(spelling, name):
     fmt = parse_format(spelling)
-    assert fmt.name in ("int8", "int4-g64", "int4-g32", "int4-g128", "float")
+    assert fmt.name == name
     assert parse_format(fmt.name) == fmt
 
 
-@pytest.mark.parametrize("bad", ["int3", "int4-g48", "fp8", "", 8, None])
+@pytest.mark.parametrize(
+    "bad", ["int3", "int4-g48", "fp8", "", 8, None, "int4-sym", "int8-asym-g64", "float-asym"]
+)
 def test_bad_formats_are_one_line(bad):
     with pytest.raises(PrecastError) as err:
         parse_format(bad)
     assert "\n" not in str(err.value) and (
-        "'int8'" in str(err.value) or "groups are 32, 64, 128" in str(err.value)
+        "'int8'" in str(err.value)
+        or "groups are 32, 64, 128" in str(err.value)
+        or "asymmetric" in str(err.value)
     )
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g64"])
+@pytest.mark.parametrize("fmt", ["int8", "int8-asym", "int4-g32", "int4-g64"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rounding_is_within_half_a_step(fmt, dtype):
     fmt = parse_format(fmt)
@@ -103,13 +121,19 @@ def test_rounding_is_within_half_a_step(fmt, dtype):
     if fmt.kind == "int8":
         assert parts["q"].dtype == torch.int8 and parts["q"].abs().max() <= 127
         step = parts["scale"].float()
+    elif fmt.kind == "int8-asym":
+        assert parts["q"].dtype == torch.uint8 and parts["q"].shape == (48, 128)
+        assert parts["zero"].dtype == torch.uint8 and parts["zero"].shape == (48, 1)
+        step = parts["scale"].float()
     else:
         assert parts["q"].dtype == torch.uint8 and parts["q"].shape == (48, 64)
         assert parts["zero"].max() <= 15 and parts["scale"].shape == (48, 128 // fmt.group, 1)
         step = parts["scale"].float().repeat_interleave(fmt.group, dim=1).reshape(48, 128)
     assert parts["scale"].dtype == dtype
-    # half a step, plus the scale's own rounding (bf16: 2**-8 relative) over up to 15 steps
-    slack = 0.5 + (15 * 2**-8 if dtype == torch.bfloat16 else 1e-5)
+    # half a step, plus the scale's own rounding (bf16: 2**-8 relative) over up to 15 steps for int4 (its scale
+    # rounded to nearest); int8's integers are clamped to 127 steps of the stored scale, int8-asym's scale is
+    # rounded up so its 255 steps cover the row: half a step exactly
+    slack = 0.5 + (15 * 2**-8 if dtype == torch.bfloat16 and fmt.kind != "int8-asym" else 1e-5)
     assert ((back - w).abs() <= step * slack + 1e-7).all()
     assert torch.equal(back[3], torch.zeros(128))
     # the reference computed in the dtype the graph computes in is what the program gives: bitwise below
@@ -123,13 +147,34 @@ def test_int4_packing_is_low_nibble_first():
     assert (q[0, 1:] >= q[0, :-1]).all()  # monotone: the order of the values survives the packing
 
 
+def test_int8_asym_uses_the_rows_range():
+    """A row whose values are not centred on zero: asymmetric int8's grid covers only its range (a finer step than
+    symmetric int8's absmax / 127), the zero point puts 0 on the grid, and the rounding error is smaller."""
+    w = torch.rand(8, 256, generator=torch.Generator().manual_seed(0)) * 0.3 - 0.05  # in [-0.05, 0.25]
+    a, s = parse_format("int8-asym"), parse_format("int8")
+    pa, ps = quantize(w, a, torch.float32), quantize(w, s, torch.float32)
+    assert (pa["scale"] < ps["scale"]).all()
+    lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    assert torch.allclose(pa["scale"], (hi - lo) / 255)
+    assert torch.equal(pa["zero"], torch.round(-lo / pa["scale"]).to(torch.uint8))
+    assert pa["q"].min() == 0 and pa["q"].max() == 255  # the whole range used
+    zero_w = torch.zeros(1, 256)
+    assert torch.equal(dequantize(quantize(zero_w, a, torch.float32), a, torch.float32), zero_w)
+    err = lambda f, p: (dequantize(p, f, torch.float32) - w).pow(2).mean()  # noqa: E731
+    assert err(a, pa) < 0.6 * err(s, ps)
+    assert (
+        a.bits((8, 256), torch.bfloat16) == 8 + 24 / 256 and s.bits((8, 256), torch.bfloat16) == 8 + 16 / 256
+    )
+
+
 def test_tags_round_trip_and_unknown_tags_are_one_line():
-    for fmt in ("int8", "int4-g32", "int4-g128"):
+    for fmt in ("int8", "int8-asym", "int4-g32", "int4-g128"):
         f = parse_format(fmt)
         for role in f.parts():
             for dt in (torch.float32, torch.bfloat16, torch.float16):
                 assert parse_tag(derive_tag(f, dt, role)) == (f, dt, role)
-    for bad in ("int8.q", "int4-bf16.q", "int2g64-bf16.q", "int8-bf16.zero2"):
+    assert parse_tag("int8a-bf16.zero")[0] == parse_format("int8-asym")
+    for bad in ("int8.q", "int4-bf16.q", "int2g64-bf16.q", "int8-bf16.zero2", "int8ag64-bf16.q"):
         with pytest.raises(PrecastError, match="unknown stored weight part"):
             parse_tag(bad)
 
@@ -150,7 +195,7 @@ def test_quantize_on_meta_gives_the_parts_shapes():
 
 
 # ---- the conversion -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g64"])
+@pytest.mark.parametrize("fmt", ["int8", "int8-asym", "int4-g32", "int4-g64"])
 def test_policy_none_is_bitwise_the_dequantized_model(fmt):
     model, inputs = _net()
     before = copy.deepcopy(model.state_dict())
@@ -161,8 +206,7 @@ def test_policy_none_is_bitwise_the_dequantized_model(fmt):
     for k, v in model.state_dict().items():  # the caller's module is not changed
         assert torch.equal(v, before[k])
     kinds = {k: (v.dtype, tuple(v.shape)) for k, v in res.program.state_dict.items()}
-    q = "int8" if f.kind == "int8" else "int4"
-    assert kinds[f"up.weight_{q}"][0] == (torch.int8 if q == "int8" else torch.uint8)
+    assert kinds[f"up.weight_{f.suffix}"][0] == (torch.int8 if f.kind == "int8" else torch.uint8)
     assert "up.weight" not in kinds and "down.weight" not in kinds  # no float copy left behind
     assert {r["format"] for r in res.report.weight_formats} == {f.name}
     assert res.report.verification["bitwise"] is False
@@ -171,10 +215,11 @@ def test_policy_none_is_bitwise_the_dequantized_model(fmt):
     }  # the rounding is stated, not a warning
 
 
-def test_policy_torch_is_bitwise_eager_autocast_of_the_dequantized_model():
+@pytest.mark.parametrize("fmt", ["int8", "int8-asym"])
+def test_policy_torch_is_bitwise_eager_autocast_of_the_dequantized_model(fmt):
     model, inputs = _net(tied=False)
-    res = precast.convert(model, inputs, policy="torch", weight_format="int8")
-    f = parse_format("int8")
+    res = precast.convert(model, inputs, policy="torch", weight_format=fmt)
+    f = parse_format(fmt)
     ref = _dequantized(model, f, torch.bfloat16, ["up.weight", "down.weight", "head.weight"])
     with torch.no_grad():  # the embedding runs fp32 under autocast: its parts are fp32
         ref.emb.weight.copy_(_value(model.emb.weight, f, torch.float32))
@@ -183,10 +228,10 @@ def test_policy_torch_is_bitwise_eager_autocast_of_the_dequantized_model():
     assert_bitwise(res.program.module()(*inputs), want)
     scales = {k: v.dtype for k, v in res.program.state_dict.items() if "_scale" in k}
     assert scales == {
-        "emb.weight_int8_scale": torch.float32,
-        "up.weight_int8_scale": torch.bfloat16,
-        "down.weight_int8_scale": torch.bfloat16,
-        "head.weight_int8_scale": torch.bfloat16,
+        f"emb.weight_{f.suffix}_scale": torch.float32,
+        f"up.weight_{f.suffix}_scale": torch.bfloat16,
+        f"down.weight_{f.suffix}_scale": torch.bfloat16,
+        f"head.weight_{f.suffix}_scale": torch.bfloat16,
     }
 
 
@@ -205,10 +250,13 @@ def test_a_tied_table_read_in_two_dtypes_stores_its_integers_once():
     assert head["bytes_after"] == 96 * 64 + 96 * 2 + 96 * 4
 
 
-@pytest.mark.parametrize("policy", [None, "torch", "rules"])
-def test_every_stored_part_is_recomputed_from_the_original(policy):
+@pytest.mark.parametrize(
+    ("policy", "fmt"),
+    [(None, "int4-g32"), ("torch", "int4-g32"), ("rules", "int4-g32"), ("torch", "int8-asym")],
+)
+def test_every_stored_part_is_recomputed_from_the_original(policy, fmt):
     model, inputs = _net()
-    res = precast.convert(model, inputs, policy=policy, weight_format="int4-g32")
+    res = precast.convert(model, inputs, policy=policy, weight_format=fmt)
     originals = dict(model.named_parameters(remove_duplicate=False))
     sources = precast.constant_sources(res.program)
     derived = [s for s in sources.values() if s.derive is not None]
@@ -351,8 +399,8 @@ def test_the_cli_flag_takes_a_format_and_pattern_rules(tmp_path, capfd):
     err = capfd.readouterr().err.strip()
     assert (
         err.endswith(
-            "--weight-format int5: give 'int8', 'int4' (group 64), 'int4-g32', 'int4-g128' or 'float' "
-            "(stored in the dtype its op computes in)"
+            "--weight-format int5: give 'int8' (symmetric), 'int8-asym', 'int4' (group 64), 'int4-g32', "
+            "'int4-g128' or 'float' (stored in the dtype its op computes in)"
         )
         and "\n" not in err
     )

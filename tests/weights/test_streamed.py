@@ -85,6 +85,7 @@ def _read(folder) -> dict[str, torch.Tensor]:
         ("rules", "fp16", None),
         ("torch", "bf16", "int8"),  # weight formats: each part quantized from the original read from its file
         (None, "bf16", "int4-g32"),
+        ("rules", "bf16", "int8-asym"),
     ],
 )
 def test_streamed_is_bitwise_the_in_memory_conversion(llama, tmp_path, policy, dtype, weight_format):

@@ -1,6 +1,8 @@
-"""The int8 / int4 rewrite of ``backends/aoti/int_weights.py`` applied, on ``precast.compile``'s private copy: the kernel
-calls, the int4 kernel's new constants and their recipes (``backends/aoti/packed.py``'s format), and the stored parts
-``CompiledModel.load_weights`` computes from an original weight (``derive``: the weight formats' ``stored_value``).
+"""The int8 / int8-asym / int4 rewrite of ``backends/aoti/int_weights.py`` applied, on ``precast.compile``'s private
+copy: the kernel calls (int8-asym's with its rank-1 correction), the new constants the kernels read (int4's packed
+weight and scales-and-zeros; int8-asym's shifted ``q`` and correction factor) and their recipes
+(``backends/aoti/packed.py``'s format), and the stored parts ``CompiledModel.load_weights`` computes from an
+original weight (``derive``: the weight formats' ``stored_value``).
 
 Input: an ExportedProgram and its ``IntPlan``. Output: the rewritten program and the recipes of its new constants.
 """
@@ -16,6 +18,8 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from precast.backends.aoti.int_weights import (
+    CORR_SUFFIX,
+    INT8S_SUFFIX,
     PACK_SUFFIX,
     SZ_SUFFIX,
     IntLinear,
@@ -69,6 +73,20 @@ def scales_zeros_recipe(scale: str, zero: str, n: int, groups: int, dtype: torch
         _op("permute.default", both, [1, 0, 2]),
         memory_format={"memory_format": "contiguous_format"},
     )
+
+
+def int8_shift_recipe(q: str) -> dict[str, Any]:
+    """int8-asym's ``q`` (uint8 [N, K]) less 128, as int8 (the int8 kernel's weight): exact, through int16."""
+    q16 = _op("_to_copy.default", {"ref": q}, dtype=_dt(torch.int16))
+    return _op("_to_copy.default", _op("sub.Scalar", q16, 128), dtype=_dt(torch.int8))
+
+
+def int8_correction_recipe(zero: str, scale: str, n: int) -> dict[str, Any]:
+    """int8-asym's correction factor [N], fp32: ``(zero - 128) * scale`` (exact: an integer times a scale of at
+    most 16 significant bits)."""
+    z32 = _op("_to_copy.default", {"ref": zero}, dtype=_dt(torch.float32))
+    s32 = _op("_to_copy.default", {"ref": scale}, dtype=_dt(torch.float32))
+    return _op("reshape.default", _op("mul.Tensor", _op("sub.Scalar", z32, 128), s32), [n])
 
 
 def inline_recipes(recipe: Any, derived: Mapping[str, Any]) -> Any:
@@ -143,33 +161,29 @@ class _Rewrite:
         self.made[like + suffix] = node
         return node
 
-    def call(self, op: Any, *args: Any) -> Node:
-        """A new call of ``op`` on ``args``, its fake value computed."""
-        node = self.prog.graph.call_function(op, args)
-        vals = torch.utils._pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, Node) else a, args)
+    def call(self, op: Any, *args: Any, **kwargs: Any) -> Node:
+        """A new call of ``op`` on ``args`` / ``kwargs``, its fake value computed."""
+        node = self.prog.graph.call_function(op, args, kwargs)
+        vals = torch.utils._pytree.tree_map(
+            lambda a: a.meta["val"] if isinstance(a, Node) else a, (args, kwargs)
+        )
         with self.fake_mode:
-            node.meta["val"] = op(*vals)
+            node.meta["val"] = op(*vals[0], **vals[1])
         return node
 
 
 def _rewrite_linear(rw: _Rewrite, r: IntLinear) -> None:
-    """One linear replaced by its int8 / int4 kernel's call (on 2-d activations; bias added after), its meta
-    kept."""
+    """One linear replaced by its int8 / int8-asym / int4 kernel's call (on 2-d activations; bias added after), its
+    meta kept."""
     linear = rw.nodes[r.linear]
     x, _, bias = linear_args(linear)
     xv = value_of(x)
     weight = value_of(rw.by_target[r.weight])
-    n, k = weight.shape if r.kind == "int8" else (weight.shape[0], 2 * weight.shape[1])
-    if r.kind == "int4":  # placeholders, next to the constants they are made from
-        pack = rw.constant(r.weight, PACK_SUFFIX, int4pack_recipe(r.weight, n, k))
-        sz = rw.constant(r.scale, SZ_SUFFIX, scales_zeros_recipe(r.scale, r.zero, n, k // r.group, r.dtype))
+    n, k = (weight.shape[0], 2 * weight.shape[1]) if r.kind == "int4" else weight.shape
+    made = _kernel_constants(rw, r, n, k)  # placeholders, next to the constants they are made from
     with rw.prog.graph.inserting_before(linear):
         x2d = x if xv.dim() == 2 else rw.call(aten.reshape.default, x, [-1, k])
-        if r.kind == "int8":
-            scale = rw.call(aten.reshape.default, rw.by_target[r.scale], [n])
-            y = rw.call(aten._weight_int8pack_mm.default, x2d, rw.by_target[r.weight], scale)
-        else:
-            y = rw.call(aten._weight_int4pack_mm_for_cpu.default, x2d, pack, r.group, sz)
+        y = _kernel_call(rw, r, x2d, n, made)
         if bias is not None:
             y = rw.call(aten.add.Tensor, y, bias)
         if xv.dim() != 2:
@@ -179,6 +193,42 @@ def _rewrite_linear(rw: _Rewrite, r: IntLinear) -> None:
     y.meta.update({k: v for k, v in linear.meta.items() if k not in ("val", "tensor_meta")})
     linear.replace_all_uses_with(y)
     rw.prog.graph.erase_node(linear)
+
+
+def _kernel_constants(rw: _Rewrite, r: IntLinear, n: int, k: int) -> tuple[Node, ...]:
+    """The new constants ``r``'s kernel call reads: int4's packed weight and scales-and-zeros, int8-asym's
+    shifted ``q`` and correction factor; none for int8 (the kernel reads the stored ``q``)."""
+    if r.kind == "int4":
+        return (
+            rw.constant(r.weight, PACK_SUFFIX, int4pack_recipe(r.weight, n, k)),
+            rw.constant(r.scale, SZ_SUFFIX, scales_zeros_recipe(r.scale, r.zero, n, k // r.group, r.dtype)),
+        )
+    if r.kind == "int8-asym":
+        return (
+            rw.constant(r.weight, INT8S_SUFFIX, int8_shift_recipe(r.weight)),
+            rw.constant(r.zero, CORR_SUFFIX, int8_correction_recipe(r.zero, r.scale, n)),
+        )
+    return ()
+
+
+def _kernel_call(rw: _Rewrite, r: IntLinear, x2d: Node, n: int, made: tuple[Node, ...]) -> Node:
+    """``x2d @ W.T`` [M, N] by ``r``'s kernel. int8-asym: ``W = (q8 - z8) * s``, so ``x2d @ W.T`` is the int8
+    kernel on ``q8`` less ``sum(x2d, -1) * (z8 * s)`` (a rank-1 correction: one factor per row of W), computed in
+    fp32 and rounded once to the activation's dtype (Inductor fuses it into one pointwise kernel)."""
+    if r.kind == "int4":
+        pack, sz = made
+        return rw.call(aten._weight_int4pack_mm_for_cpu.default, x2d, pack, r.group, sz)
+    scale = rw.call(aten.reshape.default, rw.by_target[r.scale], [n])
+    q = made[0] if r.kind == "int8-asym" else rw.by_target[r.weight]
+    y = rw.call(aten._weight_int8pack_mm.default, x2d, q, scale)
+    if r.kind != "int8-asym":
+        return y
+    if r.dtype != torch.float32:
+        y = rw.call(aten._to_copy.default, y, dtype=torch.float32)
+        x2d = rw.call(aten._to_copy.default, x2d, dtype=torch.float32)
+    total = rw.call(aten.sum.dim_IntList, x2d, [-1], True)
+    y = rw.call(aten.sub.Tensor, y, rw.call(aten.mul.Tensor, total, made[1]))
+    return y if r.dtype == torch.float32 else rw.call(aten._to_copy.default, y, dtype=r.dtype)
 
 
 def _computable(value: torch.Tensor) -> torch.Tensor:
@@ -205,8 +255,9 @@ def derived_copy(value: torch.Tensor, st: StoredConstant) -> torch.Tensor:
 
 
 def original_shape(stored: list[StoredConstant]) -> tuple[int, ...] | None:
-    """The shape of the original the stored constants of one name came from: a cast's own; int8's q [N, K];
-    int4's packed [N, K/2] -> [N, K]; None when no stored part states it."""
+    """The shape of the original the stored constants of one name came from: a cast's own; int8's and int8-asym's
+    q [N, K] (tags ``int8-...`` and ``int8a-...``); int4's packed [N, K/2] -> [N, K]; None when no stored part
+    states it."""
     derived = {getattr(st.source, "derive", None) or "": st for st in stored}
     if "" in derived:
         return derived[""].shape

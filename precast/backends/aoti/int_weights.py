@@ -1,11 +1,17 @@
-"""Integer weights read in the kernel: the dequantize-then-linear of int8 / int4 weights rewritten to ATen's
-weight-only kernels before AOTInductor compiles (``precast.compile``'s private copy; the caller's program is never
-changed).
+"""Integer weights read in the kernel: the dequantize-then-linear of int8 / int8-asym / int4 weights rewritten to
+ATen's weight-only kernels before AOTInductor compiles (``precast.compile``'s private copy; the caller's program is
+never changed).
 
 The program's form (issue 41), for a linear weight W [N, K] and compute dtype ``dt``:
 
 - int8 per output channel: ``linear(x, mul(_to_copy(q, dtype=dt), scale), bias)``, ``q`` int8 [N, K], ``scale`` dt
   [N, 1] -> ``_weight_int8pack_mm(x2d, q, scale.view(N))`` (+ bias): the kernel reads ``q`` as it is stored.
+- int8-asym per output channel: ``linear(x, mul(sub(_to_copy(q, dtype=dt), _to_copy(zero, dtype=dt)), scale),
+  bias)``, ``q`` uint8 [N, K], ``zero`` uint8 [N, 1], ``scale`` dt [N, 1]; ``(q - zero) * scale`` is
+  ``(q8 - z8) * scale`` with ``q8 = q - 128``, ``z8 = zero - 128`` ->
+  ``_weight_int8pack_mm(x2d, q8, scale.view(N)) - sum(x2d, -1, keepdim=True) * c`` (+ bias), the int8 kernel and
+  a rank-1 correction (computed in fp32, rounded once to dt), on two new constants: ``<q>.int8s`` (``q8``, int8
+  [N, K]) and ``<zero>.int8c`` (``c = z8 * scale``, fp32 [N]).
 - int4 grouped (g in 32/64/128/256), asymmetric: ``packed`` uint8 [N, K/2] (low nibble even k), ``zero`` uint8
   [N, K/g, 1], ``scale`` dt [N, K/g, 1]; unpacked by ``bitwise_and`` / ``bitwise_right_shift`` / ``stack`` /
   ``reshape``, then ``(q - zero) * scale`` -> ``_weight_int4pack_mm_for_cpu(x2d, int4pack, g, scales_and_zeros)``
@@ -20,9 +26,11 @@ written in the manifest with freezing's folded constants: the package holds neit
 Kernel facts (torch 2.13 CPU, checked in eager): both kernels take fp32, bf16 and fp16 activations, the scale
 (and int4's scales_and_zeros) in the activation's dtype and nothing else; ``_convert_weight_to_int4pack_for_cpu``
 takes int32 [N, K] values in 0..15 with N a multiple of 16; ``_weight_int4pack_mm_for_cpu`` takes group sizes 32,
-64, 128, 256 only. An int weight precast cannot hand to a kernel (another pattern, N not a multiple of 16, a scale
-dtype other than the activation's) runs as the program states it (dequantized to ``dt`` on every call; under
-freezing a ``dt`` copy folded at compile time), and ``precast.compile`` says so in one warning line naming them.
+64, 128, 256 only; ``_weight_int8pack_mm`` reads int8 only (int8-asym's uint8 ``q`` is shifted to int8 for it,
+the shift undone by the correction). An int weight precast cannot hand to a kernel (another pattern, N not a
+multiple of 16, a scale dtype other than the activation's) runs as the program states it (dequantized to ``dt``
+on every call; under freezing a ``dt`` copy folded at compile time), and ``precast.compile`` says so in one
+warning line naming them (a zero point with its weight).
 
 Input: an ExportedProgram. Output: an ``IntPlan`` (what runs where: part of the cache key), and on a cache miss
 the rewritten program with its new constants' recipes.
@@ -39,23 +47,25 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 aten = torch.ops.aten
-VERSION = 1  # of the rewrite: in the cache key with the plan
+VERSION = 2  # of the rewrite: in the cache key with the plan
 INT4_GROUPS = (32, 64, 128, 256)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 PACK_SUFFIX = ".int4pack"
 SZ_SUFFIX = ".int4sz"
+INT8S_SUFFIX = ".int8s"  # int8-asym's q - 128 (int8), the int8 kernel's weight
+CORR_SUFFIX = ".int8c"  # int8-asym's (zero - 128) * scale (fp32 [N]), the rank-1 correction's row factor
 
 
 @dataclasses.dataclass(frozen=True)
 class IntLinear:
     """One linear whose weight the kernel reads in low bit."""
 
-    kind: str  # "int8" | "int4"
+    kind: str  # "int8" | "int8-asym" | "int4"
     linear: str  # node name
-    weight: str  # stored name of q (int8) / packed (int4)
+    weight: str  # stored name of q (int8, int8-asym) / packed (int4)
     scale: str
-    zero: str | None  # int4
+    zero: str | None  # int8-asym, int4
     group: int | None  # int4
     dtype: torch.dtype
     chain: tuple[str, ...]  # the dequantize nodes the rewrite leaves dead (unless read elsewhere)
@@ -75,6 +85,7 @@ class IntPlan:
             "precast.int_weights": {
                 "version": VERSION,
                 "int8": sorted(r.weight for r in self.rewrites if r.kind == "int8"),
+                "int8-asym": sorted(r.weight for r in self.rewrites if r.kind == "int8-asym"),
                 "int4": sorted(f"{r.weight}:{r.group}" for r in self.rewrites if r.kind == "int4"),
                 "dequantized": sorted(self.dequantized),
             }
@@ -84,6 +95,7 @@ class IntPlan:
         """The manifest's ``"int_weights"``."""
         return {
             "int8": sorted(r.weight for r in self.rewrites if r.kind == "int8"),
+            "int8-asym": sorted(r.weight for r in self.rewrites if r.kind == "int8-asym"),
             "int4": sorted(r.weight for r in self.rewrites if r.kind == "int4"),
             "dequantized": dict(sorted(self.dequantized.items())),
         }
@@ -111,8 +123,9 @@ class IntPlan:
 
 # ---- planning (cheap: no values read) ----------------------------------------------------------------------------
 def plan_int_weights(ep: ExportedProgram, device: str = "cpu") -> IntPlan:
-    """The linears whose int8 / int4 weight a kernel will read, and the int weights left dequantized (and why).
-    ``device``: where the program runs; the kernels and the int4 packing here are torch's CPU ones."""
+    """The linears whose int8 / int8-asym / int4 weight a kernel will read, and the int weights left dequantized
+    (and why; a zero point is named with its weight). ``device``: where the program runs; the kernels and the int4
+    packing here are torch's CPU ones."""
     consts = _constant_names(ep)
     rewrites: list[IntLinear] = []
     why_not: dict[str, str] = {}
@@ -120,14 +133,14 @@ def plan_int_weights(ep: ExportedProgram, device: str = "cpu") -> IntPlan:
         if device != "cpu":
             break
         if node.op == "call_function" and node.target is aten.linear.default:
-            found = _match_int8(node, consts)
-            if found is None:
-                found = _match_int4(node, consts)
+            found = None
+            for match in (_match_int8, _match_int8_asym, _match_int4):
+                found = found or match(node, consts)
             if isinstance(found, IntLinear):
                 rewrites.append(found)
             elif isinstance(found, tuple):
                 why_not.setdefault(found[0], found[1])
-                for partner in found[2:]:  # int4's zero: named with its weight
+                for partner in found[2:]:  # int8-asym's and int4's zero: named with its weight
                     why_not.setdefault(partner, f"the zero point of {found[0]}")
     dead = {n for r in rewrites for n in (*r.chain, r.linear)}
     dequantized: dict[str, str] = {}
@@ -237,6 +250,39 @@ def _match_int8(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str,
         if bad:
             return name, bad
         return IntLinear("int8", linear.name, name, consts[s], None, None, dt, (deq.name, w.name))
+    return None
+
+
+def _match_int8_asym(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str, ...] | None:
+    """``linear(x, mul(sub(_to_copy(q), _to_copy(zero)), scale), bias)`` with ``q`` uint8 [N, K] (either operand
+    order of the ``mul``); a tuple ``(q's name, why not, zero's name)`` where the form is there but no kernel
+    takes it."""
+    x, w, bias = linear_args(linear)
+    if not _is(w, aten.mul.Tensor) or len(w.args) != 2:
+        return None
+    for sub, s in (w.args, w.args[::-1]):
+        if not _is(sub, aten.sub.Tensor) or len(sub.args) != 2 or sub.kwargs.get("alpha", 1) != 1:
+            continue
+        qf, zf = sub.args
+        dt = _to_dtype(qf)
+        if dt is None or _to_dtype(zf) != dt or s not in consts:
+            continue
+        q, z = qf.args[0], zf.args[0]
+        qv, zv, sv = value_of(q), value_of(z), value_of(s)
+        ok = q in consts and z in consts and zv is not None and sv is not None
+        if not ok or qv is None or qv.dtype != torch.uint8 or qv.dim() != 2:
+            continue
+        name, zero = consts[q], consts[z]
+        n, k = _sizes(q) or (None, None)
+        if zv.dtype != torch.uint8 or _sizes(z) != (n, 1):
+            return name, f"int8-asym zero point {zv.dtype} {list(zv.shape)}".replace("torch.", ""), zero
+        if dt not in FLOATS or sv.dtype != dt or _sizes(s) != (n, 1):
+            why = f"int8-asym scale {sv.dtype} {list(sv.shape)}, dequantized to {dt}".replace("torch.", "")
+            return name, why, zero
+        if bad := _activation_ok(x, dt, k) or _bias_bad(bias, dt):
+            return name, bad, zero
+        chain = (qf.name, zf.name, sub.name, w.name)
+        return IntLinear("int8-asym", linear.name, name, consts[s], zero, None, dt, chain)
     return None
 
 

@@ -7,9 +7,12 @@ int4 forms in the shape its frontend compresses):
 - **int8 linear** ``linear(x, _to_copy(q, dt) * scale, b)``: ``Constant(i8) -> Convert -> Multiply(scale)`` becomes
   one ``FullyConnected`` (``ConvertFullyConnectedToFullyConnectedCompressed``) whose weight input is the i8 constant
   and whose ``runtimePrecision`` is ``i8``, its scale a decompression input: the weight stays 8-bit in memory.
+- **int8-asym linear** ``linear(x, (_to_copy(q, dt) - _to_copy(zero, dt)) * scale, b)``: the same with a ``u8``
+  weight and its ``u8`` zero point as a decompression input (``runtimePrecision`` u8), as OpenVINO's own int8
+  export (NNCF's INT8_ASYM) stores it.
 - **int4 linear**: the same with a ``u4`` weight, its scale and ``u8`` zero point as inputs (``runtimePrecision`` u4).
-- **int8 embedding** (rows gathered from ``q``, then converted and scaled): a ``Gather`` of the i8 constant, then a
-  Convert and a Multiply by the gathered scales, on the rows only.
+- **int8 / int8-asym embedding** (rows gathered from ``q``, then converted, less the gathered zero points, and
+  scaled): a ``Gather`` of the i8 / u8 constant, then a Convert, a Subtract and a Multiply on the rows only.
 - **int4 embedding**: one compressed ``Gather`` of the u4 table, its scale and zero point as inputs.
 
 Where the plugin does not compress (``FullyConnected::isSupportedCompressedOperation``, x86: AVX2 at least; at least 4
@@ -38,13 +41,14 @@ from precast.backends.openvino.weight_forms import UNPACK, call, nibbles, val
 aten = torch.ops.aten
 
 # the element types of a weight a compressed FullyConnected / Gather reads (OpenVINO's names); a Gather of a u8
-# constant is left out: OpenVINO's CPU plugin holds boolean tensors (a mask table) as u8
+# constant counts too (int8-asym's table and its zero points), though OpenVINO's CPU plugin also holds boolean
+# tensors (a mask table) as u8: such a Gather can only raise the count of compressed layers, never name a weight
 FC_COMPRESSED = frozenset({"i8", "u8", "i4", "u4", "nf4", "f4e2m1"})
-GATHER_COMPRESSED = frozenset({"i8", "i4", "u4"})
+GATHER_COMPRESSED = frozenset({"i8", "u8", "i4", "u4"})
 _BINARY = {aten.mul.Tensor, aten.sub.Tensor}
 # reader op -> the argument that is its weight
 _READERS = {aten.linear.default: (1, "linear"), aten.embedding.default: (0, "embedding")}
-_FORMS = {torch.int8: ("int8", "i8"), torch.uint8: ("uint8", "u8")}
+_FORMS = {torch.int8: ("int8", "i8"), torch.uint8: ("int8-asym", "u8")}
 
 
 class CompressedWeightWarning(UserWarning):
@@ -60,7 +64,7 @@ class StoredWeight:
     constant: str  # the stored constant's name in the program (``lm_head.weight_int8``)
     reader: str  # the FX node reading it (linear / embedding), in the decomposed program OpenVINO converted
     kind: str  # "linear" | "embedding"
-    form: str  # "int8" | "int4" | "uint8"
+    form: str  # "int8" | "int8-asym" | "int4"
     precision: str  # the element type OpenVINO holds it in: "i8", "u4", "u8"
     shape: tuple[int, ...]  # the dequantized weight's shape
     path: tuple[str, ...]  # the FX nodes between the constant and the reader (unpacking, dequantizing)
@@ -76,7 +80,7 @@ def stored_weights(gm: torch.fx.GraphModule) -> list[StoredWeight]:
             continue
         index, kind = _READERS[node.target]
         w = node.args[index] if len(node.args) > index else None
-        found = _trace(w)
+        found = _trace(w, node if kind == "embedding" else None)
         if found is None:
             continue
         leaf, path, packed, value = found
@@ -115,10 +119,26 @@ def _recorded(reader: torch.fx.Node) -> str | None:
     return record.get("weight") if isinstance(record.get("weight"), str) else None
 
 
-def _trace(w: Any) -> tuple[torch.fx.Node, list[torch.fx.Node], bool, torch.Tensor] | None:
+def _dequantized_rows(gather: torch.fx.Node) -> bool:
+    """Whether an embedding's gathered rows of a uint8 table are int8-asym's integers: converted to a float, and
+    the first operand of a subtract (of the zero points; a gathered zero point is the second)."""
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    return any(
+        call(cast, aten._to_copy.default)
+        and cast.kwargs.get("dtype") in floats
+        and any(call(u, aten.sub.Tensor) and u.args[0] is cast for u in cast.users)
+        for cast in gather.users
+    )
+
+
+def _trace(
+    w: Any, gather: torch.fx.Node | None = None
+) -> tuple[torch.fx.Node, list[torch.fx.Node], bool, torch.Tensor] | None:
     """From a reader's weight back to the integer constant it dequantizes: (the constant, the nodes in between,
-    whether a nibble unpack is among them, the constant's value or fake value), or None (a float weight, or a computation that is not a dequantization).
-    A multiply / subtract follows its larger operand (the weight; the other is its scale or zero point)."""
+    whether a nibble unpack is among them, the constant's value or fake value), or None (a float weight, or a
+    computation that is not a dequantization). ``gather``: the embedding reading ``w`` as its table, where a uint8
+    table counts only when its rows are dequantized (``_dequantized_rows``). A multiply / subtract follows its
+    larger operand (the weight; the other is its scale or zero point)."""
     path: list[torch.fx.Node] = []
     packed = False
     node = w
@@ -149,7 +169,16 @@ def _trace(w: Any) -> tuple[torch.fx.Node, list[torch.fx.Node], bool, torch.Tens
     value = val(leaf) if leaf is not None else None
     if value is None:  # an unlifted module's constant: its tensor
         value = _attr(leaf) if leaf is not None else None
-    if value is None or value.dtype not in _FORMS or (value.dtype == torch.uint8 and not packed and not path):
+    if value is None or value.dtype not in _FORMS:
+        return None
+    if (
+        value.dtype == torch.uint8
+        and not packed
+        and not path
+        and (gather is None or not _dequantized_rows(gather))
+    ):
+        return None  # a uint8 table gathered as it is (a mask), not int8-asym's rows
+    if value.dtype == torch.uint8 and not packed and path and not any(call(n, aten.sub.Tensor) for n in path):
         return None
     return leaf, list(reversed(path)), packed, value
 

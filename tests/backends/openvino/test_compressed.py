@@ -41,7 +41,7 @@ aten = torch.ops.aten
 AVX2 = platform.machine().lower() in ("x86_64", "amd64") and "avx2" in (flags() or ())
 needs_avx2 = pytest.mark.skipif(not AVX2, reason="OpenVINO's CPU plugin compresses weights on x86 with AVX2")
 V, E, H = 64, 32, 64
-PRECISION = {"int8": "i8", "int4-g32": "u4"}
+PRECISION = {"int8": "i8", "int8-asym": "u8", "int4-g32": "u4"}
 
 
 class Tiny(torch.nn.Module):
@@ -107,9 +107,9 @@ def runtime(model) -> dict[str, tuple[str, str, list[str]]]:
 
 
 @needs_avx2
-@pytest.mark.parametrize("fmt", ["int8", "int4-g32"])
+@pytest.mark.parametrize("fmt", ["int8", "int8-asym", "int4-g32"])
 def test_linears_and_embedding_run_compressed(fmt):
-    """Every stored weight is read compressed: two FullyConnected layers reading the i8 / u4 constant (their
+    """Every stored weight is read compressed: two FullyConnected layers reading the i8 / u8 / u4 constant (their
     runtimePrecision the weight's type, their activations f32), one Gather of the i8 / u4 table; outputs as the
     program computes them in torch; no warning; the compressed layers are checked against the plan in f32."""
     program, model, caught = tiny(fmt)
@@ -119,7 +119,8 @@ def test_linears_and_embedding_run_compressed(fmt):
     assert model.weights.uncompressed == [] and model.weights.complete
     layers = runtime(model)
     kinds = sorted(layers[name][0] for name in compressed_layers(model.compiled))
-    assert kinds == ["FullyConnected", "FullyConnected", "Gather"]
+    # int8-asym's embedding gathers its u8 zero points as well as its u8 rows
+    assert kinds == ["FullyConnected", "FullyConnected", "Gather"] + ["Gather"] * (fmt == "int8-asym")
     for name, precision in compressed_layers(model.compiled).items():
         layer, runs, inputs = layers[name]
         assert precision == want
@@ -197,10 +198,10 @@ def test_weights_openvino_does_not_compress_are_one_warning_line_and_not_overrid
 
 @needs_avx2
 def test_the_kv_cache_decoder_runs_compressed():
-    """The decoder of test_openvino_kv with its projections stored in 8 and 4 bits (``q`` and ``o`` int8, ``kv``
-    int4): its cache becomes OpenVINO's growing state fused with attention, its three projections run compressed,
+    """The decoder of test_openvino_kv with its projections stored in 8 and 4 bits (``q`` int8, ``o`` int8-asym,
+    ``kv`` int4): its cache becomes OpenVINO's growing state fused with attention, its three projections run compressed,
     and each decode step is what the converted program computes run eagerly step by step."""
-    formats = {"q.*": "int8", "kv.*": "int4-g32", "o.*": "int8"}
+    formats = {"q.*": "int8", "kv.*": "int4-g32", "o.*": "int8-asym"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = precast.convert(
@@ -212,7 +213,7 @@ def test_the_kv_cache_decoder_runs_compressed():
     model, caught = compiled(program)
     assert caught == []
     assert model.growing is not None
-    assert model.compressed == {"q.weight": "i8", "kv.weight": "u4", "o.weight": "i8"}
+    assert model.compressed == {"q.weight": "i8", "kv.weight": "u4", "o.weight": "u8"}
     eager = copy.deepcopy(program).module()
     model.reset()
     with torch.no_grad():
