@@ -133,7 +133,9 @@ def fits(fmt: WeightFormat, shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def scale_grid(dtype: torch.dtype, also: frozenset[torch.dtype] | set[torch.dtype] = frozenset()) -> torch.dtype:
+def scale_grid(
+    dtype: torch.dtype, also: frozenset[torch.dtype] | set[torch.dtype] = frozenset()
+) -> torch.dtype:
     """The values a weight's scales take when it is read in ``dtype``, ``also`` the dtypes of the weight's other
     reads: the read's own dtype, except an fp32 read of a weight also read in bf16 (fp16), which takes bf16's
     (fp16's) grid, so that one set of integers serves both reads (a tied embedding table: fp32 under autocast, bf16

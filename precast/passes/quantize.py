@@ -162,7 +162,9 @@ class _Builder:
 
     def __init__(self, program: Program, read_dtypes: dict[str, set[torch.dtype]]):
         self.program = program
-        self.read_dtypes = read_dtypes  # weight -> the dtypes its linear/embedding reads compute in (scale_grid)
+        self.read_dtypes = (
+            read_dtypes  # weight -> the dtypes its linear/embedding reads compute in (scale_grid)
+        )
         self.state = fake_state(program)
         # (weight, format, grid) -> its parts; (weight, format, dtype) -> a scale read in another dtype
         self.parts: dict[tuple[str, WeightFormat, torch.dtype], dict[str, torch.fx.Node]] = {}
