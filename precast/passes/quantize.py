@@ -160,11 +160,13 @@ def _reads(program: Program) -> tuple[list[tuple[torch.fx.Node, torch.fx.Node, s
 class _Builder:
     """Adds the parts of each (weight, format, compute dtype) once, and the dequantizing ops per read."""
 
-    def __init__(self, program: Program, read_dtypes: dict[str, set[torch.dtype]]):
+    def __init__(self, program: Program, reads: list[tuple[torch.fx.Node, torch.fx.Node, str]]):
         self.program = program
-        self.read_dtypes = (
-            read_dtypes  # weight -> the dtypes its linear/embedding reads compute in (scale_grid)
-        )
+        # each read constant's original (name, value), found once; weight -> the dtypes its reads compute in
+        self.originals = {const: _original(program, const) for _, const, _ in reads}
+        self.read_dtypes: dict[str, set[torch.dtype]] = {}
+        for const, (name, _) in self.originals.items():
+            self.read_dtypes.setdefault(name, set()).add(program.constant_value(const).dtype)
         self.state = fake_state(program)
         # (weight, format, grid) -> its parts; (weight, format, dtype) -> a scale read in another dtype
         self.parts: dict[tuple[str, WeightFormat, torch.dtype], dict[str, torch.fx.Node]] = {}
@@ -297,10 +299,7 @@ def quantize_weights(program: Program, rules: WeightRules) -> QuantizeResult:
     result = QuantizeResult()
     alias = analyze(program.graph, program.input_spec, program.output_specs)
     reads, other = _reads(program)
-    read_dtypes: dict[str, set[torch.dtype]] = {}
-    for _, const, _ in reads:
-        read_dtypes.setdefault(_original(program, const)[0], set()).add(program.constant_value(const).dtype)
-    build = _Builder(program, read_dtypes)
+    build = _Builder(program, reads)
     touched: set[torch.fx.Node] = set()
     for reader, const, kind in reads:
         if alias.written(const):
@@ -326,7 +325,7 @@ def _store_read(
     """One read of a weight (``kind``: "linear" or "embedding"): its format chosen and put on the weight's
     record; a quantized read replaced by the dequantized parts. Returns whether it was."""
     program = build.program
-    name, original = _original(program, const)
+    name, original = build.originals[const]
     value = program.constant_value(const)
     shape = tuple(value.shape)
     names = _names(program, const, reader, name)
