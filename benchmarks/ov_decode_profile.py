@@ -2,12 +2,14 @@
 
 Compiles precast's converted program (``precast.compile(backend="openvino", precision_hint="bf16")``) and the
 anchor's IR (optimum-intel's export, ``<model_dir>-ov/openvino_model.xml`` as ``benchmarks/llm_decode.py`` leaves
-it) in this process with ``PERF_COUNT``, at ``--threads`` (default 1), the bf16 hint and a bf16 KV cache; prefills the seeded
-prompt, then times ``steps`` decode steps of each, alternating ``repeats`` times (medians, load average printed),
-and prints each model's last decode step by OpenVINO layer type and implementation (``profiling_info``) and
-the runtime graph's attention ops.
+it) in this process with ``PERF_COUNT``, at ``--threads`` (default 1), the bf16 hint and a bf16 KV cache; with
+``--hint default``, precast's default call against the IR under OpenVINO's own defaults (what the decode benchmark
+runs, both in one process here). Prefills the seeded prompt, then times ``steps`` decode steps of each,
+alternating ``repeats`` times (medians, load average printed), and prints each model's last decode step by
+OpenVINO layer type and implementation (``profiling_info``) and the runtime graph's attention ops.
 
     PYTHONPATH=. python benchmarks/ov_decode_profile.py PROGRAM.pt2 ANCHOR_IR_DIR [--steps 16] [--repeats 3]
+        [--threads N] [--hint bf16|default]
 """
 
 from __future__ import annotations
@@ -73,6 +75,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--threads", type=int, default=1, help="OpenVINO's INFERENCE_NUM_THREADS for both")
+    parser.add_argument(
+        "--hint",
+        choices=("bf16", "default"),
+        default="bf16",
+        help="bf16: both compiled with the bf16 hint and a bf16 KV cache; default: precast's default call "
+        "(precast.compile(program, backend='openvino', threads=N)) against the IR with OpenVINO's own defaults "
+        "(what OVModelForCausalLM and the decode benchmark run)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ctx, steps = args.context, args.steps
@@ -81,11 +91,9 @@ def main() -> None:
     tokens = [torch.randint(0, args.vocab, (1, 1), generator=g) for _ in range(steps)]
 
     core = ov.Core()
-    config = {
-        "INFERENCE_PRECISION_HINT": "bf16",
-        "KV_CACHE_PRECISION": "bf16",
-        "INFERENCE_NUM_THREADS": str(args.threads),
-    }
+    config = {"INFERENCE_NUM_THREADS": str(args.threads)}
+    if args.hint == "bf16":
+        config.update({"INFERENCE_PRECISION_HINT": "bf16", "KV_CACHE_PRECISION": "bf16"})
     anchor = core.compile_model(
         core.read_model(os.path.join(args.anchor_dir, "openvino_model.xml")),
         "CPU",
@@ -93,9 +101,8 @@ def main() -> None:
     )
     anchor_request = anchor.create_infer_request()
     ov_backend._compile = _perf_compile  # this benchmark only: the same compile, with per-layer counters
-    ours = precast.compile(
-        torch.export.load(args.program), backend="openvino", precision_hint="bf16", threads=args.threads
-    )
+    hint = {"precision_hint": "bf16"} if args.hint == "bf16" else {}
+    ours = precast.compile(torch.export.load(args.program), backend="openvino", threads=args.threads, **hint)
 
     def run_anchor() -> float:
         anchor_request.reset_state()
