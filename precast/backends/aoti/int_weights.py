@@ -221,13 +221,37 @@ def linear_args(linear: Node) -> tuple[Node, Node, Any]:
     return args[0], args[1], linear.kwargs.get("bias", args[2])
 
 
-def _activation_ok(x: Any, dt: torch.dtype, k: int) -> str | None:
+def _sub_of_casts(sub: Any) -> tuple[Node, Node, torch.dtype] | None:
+    """``(a_cast, b_cast, dt)`` of ``sub(_to_copy(a, dtype=dt), _to_copy(b, dtype=dt))`` (alpha 1), the zero point's
+    subtraction of int8-asym and int4; else None."""
+    if not _is(sub, aten.sub.Tensor) or len(sub.args) != 2 or sub.kwargs.get("alpha", 1) != 1:
+        return None
+    a, b = sub.args
+    dt = _to_dtype(a)
+    return (a, b, dt) if dt is not None and _to_dtype(b) == dt else None
+
+
+def _scale_bad(kind: str, s: Node, dt: torch.dtype, shape: tuple[int, ...]) -> str | None:
+    """Why the kernels cannot take this scale (they take it in the activation's dtype ``dt``, of ``shape``), or
+    None."""
+    sv = value_of(s)
+    if sv is not None and dt in FLOATS and sv.dtype == dt and _sizes(s) == shape:
+        return None
+    what = f"{kind} scale {getattr(sv, 'dtype', None)} {list(getattr(sv, 'shape', []))}, dequantized to {dt}"
+    return what.replace("torch.", "")
+
+
+def _kernel_bad(x: Any, bias: Any, dt: torch.dtype, k: int) -> str | None:
+    """Why the kernels cannot take this activation (``dt``, last size ``k``) or bias (``dt``, 1-d), or None."""
     xv = value_of(x)
     if xv is None or xv.dim() < 1 or xv.dtype != dt:
         return f"activation {getattr(xv, 'dtype', None)}, scale {dt}".replace("torch.", "")
     if xv.shape[-1] != k:
         return "activation's last size is not K"
-    return None
+    if bias is None:
+        return None
+    bv = value_of(bias)
+    return None if bv is not None and bv.dtype == dt and bv.dim() == 1 else "a bias of another dtype"
 
 
 def _match_int8(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str, str] | None:
@@ -244,10 +268,7 @@ def _match_int8(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str,
             continue
         name = consts[q]
         n, k = _sizes(q) or (None, None)
-        if dt not in FLOATS or sv.dtype != dt or _sizes(s) != (n, 1):
-            return name, f"int8 scale {sv.dtype} {list(sv.shape)}, dequantized to {dt}".replace("torch.", "")
-        bad = _activation_ok(x, dt, k) or _bias_bad(bias, dt)
-        if bad:
+        if bad := _scale_bad("int8", s, dt, (n, 1)) or _kernel_bad(x, bias, dt, k):
             return name, bad
         return IntLinear("int8", linear.name, name, consts[s], None, None, dt, (deq.name, w.name))
     return None
@@ -261,12 +282,10 @@ def _match_int8_asym(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple
     if not _is(w, aten.mul.Tensor) or len(w.args) != 2:
         return None
     for sub, s in (w.args, w.args[::-1]):
-        if not _is(sub, aten.sub.Tensor) or len(sub.args) != 2 or sub.kwargs.get("alpha", 1) != 1:
+        casts = _sub_of_casts(sub)
+        if casts is None or s not in consts:
             continue
-        qf, zf = sub.args
-        dt = _to_dtype(qf)
-        if dt is None or _to_dtype(zf) != dt or s not in consts:
-            continue
+        qf, zf, dt = casts
         q, z = qf.args[0], zf.args[0]
         qv, zv, sv = value_of(q), value_of(z), value_of(s)
         ok = q in consts and z in consts and zv is not None and sv is not None
@@ -276,21 +295,11 @@ def _match_int8_asym(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple
         n, k = _sizes(q) or (None, None)
         if zv.dtype != torch.uint8 or _sizes(z) != (n, 1):
             return name, f"int8-asym zero point {zv.dtype} {list(zv.shape)}".replace("torch.", ""), zero
-        if dt not in FLOATS or sv.dtype != dt or _sizes(s) != (n, 1):
-            why = f"int8-asym scale {sv.dtype} {list(sv.shape)}, dequantized to {dt}".replace("torch.", "")
-            return name, why, zero
-        if bad := _activation_ok(x, dt, k) or _bias_bad(bias, dt):
+        if bad := _scale_bad("int8-asym", s, dt, (n, 1)) or _kernel_bad(x, bias, dt, k):
             return name, bad, zero
         chain = (qf.name, zf.name, sub.name, w.name)
         return IntLinear("int8-asym", linear.name, name, consts[s], zero, None, dt, chain)
     return None
-
-
-def _bias_bad(bias: Any, dt: torch.dtype) -> str | None:
-    if bias is None:
-        return None
-    bv = value_of(bias)
-    return None if bv is not None and bv.dtype == dt and bv.dim() == 1 else "a bias of another dtype"
 
 
 def _match_int4(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str, str] | None:
@@ -301,12 +310,10 @@ def _match_int4(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str,
     if not _is(mul, aten.mul.Tensor):
         return None
     for sub, s in (mul.args, mul.args[::-1]):
-        if not _is(sub, aten.sub.Tensor) or len(sub.args) != 2 or sub.kwargs.get("alpha", 1) != 1:
+        casts = _sub_of_casts(sub)
+        if casts is None or not _is(casts[0].args[0], *VIEWS) or s not in consts:
             continue
-        qf, zf = sub.args
-        dt, zdt = _to_dtype(qf), _to_dtype(zf)
-        if dt is None or zdt != dt or not _is(qf.args[0], *VIEWS) or s not in consts:
-            continue
+        qf, zf, dt = casts
         z = zf.args[0]
         stack = qf.args[0].args[0]
         if z not in consts or not _is(stack, aten.stack.default):
@@ -337,18 +344,13 @@ def _match_int4(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str,
             or _sizes(w) != (n, k)
         ):
             return name, "int4 shapes outside the documented form", consts[z]
-        if dt not in FLOATS or sv.dtype != dt or ss != (n, k // g, 1):
-            return (
-                name,
-                f"int4 scale {sv.dtype} {list(sv.shape)}, dequantized to {dt}".replace("torch.", ""),
-                consts[z],
-            )
+        if bad := _scale_bad("int4", s, dt, (n, k // g, 1)):
+            return name, bad, consts[z]
         if g not in INT4_GROUPS:
             return name, f"int4 group {g}: torch's CPU kernel takes 32, 64, 128, 256", consts[z]
         if n % 16:
             return name, f"int4 N={n} not a multiple of 16 (torch's CPU packing)", consts[z]
-        bad = _activation_ok(x, dt, k) or _bias_bad(bias, dt)
-        if bad:
+        if bad := _kernel_bad(x, bias, dt, k):
             return name, bad, consts[z]
         chain = (lo.name, hi.name, stack.name, qf.args[0].name, qf.name, zf.name, sub.name, mul.name, w.name)
         return IntLinear("int4", linear.name, name, consts[s], consts[z], g, dt, chain)
