@@ -41,13 +41,14 @@ from benchmarks.llm_accuracy import compare, cpu_line, export, load_fp32, openvi
 def q4_k_m_rule(names: list[str], layers: int) -> dict[str, str]:
     """llama.cpp's Q4_K_M choice of which tensors get more bits (``use_more_bits`` in llama-quant.cpp): attn_v and
     ffn_down of layers i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2, and the output table; in precast's formats."""
+    from precast.bench.decode_forms import q4_k_m_more_bits
+
     plan = {}
     for name in names:
         m = re.search(r"layers\.(\d+)\.", name)
         more = m is None  # the embedding / output table
         if m and ("v_proj" in name or "down_proj" in name):
-            i = int(m.group(1))
-            more = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+            more = q4_k_m_more_bits(int(m.group(1)), layers)
         plan[name] = "int8" if more else "int4-g64"
     return plan
 

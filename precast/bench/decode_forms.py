@@ -2,8 +2,8 @@
 ``Variant`` per form, each built by its own builder from one shared ``Build`` (the fp32 model, its programs).
 
 - ``EAGER``, ``HAND``, ``PRECAST``, ``OPENVINO``, ``WEIGHTS``, ``VARIANTS``: the forms' names (``WEIGHTS``:
-  int8/int4 weights, outside ``DEFAULT_VARIANTS``); ``BF16_HAND_FORMS`` and ``FP32_FORMS`` the hand-cast bf16 and
-  fp32 ones (the ratios' references).
+  int8/int4 weights and a mixed int4/int8 plan, ``q4_k_m_rules``, outside ``DEFAULT_VARIANTS``);
+  ``BF16_HAND_FORMS`` and ``FP32_FORMS`` the hand-cast bf16 and fp32 ones (the ratios' references).
 - ``build_variants``: every asked form built (compiled packages reused from a work folder); a form that fails
   carries its error (a row of the table, not the end of the run).
 - ``convert_llm``, ``check_reload``: precast's conversion of the decoder and its ``load_weights`` check.
@@ -44,9 +44,11 @@ WEIGHTS = (
     "precast_torch_int8",
     "precast_torch_int8a",
     "precast_torch_int4",
+    "precast_torch_q4km",
     "precast_openvino_int8",
     "precast_openvino_int8a",
     "precast_openvino_int4",
+    "precast_openvino_q4km",
     "openvino_anchor_int8",
 )
 _FORMAT_OF = {
@@ -54,6 +56,8 @@ _FORMAT_OF = {
     "int8a": "int8-asym",
     "int4": "int4",
 }  # a form's name's last part -> weight format
+# ..._q4km: a mixed int4/int8 plan, llama.cpp's Q4_K_M choice of which tensors get more bits (q4_k_m_rules)
+MIXED = "q4km"
 DEFAULT_VARIANTS = EAGER + HAND + PRECAST + OPENVINO
 VARIANTS = DEFAULT_VARIANTS + WEIGHTS
 # max-autotune with Inductor's C++ GEMM template alone: choosing between it and ATen by timing both at compile
@@ -171,10 +175,40 @@ def build_hand(b: Build, v: Variant) -> None:
     v.stored_bytes, v.read_bytes = read_bytes(state_of(ep))
 
 
-def weight_format_of(name: str) -> str | None:
-    """The weight format a form's name ends with (``precast_torch_int8`` -> ``int8``, ``..._int8a`` ->
-    ``int8-asym``), or None."""
-    return _FORMAT_OF.get(name.rsplit("_", 1)[1])
+def weight_format_of(name: str, layers: int | None = None) -> str | dict[str, str] | None:
+    """The ``weight_format=`` a form's name ends with (``precast_torch_int8`` -> ``int8``, ``..._int8a`` ->
+    ``int8-asym``; ``..._q4km`` -> ``q4_k_m_rules(layers)``), or None."""
+    last = name.rsplit("_", 1)[1]
+    if last == MIXED:
+        if layers is None:
+            raise ValueError(f"{name}: the mixed plan's rules need the decoder's layer count")
+        return q4_k_m_rules(layers)
+    return _FORMAT_OF.get(last)
+
+
+def weight_label(fmt: str | dict[str, str] | None) -> str | None:
+    """How a form's note names its weight format (a mixed plan by what it holds)."""
+    if isinstance(fmt, dict):
+        return f"int4 + {sum(1 for f in fmt.values() if f == 'int8')} int8 rules (llama.cpp's Q4_K_M choice)"
+    return fmt
+
+
+def q4_k_m_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's Q4_K_M choice (``use_more_bits`` in llama-quant.cpp) of the layers whose ``attn_v`` and
+    ``ffn_down`` get more bits: ``i < n/8``, ``i >= 7n/8``, or ``(i - n/8) % 3 == 2``."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_rules(layers: int) -> dict[str, str]:
+    """Q4_K_M's layer rule in precast's formats, as ``weight_format=`` rules for a Llama-shaped decoder: int8 for
+    the output head and for ``v_proj`` / ``down_proj`` of the layers ``q4_k_m_more_bits`` names, int4 (group 64)
+    for every other weight."""
+    rules = {"*lm_head.weight": "int8"}
+    for i in range(layers):
+        if q4_k_m_more_bits(i, layers):
+            rules[f"*layers.{i}.self_attn.v_proj.weight"] = "int8"
+            rules[f"*layers.{i}.mlp.down_proj.weight"] = "int8"
+    return {**rules, "*": "int4"}
 
 
 def build_precast(b: Build, v: Variant) -> None:
@@ -184,7 +218,7 @@ def build_precast(b: Build, v: Variant) -> None:
     import precast
 
     assert b.ep32 is not None
-    fmt = weight_format_of(v.name)
+    fmt = weight_format_of(v.name, b.shape.layers)
     res = convert_llm(b.ep32, v.name.split("_")[1], fmt)
     v.note = res.note
     mode = {"autotune": "max-autotune", "default": "default"}.get(v.name.rsplit("_", 1)[1], "auto")
@@ -198,7 +232,7 @@ def build_precast(b: Build, v: Variant) -> None:
     if mode == "auto":
         v.note = (v.note + "; " if v.note else "") + f"form {cm.form['name']}: {cm.form['why']}"
     if fmt:
-        v.note = (v.note + "; " if v.note else "") + f"weights {fmt}"
+        v.note = (v.note + "; " if v.note else "") + f"weights {weight_label(fmt)}"
     program = save_program(res.program, b.work / f"{v.name}-{b.tag}.program.pt2")
     v.compile_spec = {
         "program": str(program),
@@ -216,7 +250,7 @@ def build_precast_openvino(b: Build, v: Variant) -> None:
     import precast
 
     assert b.ep32 is not None
-    fmt = weight_format_of(v.name)
+    fmt = weight_format_of(v.name, b.shape.layers)
     res = convert_llm(b.ep32, "torch", fmt)
     started = time.perf_counter()
     models = {
@@ -229,7 +263,7 @@ def build_precast_openvino(b: Build, v: Variant) -> None:
         return models[torch.get_num_threads()](input_ids=input_ids, cache_position=cache_position)
 
     v.run, v.reloadable = run, "-"
-    v.note = "default call, cache bf16" + (f", weights {fmt}" if fmt else "")
+    v.note = "default call, cache bf16" + (f", weights {weight_label(fmt)}" if fmt else "")
     program = save_program(res.program, b.work / f"{v.name}-{b.tag}.program.pt2")
     v.compile_spec = {"program": str(program), "backend": "openvino"}
     v.stored_bytes, v.read_bytes = read_bytes(state_of(res.program))
@@ -280,10 +314,12 @@ BUILDERS: dict[str, Callable[[Build, Variant], None]] = {
     "precast_torch_int8": build_precast,
     "precast_torch_int8a": build_precast,
     "precast_torch_int4": build_precast,
+    "precast_torch_q4km": build_precast,
     "precast_openvino": build_precast_openvino,
     "precast_openvino_int8": build_precast_openvino,
     "precast_openvino_int8a": build_precast_openvino,
     "precast_openvino_int4": build_precast_openvino,
+    "precast_openvino_q4km": build_precast_openvino,
     ANCHOR: build_anchor,
     "openvino_anchor_int8": build_anchor,
     "openvino_anchor_inprocess": build_anchor_inprocess,
@@ -344,7 +380,9 @@ class Converted:
     note: str
 
 
-def convert_llm(ep: torch.export.ExportedProgram, policy: str, weight_format: str | None = None) -> Converted:
+def convert_llm(
+    ep: torch.export.ExportedProgram, policy: str, weight_format: str | dict[str, str] | None = None
+) -> Converted:
     """``precast.convert(ep, policy=..., dtype=bf16, cache_dtype=bf16, weight_format=...)``."""
     import precast
 
