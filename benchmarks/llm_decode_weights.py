@@ -1,7 +1,7 @@
 """Decode speed with weights stored in 8 and 4 bits (issue 41), in one interleaved run: precast's plan (policy
 torch, bf16, KV cache bf16) with ``weight_format="int8"`` / ``"int8-asym"`` (forms ``..._int8a``) / ``"int4"`` /
 a mixed int4/int8 plan (forms ``..._q4km``: llama.cpp's Q4_K_M choice of the tensors in more bits, int8 there and
-int4 elsewhere; ``precast.bench.decode_forms.q4_k_m_rules``) on
+int4 elsewhere; ``precast.bench.decode_model.q4_k_m_rules``) on
 AOTInductor (``precast.compile()``, no
 options) and on OpenVINO (``precast.compile(backend="openvino")``, the default call), beside the same plan with bf16
 weights and OpenVINO's own exports of the same seeded weights (optimum-intel; ``optimum-cli --weight-format int8``).

@@ -41,7 +41,7 @@ from benchmarks.llm_accuracy import compare, cpu_line, export, load_fp32, openvi
 def q4_k_m_rule(names: list[str], layers: int) -> dict[str, str]:
     """llama.cpp's Q4_K_M choice of which tensors get more bits (``use_more_bits`` in llama-quant.cpp): attn_v and
     ffn_down of layers i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2, and the output table; in precast's formats."""
-    from precast.bench.decode_forms import q4_k_m_more_bits
+    from precast.bench.decode_model import q4_k_m_more_bits
 
     plan = {}
     for name in names:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from precast.bench import decode_anchor
-from precast.bench.decode_model import Shape, export_decoder, llama, read_bytes, wrapped
+from precast.bench.decode_model import Shape, export_decoder, llama, q4_k_m_rules, read_bytes, wrapped
 
 EAGER = ("eager_fp32", "eager_autocast", "eager_bf16")
 HAND = ("aoti_fp32", "aoti_fp32_frozen", "aoti_bf16", "aoti_bf16_frozen", "aoti_bf16_autotune")
@@ -191,24 +191,6 @@ def weight_label(fmt: str | dict[str, str] | None) -> str | None:
     if isinstance(fmt, dict):
         return f"int4 + {sum(1 for f in fmt.values() if f == 'int8')} int8 rules (llama.cpp's Q4_K_M choice)"
     return fmt
-
-
-def q4_k_m_more_bits(layer: int, layers: int) -> bool:
-    """llama.cpp's Q4_K_M choice (``use_more_bits`` in llama-quant.cpp) of the layers whose ``attn_v`` and
-    ``ffn_down`` get more bits: ``i < n/8``, ``i >= 7n/8``, or ``(i - n/8) % 3 == 2``."""
-    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
-
-
-def q4_k_m_rules(layers: int) -> dict[str, str]:
-    """Q4_K_M's layer rule in precast's formats, as ``weight_format=`` rules for a Llama-shaped decoder: int8 for
-    the output head and for ``v_proj`` / ``down_proj`` of the layers ``q4_k_m_more_bits`` names, int4 (group 64)
-    for every other weight."""
-    rules = {"*lm_head.weight": "int8"}
-    for i in range(layers):
-        if q4_k_m_more_bits(i, layers):
-            rules[f"*layers.{i}.self_attn.v_proj.weight"] = "int8"
-            rules[f"*layers.{i}.mlp.down_proj.weight"] = "int8"
-    return {**rules, "*": "int4"}
 
 
 def build_precast(b: Build, v: Variant) -> None:

@@ -6,6 +6,8 @@ step reads.
 - ``llama``, ``wrapped``, ``export_decoder``, ``decode_inputs``: the model, its export wrapper, the program, the
   prompt and tokens.
 - ``read_bytes``: the bytes a decode step reads (every weight but the embedding table, plus the whole static cache).
+- ``q4_k_m_rules``, ``q4_k_m_more_bits``: a mixed int4/int8 plan for the decoder (llama.cpp's Q4_K_M choice of the
+  tensors in more bits) as ``weight_format=`` rules.
 
 Input: a shape. Output: a module, a program, inputs, byte counts.
 """
@@ -120,3 +122,22 @@ def read_bytes(state: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
             weights += n
             read += n // t.shape[0] if "embed_tokens" in name else n
     return {"weights": weights, "cache": cache}, read
+
+
+# ---- a mixed int4/int8 plan ---------------------------------------------------------------------------------
+def q4_k_m_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's Q4_K_M choice (``use_more_bits`` in llama-quant.cpp) of the layers whose ``attn_v`` and
+    ``ffn_down`` get more bits: ``i < n/8``, ``i >= 7n/8``, or ``(i - n/8) % 3 == 2``."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_rules(layers: int) -> dict[str, str]:
+    """Q4_K_M's layer rule in precast's formats, as ``weight_format=`` rules for a Llama-shaped decoder: int8 for
+    the output head and for ``v_proj`` / ``down_proj`` of the layers ``q4_k_m_more_bits`` names, int4 (group 64)
+    for every other weight."""
+    rules = {"*lm_head.weight": "int8"}
+    for i in range(layers):
+        if q4_k_m_more_bits(i, layers):
+            rules[f"*layers.{i}.self_attn.v_proj.weight"] = "int8"
+            rules[f"*layers.{i}.mlp.down_proj.weight"] = "int8"
+    return {**rules, "*": "int4"}

@@ -31,7 +31,8 @@ def test_q4_k_m_rules_pick_llama_cpps_tensors():
     let layer 1's rule catch layer 11 or 15."""
     import fnmatch
 
-    from precast.bench.decode_forms import q4_k_m_rules, weight_format_of
+    from precast.bench.decode_forms import weight_format_of
+    from precast.bench.decode_model import q4_k_m_rules
 
     rules = weight_format_of("precast_torch_q4km", 16)
     assert rules == q4_k_m_rules(16) and list(rules.items())[-1] == ("*", "int4")
