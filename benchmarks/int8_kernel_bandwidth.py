@@ -26,18 +26,6 @@ from precast.bench.decode import bandwidth_gbs
 from precast.bench.decode_model import Shape
 
 
-def shapes(s: Shape) -> list[tuple[str, int, int, int]]:
-    """(name, N, K, calls per token) of the decoder's linears."""
-    kv = s.kv_heads * s.head_dim
-    per_layer = [
-        ("q/o_proj", s.hidden, s.hidden, 2),
-        ("k/v_proj", kv, s.hidden, 2),
-        ("gate/up_proj", s.intermediate, s.hidden, 2),
-        ("down_proj", s.hidden, s.intermediate, 1),
-    ]
-    return [(n, N, K, c * s.layers) for n, N, K, c in per_layer] + [("lm_head", s.vocab, s.hidden, 1)]
-
-
 def timed(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of one call (after two warm calls)."""
     fn()
@@ -95,7 +83,7 @@ def main() -> None:
             print(f"\n{threads} thread(s); summing a 512 MiB tensor: {bandwidth_gbs(threads):.1f} GB/s")
             print("| linear | N x K | calls/token | form | ms/call | GB/s |\n|---|---|---|---|---|---|")
             totals: dict[str, float] = {}
-            for name, n, k, calls in shapes(s):
+            for name, n, k, calls in s.linears():
                 for form, (fn, nbytes) in forms(n, k, args.mib).items():
                     sec = timed(fn, args.repeats)
                     totals[form] = totals.get(form, 0.0) + sec * calls

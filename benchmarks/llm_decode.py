@@ -190,14 +190,7 @@ def gemv_probe(shape: Shape, threads: int, repeats: int = 15) -> list[dict[str, 
     """One decode step's GEMMs (M=1) per distinct weight shape: ms and GB/s of the weight read for ATen's mm on an
     fp32 and a bf16 weight (what a package compiled without freezing calls) and eager ``F.linear`` in bf16."""
     torch.set_num_threads(threads)
-    kv = shape.kv_heads * shape.head_dim
-    shapes = {
-        "q/o proj": (shape.hidden, shape.hidden),
-        "k/v proj": (kv, shape.hidden),
-        "gate/up proj": (shape.intermediate, shape.hidden),
-        "down proj": (shape.hidden, shape.intermediate),
-        "lm_head": (shape.vocab, shape.hidden),
-    }
+    shapes = {name: (n, k) for name, n, k, _ in shape.linears()}
     rows = []
     g = torch.Generator().manual_seed(0)
     # oneDNN blocks a bf16 weight only where the CPU reports avx_ne_convert or AVX512 BW/VL/DQ (its own check)

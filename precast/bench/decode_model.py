@@ -37,6 +37,19 @@ class Shape:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    def linears(self) -> list[tuple[str, int, int, int]]:
+        """(name, N, K, calls per token) of each distinct linear weight shape of a decode step (M = 1)."""
+        kv = self.kv_heads * self.head_dim
+        per_layer = [
+            ("q/o proj", self.hidden, self.hidden, 2),
+            ("k/v proj", kv, self.hidden, 2),
+            ("gate/up proj", self.intermediate, self.hidden, 2),
+            ("down proj", self.hidden, self.intermediate, 1),
+        ]
+        return [(n, N, K, c * self.layers) for n, N, K, c in per_layer] + [
+            ("lm_head", self.vocab, self.hidden, 1)
+        ]
+
     def tag(self) -> str:
         return hashlib.sha256(json.dumps(dataclasses.asdict(self)).encode()).hexdigest()[:10]
 
