@@ -16,7 +16,10 @@ def compile(program: Any, *, backend: str = "aoti", **options: Any) -> Any:
     """``precast.compile``: ``backend="aoti"`` (default) is ``precast.backends.aoti.compiler.compile`` (a cached
     AOTInductor package, a ``CompiledModel``); ``backend="openvino"`` is
     ``precast.backends.openvino.model.compile_openvino`` (an ``OpenVINOModel``). Options another backend has no use
-    for are refused with one line."""
+    for are refused with one line. ``threads=`` applies to both: AOTInductor compiles the package for that count and
+    runs each call at it (``precast.runtime.threads``; default ``torch.get_num_threads()``), OpenVINO takes it as
+    ``INFERENCE_NUM_THREADS`` (default: OpenVINO's). ``precast.runtime.threads.default_threads()`` is the count for
+    a machine other processes share."""
     from precast.errors import PrecastError
 
     if backend == "aoti":

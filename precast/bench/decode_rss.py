@@ -48,6 +48,7 @@ def _load(spec: dict[str, Any]) -> Any:
             dynamic=False,
             mode=c["mode"],
             inductor_configs=c["inductor_configs"],
+            threads=c.get("threads"),
         )
         if not model.from_cache:
             raise RuntimeError("the fresh process compiled: the cache key differs from the parent's")

@@ -178,6 +178,7 @@ def _manifest(
         "torch": torch.__version__,
         "inductor_configs": job.configs,
         "form": job.form.to_dict(),
+        "threads": job.threads,
         "dynamic": job.dynamic,
         "compile_seconds": round(seconds, 3),
         "created": time.time(),

@@ -61,10 +61,12 @@ from precast.errors import PrecastError
 from precast.ir.fake import has_data, lacks_data
 from precast.ir.program import program_devices
 from precast.runtime.exported import exported_program, with_example_inputs
+from precast.runtime.threads import check_threads, running_at
 from precast.threads import TORCH_LOCK
 from precast.weights.sources import tensor_constants
 
 MODES = ("auto", "default", "max-autotune")
+THREADS = "cpp.threads"  # the inductor config the generated C++ reads its OpenMP thread count from
 
 # program -> {options key: CompiledModel}; weak so a cached model never keeps a program's weights alive. A hit
 # counts only if the model's key is the program's key now (weights changed in place give a new key) and the model
@@ -75,10 +77,17 @@ _MEMO_LOCK = threading.Lock()
 
 # ---- public entry point -------------------------------------------------------------------------------------
 def compile_configs(
-    mode: str = "default", inductor_configs: Mapping[str, Any] | None = None, form: Form | None = None
+    mode: str = "default",
+    inductor_configs: Mapping[str, Any] | None = None,
+    form: Form | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """The inductor configs ``compile`` compiles with (and keys its cache entry by): ``form``'s (``mode="auto"``,
-    ``backends/aoti/forms.py``), then the caller's ``inductor_configs`` over them.
+    ``backends/aoti/forms.py``), then the caller's ``inductor_configs`` over them, and ``cpp.threads``: the thread
+    count (default ``torch.get_num_threads()``), which Inductor writes into its C++ kernels
+    (``#pragma omp parallel num_threads(N)``, and how each loop nest and GEMM is split among them): a package
+    serves the count it was compiled for, so the count is in the cache key. A caller's ``cpp.threads`` that
+    differs from ``threads`` is refused.
 
     Every constant stays a swappable constant: AOTInductor otherwise inlines 0-d constants and 1-d ones of <= 8
     elements into its code (``GraphLowering.can_inline_constant``), and ``load_weights`` could never swap an
@@ -89,6 +98,16 @@ def compile_configs(
     (``packed.record_folded_constants``); a package whose code reads one precast cannot recompute keeps its
     constants in the .so instead (``build.build_locked``)."""
     configs = {**(form.configs if form else {}), **dict(inductor_configs or {})}
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
+    if configs.get(THREADS, threads) != threads:
+        raise PrecastError(
+            f"precast.compile: inductor_configs {THREADS}={configs[THREADS]!r} but the compile runs at "
+            f"{threads} thread(s); pass threads={configs[THREADS]!r} instead"
+        )
+    configs[THREADS] = threads
     if mode == "max-autotune":
         configs["max_autotune"] = True
     configs.setdefault("always_keep_tensor_constants", True)
@@ -106,6 +125,7 @@ def compile(
     progress: bool | None = None,
     lock_timeout: float | None = None,
     weights: str | os.PathLike | None = None,
+    threads: int | None = None,
 ) -> CompiledModel:
     """Compile ``program`` (an ExportedProgram or a ConvertResult) with AOTInductor, cached; returns a loaded model.
 
@@ -125,23 +145,40 @@ def compile(
     ``.safetensors`` file or a directory of shards (+ ``model.safetensors.index.json``) holding them by the
     program's stored names, in their stored dtypes; checked against the program, then read once.
     The compiled model reads the program's own weight tensors (no copy): change weights with ``load_weights``.
+    ``threads``: the intra-op thread count the model runs at (default: ``torch.get_num_threads()`` now; the
+    CLI's default is ``precast.runtime.threads.default_threads()``, which leaves out the cores other processes
+    keep busy). The package is compiled for it (Inductor writes the count into its kernels), the form is measured
+    at it, and each call runs at it: torch's count (OpenMP's for the calling thread) is set for the call and
+    restored after (``runtime/threads.running_at``), so the caller's ``torch.get_num_threads()`` is unchanged.
+    ``cm.threads`` says which.
     """
     ep = with_example_inputs(exported_program(program, "precast.compile"))
     if mode not in MODES:
         raise PrecastError(f"precast.compile: mode={mode!r}; choose one of {', '.join(MODES)}")
+    threads = _threads(threads)
     facts = _facts(ep, weights)
-    job = _job(facts, mode, inductor_configs, cache_dir, dynamic)
+    job = _job(facts, mode, inductor_configs, cache_dir, dynamic, threads)
     # warned from here: the warning names the line that called precast.compile
     warn_int_weights(job.ints, freezing=bool(job.configs.get("freezing")))
     model = None if weights is not None else _memoized(ep, job)
     if model is not None:
         return model
     started = time.perf_counter()
-    compile_seconds, manifest = entry_manifest(facts, job, progress, lock_timeout)
+    # autotuning (the GEMM template) times its candidates at the count the package is compiled for
+    with running_at(threads):
+        compile_seconds, manifest = entry_manifest(facts, job, progress, lock_timeout)
     model = load_model(facts, job, manifest, weights, compile_seconds, started)
     with _MEMO_LOCK:
         _MEMO.setdefault(ep, {})[job.options] = model
     return model
+
+
+def _threads(threads: int | None) -> int:
+    if threads is None:
+        import torch
+
+        return torch.get_num_threads()
+    return check_threads(threads, "precast.compile")
 
 
 def _facts(ep: ExportedProgram, weights: Any) -> ProgramFacts:
@@ -158,11 +195,12 @@ def _job(
     inductor_configs: Mapping[str, Any] | None,
     cache_dir: str | os.PathLike | None,
     dynamic: bool,
+    threads: int,
 ) -> CompileJob:
     """The compile's decisions: the form, the final inductor configs, the int weights' plan, the cache folder
     and the key; refuses configs a fake-weight program cannot compile with."""
-    form = _form(facts.ep, mode, facts.device, bool(facts.fake), cache_dir)
-    configs = compile_configs(mode, inductor_configs, form)
+    form = _form(facts.ep, mode, facts.device, bool(facts.fake), cache_dir, threads)
+    configs = compile_configs(mode, inductor_configs, form, threads)
     # int8 / int4 weights: the linears a low-bit kernel will read (int_weights; one warning line for the others);
     # those kernels are ATen's, so a GEMM backend list without ATEN gets it added
     ints = plan_int_weights(facts.ep, facts.device)
@@ -175,7 +213,7 @@ def _job(
     # by content; the form is in the configs, and the CPU's flags are in the key: a package built for AMX is
     # never served to a CPU without it; the int weights' rewrite is a function of the program and its plan
     key = cache_key(facts.ep, {**configs, "precast.form": form.name, **ints.key()}, dynamic, facts.device)
-    return CompileJob(root, key, configs, dynamic, form, ints)
+    return CompileJob(root, key, configs, dynamic, form, ints, threads)
 
 
 def _memoized(ep: ExportedProgram, job: CompileJob) -> CompiledModel | None:
@@ -197,19 +235,26 @@ def _memoized(ep: ExportedProgram, job: CompileJob) -> CompiledModel | None:
 
 
 def _form(
-    ep: ExportedProgram, mode: str, device: str, fake: bool, cache_dir: str | os.PathLike | None
+    ep: ExportedProgram,
+    mode: str,
+    device: str,
+    fake: bool,
+    cache_dir: str | os.PathLike | None,
+    threads: int,
 ) -> Form:
-    """The form ``mode`` compiles in: chosen for this machine under ``"auto"`` (``backends/aoti/forms.py``)."""
+    """The form ``mode`` compiles in: chosen for this machine and thread count under ``"auto"``
+    (``backends/aoti/forms.py``)."""
     if mode == "default":
         return Form("default", {}, "mode='default': Inductor's defaults")
     if mode == "max-autotune":
         return Form("max-autotune", {}, "mode='max-autotune'")
-    form = choose_form(ep, device=device, cache_dir=cache_dir, compile_fn=compile)
+    where = {"device": device, "cache_dir": cache_dir, "compile_fn": compile, "threads": threads}
+    form = choose_form(ep, **where)
     if not fake or form.name != "gemm-template":
         return form
     # the template's packed copies are matched to their weights by value (packed.match_packed), which a
     # program without weight values cannot give; oneDNN's blocked copies are recorded by recipe
-    form = choose_form(ep, device=device, cache_dir=cache_dir, exclude=("gemm-template",), compile_fn=compile)
+    form = choose_form(ep, exclude=("gemm-template",), **where)
     return Form(form.name, form.configs, f"{form.why} (streamed weights: no C++ GEMM template)", form.record)
 
 

@@ -4,7 +4,7 @@ them; ``build.py`` builds the entry from them and ``load.py`` loads it).
 - ``ProgramFacts``: about the caller's program: its tensor constants, those holding no data (streamed weights),
   the device its constants run on, the constants its code writes (a KV cache), its stored constants' sources.
 - ``CompileJob``: the compile's decisions: the cache folder and key, the final inductor configs, the form, the
-  int weights' plan.
+  int weights' plan, the thread count.
 
 Input: the program and the compile's options. Output: two frozen records.
 """
@@ -58,6 +58,7 @@ class CompileJob:
     dynamic: bool  # dim 0 of the inputs re-exported dynamic
     form: Form  # what the configs compile (``forms.as_configured``)
     ints: IntPlan  # the int8 / int4 weights a low-bit kernel reads
+    threads: int  # the intra-op thread count the package is compiled for and runs at (``cpp.threads``)
 
     @property
     def entry(self) -> Path:

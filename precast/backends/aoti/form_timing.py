@@ -24,6 +24,7 @@ import torch
 from precast.entries import read_entries, write_entries
 from precast.errors import PrecastError, first_line
 from precast.io import cache_root, private_dir
+from precast.runtime.threads import running_at, usable_cores
 
 FORMS_FILE = "forms.json"
 FORMS_VERSION = 1
@@ -58,42 +59,9 @@ def store_choice(path: Path, key: str, entry: dict[str, Any]) -> None:
     write_entries(path, "form cache", FORMS_VERSION, _entry_ok, {key: entry})
 
 
-def load_average() -> float:
-    """The 1-minute load average (0.0 where the platform has none)."""
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-
-
-def cpu_seconds() -> tuple[float, float] | None:
-    """(CPU seconds every process has used since boot, hypervisor steal included; CPU seconds this process and its
-    waited-for children have used), or None where ``/proc/stat`` is not there. Their difference over a window is
-    what other processes took while precast timed (a load average counts this process's own compiles too)."""
-    import resource
-
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields)
-    except (OSError, ValueError):
-        return None
-    ticks = os.sysconf("SC_CLK_TCK")
-    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    own = me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
-    return (user + nice + system + irq + softirq + steal) / ticks, own
-
-
-def others_busy(
-    before: tuple[float, float] | None, after: tuple[float, float] | None, wall: float
-) -> float | None:
-    """The cores other processes kept busy on average between two ``cpu_seconds`` readings ``wall`` s apart."""
-    if before is None or after is None or wall <= 0:
-        return None
-    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / wall)
-
-
 def cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """The physical cores this process may use (affinity, cgroup quota: ``runtime/threads.usable_cores``)."""
+    return usable_cores()
 
 
 # ---- timing the candidates -----------------------------------------------------------------------------------
@@ -119,10 +87,13 @@ def measure_forms(
     configs: Mapping[str, Mapping[str, Any]],
     root: str | os.PathLike | None,
     compile_fn: Callable[..., Any],
+    threads: int | None = None,
 ) -> dict[str, float | str]:
     """Seconds per call of the synthetic module at M=1 compiled by ``compile_fn`` (``precast.compile``) with each
-    form's inductor ``configs`` (an error's text for a form that does not compile here), timed interleaved at the
-    current thread count; compiled into a temporary cache under ``root`` (the precast cache dir), deleted after."""
+    form's inductor ``configs`` (an error's text for a form that does not compile here), compiled for and timed
+    interleaved at ``threads`` (default: the current count); compiled into a temporary cache under ``root`` (the
+    precast cache dir), deleted after."""
+    threads = torch.get_num_threads() if threads is None else threads
 
     module = _Weights(dtype, shapes).eval()
     g = torch.Generator().manual_seed(1)
@@ -136,13 +107,18 @@ def measure_forms(
         for name, form_configs in configs.items():
             try:
                 cm = compile_fn(
-                    ep, mode="default", cache_dir=scratch, inductor_configs=dict(form_configs), progress=False
+                    ep,
+                    mode="default",
+                    cache_dir=scratch,
+                    inductor_configs=dict(form_configs),
+                    progress=False,
+                    threads=threads,
                 )
             except PrecastError as exc:  # recorded in the choice (and so in cm.form), never chosen
                 out[name] = first_line(exc)[:200]
                 continue
             runs[name] = lambda cm=cm: cm(*step)
-        with torch.no_grad():
+        with torch.no_grad(), running_at(threads):
             out.update(time_interleaved(runs))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

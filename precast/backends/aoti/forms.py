@@ -15,9 +15,10 @@ CPU flags was right on a Xeon without AMX and wrong on a Zen 4 (AVX512-BF16, no 
 How (``measured_form``): for a program whose matmul weight bytes are mostly bf16 / fp16, a small synthetic module
 holds one weight of each distinct matmul weight shape of the program, in that dtype, called at M=1 (a decode step
 at batch 1). It is compiled by ``precast.compile`` itself in each candidate form (so what is timed is what would
-run: weights outside the package, folded and packed copies recomputed), into a temporary cache; the candidates are
-timed interleaved (each round calls every form in turn; the best round of each: load only ever adds time), at the
-current ``torch.get_num_threads()``. The fastest wins; forms within ``TIE`` of the fastest go to the earliest in
+run: weights outside the package, folded and packed copies recomputed, at the compile's thread count), into a
+temporary cache; the candidates are timed interleaved (each round calls every form in turn; the best round of each:
+load only ever adds time), at the thread count the compile runs at (``threads``; by default
+``torch.get_num_threads()``). The fastest wins; forms within ``TIE`` of the fastest go to the earliest in
 ``CANDIDATES`` (the simplest code). A form that fails to compile is recorded with its error, never chosen.
 
 The choice is cached in ``<cache dir>/forms.json`` (JSON, written atomically under a file lock, never unpickled),
@@ -27,6 +28,11 @@ malformed file is measured again with a warning. The ``Form`` records the times,
 average during the timing, the cores other processes kept busy meanwhile (``"under_load"`` past half a core; where
 the system cannot say, when the load average exceeded the cores left), and why. The chosen
 name is in the compile's cache key (``aoti.compile``), like the configs it implies.
+
+A choice timed under load is provisional: a busy machine skews the times (load 7 gave ``default`` 62 ms, packed
+2 ms, template 61 ms), so it serves while the machine stays busy, and the first compile that finds the machine quiet
+(``quiet_now``: other processes busy on at most half a core over ``runtime/threads.SAMPLE_S``) measures it again
+and replaces it. A choice timed quiet is kept until its key changes.
 
 No measurement: fp32 programs (ATen's fp32 GEMV measured fastest at M=1: ``default``), other devices
 (``default``), and ``$PRECAST_FORM``: a form name forces it; ``flags`` takes the table of CPU capabilities below
@@ -57,15 +63,13 @@ from precast.backends.aoti.form_timing import (
     M,
     Shapes,
     cores,
-    cpu_seconds,
-    load_average,
     load_choices,
     measure_forms,
-    others_busy,
     store_choice,
 )
 from precast.cpu import capabilities as cpu_capabilities
 from precast.errors import PrecastError
+from precast.runtime.threads import busy_now, cpu_seconds, load_average, others_busy
 
 # form -> the inductor configs it compiles with (precast adds its constant layout: aoti.compile_configs)
 FORM_CONFIGS: dict[str, dict[str, Any]] = {
@@ -178,13 +182,15 @@ def choose_form(
     measure: Measure | None = None,
     exclude: tuple[str, ...] = (),
     compile_fn: Callable[..., Any] | None = None,
+    threads: int | None = None,
 ) -> Form:
     """The form ``mode="auto"`` compiles ``ep`` in here: measured (cached), or by ``$PRECAST_FORM``.
 
     ``caps``: the capabilities ``PRECAST_FORM=flags`` reads (``cpu_capabilities()`` by default); ``measure``:
     what times the candidates (``form_timing.measure_forms`` with ``compile_fn``, ``precast.compile``, by default;
     tests inject timings); ``exclude``: forms this program cannot compile in (streamed weights: no C++ GEMM
-    template)."""
+    template); ``threads``: the count the model will run at, which the choice is measured at and keyed by
+    (default ``torch.get_num_threads()``)."""
     if device != "cpu":
         return Form("default", {}, f"device {device}: Inductor's defaults")
     dtype = _low_dtype(ep)
@@ -204,7 +210,7 @@ def choose_form(
             raise PrecastError(f"${FORM_ENV}={override!r}: not a form for this program; use one of {allowed}")
         return Form(override, dict(FORM_CONFIGS[override]), f"${FORM_ENV}={override}")
     shapes = tuple(sorted({tuple(w.shape) for w in matmul_weights(ep).values() if w.dtype == dtype}))
-    return measured_form(dtype, shapes, cache_dir, measure, exclude, compile_fn)  # type: ignore[arg-type]
+    return measured_form(dtype, shapes, cache_dir, measure, exclude, compile_fn, threads)  # type: ignore[arg-type]
 
 
 def flags_form(dtype: torch.dtype, caps: Mapping[str, Any], exclude: tuple[str, ...] = ()) -> Form:
@@ -248,28 +254,57 @@ def measured_form(
     measure: Measure | None = None,
     exclude: tuple[str, ...] = (),
     compile_fn: Callable[..., Any] | None = None,
+    threads: int | None = None,
 ) -> Form:
-    """The fastest candidate for ``dtype`` weights of ``shapes`` at this thread count: cached, else timed now."""
+    """The fastest candidate for ``dtype`` weights of ``shapes`` at ``threads`` (default: this process's count):
+    cached, else timed now; a cached choice timed under load is timed again once the machine is quiet."""
     from precast.io import cache_root
 
     path = cache_root(cache_dir) / FORMS_FILE
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads() if threads is None else threads
     key = choice_key(dtype, shapes, threads, CANDIDATES)
     entry = load_choices(path).get(key)
-    if entry is None:
-        from precast.io import file_lock, private_dir
-
-        locks = private_dir(private_dir(path.parent) / "locks")
-        # one process measures a key at a time (two timing at once would each measure the other's load)
-        with file_lock(locks / f"form-{key}.lock", "measuring the compile form"):
-            entry = load_choices(path).get(key)
-            if entry is None:
-                entry = _measure_entry(dtype, shapes, threads, path.parent, measure, compile_fn)
-                store_choice(path, key, entry)
+    if entry is None or (entry["under_load"] and quiet_now(threads)):
+        entry = _measure_locked(path, key, entry, dtype, shapes, threads, measure, compile_fn)
     name, why = pick(entry["times_ms"], exclude)
     record = {k: entry[k] for k in ("times_ms", "threads", "load", "cores_left", "under_load", "m")}
     record["others_busy"] = entry.get("others_busy")
     return Form(name, dict(FORM_CONFIGS[name]), _why(entry, name, why), record)
+
+
+def quiet_now(threads: int) -> bool:
+    """Whether the machine is quiet enough to time on now: other processes busy on at most half a core over a
+    short sample (where the system cannot say: the load average within the cores ``threads`` leave)."""
+    others = busy_now()
+    return not _loaded(others, load_average(), max(cores() - threads, 0))
+
+
+def _loaded(others: float | None, load: float, cores_left: int) -> bool:
+    return others > 0.5 if others is not None else load > cores_left
+
+
+def _measure_locked(
+    path: Path,
+    key: str,
+    stale: dict[str, Any] | None,
+    dtype: torch.dtype,
+    shapes: Shapes,
+    threads: int,
+    measure: Measure | None,
+    compile_fn: Callable[..., Any] | None,
+) -> dict[str, Any]:
+    """Time ``key``'s candidates and store the entry, under the key's file lock: one process measures a key at a
+    time (two timing at once would each measure the other's load). ``stale``: the provisional entry being replaced
+    (None: there was none); an entry another process stored meanwhile is used."""
+    from precast.io import file_lock, private_dir
+
+    locks = private_dir(private_dir(path.parent) / "locks")
+    with file_lock(locks / f"form-{key}.lock", "measuring the compile form"):
+        entry = load_choices(path).get(key)
+        if entry is None or entry == stale:
+            entry = _measure_entry(dtype, shapes, threads, path.parent, measure, compile_fn)
+            store_choice(path, key, entry)
+    return entry
 
 
 def _measure_entry(
@@ -280,7 +315,7 @@ def _measure_entry(
     measure: Measure | None,
     compile_fn: Callable[..., Any] | None,
 ) -> dict[str, Any]:
-    """Time the candidates now; the cache entry: times, threads, the load average during the timing, why."""
+    """Time the candidates now, at ``threads``; the cache entry: times, threads, the load during the timing, why."""
     load_before, busy_before, started = load_average(), cpu_seconds(), time.perf_counter()
     if measure is None:
         if compile_fn is None:  # forms.py does not import compiler.py (it imports this module)
@@ -288,7 +323,7 @@ def _measure_entry(
                 "choose_form: measuring needs compile_fn=precast.backends.aoti.compiler.compile"
             )
         configs = {n: FORM_CONFIGS[n] for n in CANDIDATES}
-        times = measure_forms(dtype, shapes, configs, root, compile_fn)
+        times = measure_forms(dtype, shapes, configs, root, compile_fn, threads)
     else:
         times = dict(measure(dtype, shapes, CANDIDATES))
     load = max(load_before, load_average())
@@ -297,14 +332,13 @@ def _measure_entry(
     # under load: other processes kept more than half a core busy while precast compiled and timed (where the
     # system says; else the load average beyond the cores the timing leaves free, which counts precast's own
     # compiles too)
-    under_load = others > 0.5 if others is not None else load > cores_left
     return {
         "times_ms": {n: round(t * 1e3, 4) if isinstance(t, float) else str(t) for n, t in times.items()},
         "threads": threads,
         "load": round(load, 2),
         "others_busy": None if others is None else round(others, 2),
         "cores_left": cores_left,
-        "under_load": under_load,
+        "under_load": _loaded(others, load, cores_left),
         "dtype": str(dtype).removeprefix("torch."),
         "shapes": [list(s) for s in shapes],
         "m": M,
@@ -337,7 +371,7 @@ def _why(entry: Mapping[str, Any], name: str, why: str) -> str:
     if entry.get("others_busy") is not None:
         load += f", other processes busy on {entry['others_busy']} core(s)"
     if entry["under_load"]:
-        load = f"measured under load: {load}"
+        load = f"measured under load: {load}; provisional, timed again when the machine is quiet"
     return (
         f"{entry['dtype']} matmul weights; {name} is {why}, measured on this CPU at {entry['threads']} thread(s), "
         f"M={entry['m']}, {len(entry['shapes'])} weight shape(s): {times} ({load})"

@@ -61,7 +61,8 @@ def load_model(
         constants=constants,
         unread=tuple(layout["unread"]),
         state=initial_state(_written_values(facts)),
-        form=manifest.get("form", job.form.to_dict()),
+        form=job.form.to_dict(),  # the choice as measured now (a provisional one may have been timed again)
+        threads=job.threads,
     )
 
 

@@ -24,6 +24,7 @@ from precast.backends.aoti.packed import recipe_sources
 from precast.backends.aoti.swap import check_swap, plan_swap, recompute, stored_update, weights_source
 from precast.runtime.owner import StateOwner, holds_state
 from precast.runtime.signature import ProgramSignature
+from precast.runtime.threads import running_at
 
 
 class CompiledModel:
@@ -45,8 +46,11 @@ class CompiledModel:
         unread: tuple[str, ...] = (),
         state: Mapping[str, Initial] | None = None,
         form: Mapping[str, Any] | None = None,
+        threads: int | None = None,
     ):
         self._runner = runner
+        # the intra-op thread count the package was compiled for; each call runs at it (runtime/threads.py)
+        self.threads = torch.get_num_threads() if threads is None else threads
         self._owner = (
             StateOwner()
         )  # precast.generate holds it; every call/reset/load_weights waits and bumps it
@@ -88,14 +92,15 @@ class CompiledModel:
         flat = self.signature.check(
             args, kwargs
         )  # a one-line PrecastError before native code sees a bad input
-        if self._boxed_run is None:
-            return self._runner(*args, **kwargs)
-        tensors = list(flat) if self._all_tensors else [t for t in flat if isinstance(t, torch.Tensor)]
-        return pytree.tree_unflatten(self._boxed_run(tensors), self._out_spec)
+        with running_at(self.threads):  # the caller's torch.get_num_threads() restored after the call
+            if self._boxed_run is None:
+                return self._runner(*args, **kwargs)
+            tensors = list(flat) if self._all_tensors else [t for t in flat if isinstance(t, torch.Tensor)]
+            return pytree.tree_unflatten(self._boxed_run(tensors), self._out_spec)
 
     def __repr__(self) -> str:
         how = "from cache" if self.from_cache else f"compiled in {self.compile_seconds:.1f}s"
-        return f"CompiledModel({self.package_path}, {how})"
+        return f"CompiledModel({self.package_path}, {how}, {self.threads} thread(s))"
 
     @property
     def stateful(self) -> bool:
@@ -138,6 +143,7 @@ class CompiledModel:
             unread=tuple(self._unread),
             state=self._state,
             form=self.form,
+            threads=self.threads,
         )
         return (
             other  # weights in the .so: the package loaded again holds the initial values it was built with

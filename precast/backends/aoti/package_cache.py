@@ -55,8 +55,8 @@ TOOLCHAIN_ENV = (
     "LDFLAGS",
     "CPATH",
     "LIBRARY_PATH",
-    "OMP_NUM_THREADS",
-)
+)  # not OMP_NUM_THREADS: the thread count is keyed as the ``cpp.threads`` config the code is generated for
+# (compiler.compile_configs), whatever set it
 
 
 @dataclass(frozen=True)

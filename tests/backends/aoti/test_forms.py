@@ -107,7 +107,10 @@ class Timings:
 
 @pytest.fixture
 def measured(monkeypatch, tmp_path):
+    """The measured path, on a quiet machine (nobody else busy during the timing or after; tests change it)."""
     monkeypatch.delenv(forms.FORM_ENV, raising=False)
+    monkeypatch.setattr(forms, "others_busy", lambda before, after, wall: 0.0)
+    monkeypatch.setattr(forms, "busy_now", lambda: 0.0)
     return tmp_path
 
 
@@ -336,12 +339,9 @@ def test_measure_forms_times_what_precast_compiles(tmp_path):
 
 
 def test_other_processes_busy_during_the_timing_is_under_load(measured, monkeypatch):
-    """What other processes took while precast timed (all CPU time less this process's and its children's), not
-    the load average, which counts precast's own compiles just before the timing."""
-    assert form_timing.others_busy((100.0, 10.0), (103.0, 10.5), 2.0) == 1.25  # 3 s in all, 0.5 s precast's
-    assert form_timing.others_busy((0.0, 0.0), (1.0, 1.0), 2.0) == 0.0  # only precast itself
-    assert form_timing.others_busy(None, (1.0, 1.0), 2.0) is None  # no /proc/stat
-    assert form_timing.cpu_seconds() is None or len(form_timing.cpu_seconds()) == 2
+    """What other processes took while precast timed (all CPU time less this process's and its children's:
+    ``runtime/threads.others_busy``, tested in tests/runtime/test_threads.py), not the load average, which counts
+    precast's own compiles just before the timing."""
     monkeypatch.setattr(forms, "others_busy", lambda before, after, wall: 1.25)
     monkeypatch.setattr(form_timing.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
     form = choose_form(linear_program(torch.bfloat16), cache_dir=measured, measure=Timings(ZEN4))
@@ -351,3 +351,56 @@ def test_other_processes_busy_during_the_timing_is_under_load(measured, monkeypa
     torch.set_num_threads(torch.get_num_threads())
     calm = choose_form(linear_program(torch.float16), cache_dir=measured, measure=Timings(ZEN4))
     assert not calm.record["under_load"]
+
+
+# ---- per thread count, and provisional under load (issue 49 item 3) ---------------------------------------------
+def test_the_choice_is_measured_and_keyed_at_the_compiles_thread_count(measured):
+    """``threads=`` (what ``precast.compile(threads=)`` passes) is the count measured at and keyed by, whatever
+    this process's own count: a process at 2 threads never takes the choice measured at 1."""
+    ep = linear_program(torch.bfloat16)
+    before = torch.get_num_threads()
+    at = {}
+    for n in (1, 2):
+        # 1 thread: default fastest; 2: the template
+        timings = Timings({**ZEN4, "default": {1: 10.0, 2: 40.0}[n]})
+        at[n] = choose_form(ep, cache_dir=measured, measure=timings, threads=n)
+        assert len(timings.calls) == 1 and at[n].record["threads"] == n
+        assert f"measured on this CPU at {n} thread(s)" in at[n].why
+    assert (at[1].name, at[2].name) == ("default", "gemm-template")
+    assert torch.get_num_threads() == before
+    again = Timings(ZEN4)
+    assert choose_form(ep, cache_dir=measured, measure=again, threads=2).to_dict() == at[2].to_dict()
+    assert not again.calls
+    entries = json.loads((measured / form_timing.FORMS_FILE).read_text())["entries"]
+    assert sorted(e["threads"] for e in entries.values()) == [1, 2]
+
+
+def test_a_choice_timed_under_load_is_timed_again_when_the_machine_is_quiet(measured, monkeypatch):
+    """Load 7 gave default 62 ms, packed 2 ms, template 61 ms (issue 49): such a choice serves while the machine
+    stays busy and is replaced by the first compile that finds it quiet; a quiet choice is kept."""
+    ep = linear_program(torch.bfloat16)
+    monkeypatch.setattr(forms, "others_busy", lambda before, after, wall: 1.5)
+    skewed = Timings({"default": 62.0, "onednn-packed": 2.0, "gemm-template": 61.0})
+    first = choose_form(ep, cache_dir=measured, measure=skewed, threads=1)
+    assert first.name == "onednn-packed" and first.record["under_load"]
+    assert "provisional, timed again when the machine is quiet" in first.why
+    # still busy: the provisional choice serves, no timing
+    monkeypatch.setattr(forms, "busy_now", lambda: 1.0)
+    quiet = Timings(ZEN4)
+    assert choose_form(ep, cache_dir=measured, measure=quiet, threads=1).to_dict() == first.to_dict()
+    assert not quiet.calls
+    monkeypatch.setattr(forms, "busy_now", lambda: 0.1)  # quiet now: timed again, replaced
+    monkeypatch.setattr(forms, "others_busy", lambda before, after, wall: 0.1)
+    second = choose_form(ep, cache_dir=measured, measure=quiet, threads=1)
+    assert len(quiet.calls) == 1 and second.name == "gemm-template" and not second.record["under_load"]
+    assert choose_form(ep, cache_dir=measured, measure=quiet, threads=1).to_dict() == second.to_dict()
+    assert len(quiet.calls) == 1  # a quiet choice is kept
+    entries = json.loads((measured / form_timing.FORMS_FILE).read_text())["entries"]
+    assert [e["times_ms"] for e in entries.values()] == [ZEN4]
+
+
+def test_without_proc_stat_quiet_means_the_load_average_within_the_cores_left(monkeypatch):
+    monkeypatch.setattr(forms, "busy_now", lambda: None)
+    monkeypatch.setattr(forms, "cores", lambda: 4)
+    monkeypatch.setattr(form_timing.os, "getloadavg", lambda: (2.5, 2.5, 2.5))
+    assert forms.quiet_now(1) and not forms.quiet_now(2)  # 3 cores left, then 2
