@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -226,7 +227,9 @@ def _quiet() -> Iterator[None]:
     """OpenVINO's own log records below ERROR held back while a program converts (``PRECAST_VERBOSE=1`` shows
     them): its frontend's modules log on the ``openvino`` loggers, its ``convert_model`` (ovc) on the root
     logger. Only those: the process's other loggers, and the root logger's records from other code, are left
-    alone."""
+    alone. The deprecation notices torch gives OpenVINO's frontend while it reads the program (torch 2.13's
+    pytree ``FutureWarning`` on ``isinstance(treespec, LeafSpec)``) are held back too: they concern OpenVINO's
+    code, not the caller's, and a caller's ``warnings.simplefilter("error")`` made them a conversion failure."""
     if verbose():
         yield
         return
@@ -235,7 +238,9 @@ def _quiet() -> Iterator[None]:
     root = _RecordsFrom(os.path.dirname(openvino.__file__))
     logging.root.addFilter(root)
     try:
-        with loggers_held_back(("openvino",)):
+        with loggers_held_back(("openvino",)), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
             yield
     finally:
         logging.root.removeFilter(root)

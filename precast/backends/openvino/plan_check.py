@@ -37,6 +37,8 @@ from typing import Any
 import torch
 
 from precast.backends.openvino.compressed import decompression_nodes
+from precast.backends.openvino.fused_kernels import accepted
+from precast.backends.openvino.fused_kernels import summary as fused_summary
 from precast.ir.program import META_KEY
 
 # OpenVINO element type names -> precast's dtype names
@@ -81,6 +83,8 @@ class LayerPrecision:
     planned: tuple[str, ...]  # the dtypes precast decided for its nodes
     nodes: tuple[str, ...]  # those nodes, by their names in precast's converted program
     undecided: bool = False  # no decided node: ``planned`` is the dtype the program computes its nodes in
+    # why a layer that does not run the planned dtype is accepted (``fused_kernels.accepted``), else ""
+    accepted: str = ""
 
     @property
     def honoured(self) -> bool:
@@ -117,13 +121,20 @@ class PlanCheck:
 
     @property
     def overridden(self) -> list[LayerPrecision]:
-        return [layer for layer in self.layers if not layer.honoured] + self.lowered
+        found = [layer for layer in self.layers if not layer.honoured] + self.lowered
+        return [layer for layer in found if not layer.accepted]
+
+    @property
+    def accepted(self) -> list[LayerPrecision]:
+        """The layers of OpenVINO's fused f32 kernels accepted where they run a plan-fp32 op (``fused_kernels``)."""
+        return [layer for layer in self.layers + self.lowered if layer.accepted]
 
     def summary(self) -> str:
         runs = ", ".join(f"{k} {v}" for k, v in sorted(self.by_runtime.items()))
         norms = f"; batch norms with rounded statistics: {len(self.batch_norms)}" if self.batch_norms else ""
+        fused = f"; {fused_summary(self.accepted)}" if self.accepted else ""
         return (
-            f"{self.checked} layers checked ({runs}), overridden: {len(self.overridden)}{norms}; "
+            f"{self.checked} layers checked ({runs}), overridden: {len(self.overridden)}{norms}{fused}; "
             f"{self.unchecked} layers without a precast decision or moving data only; hint {self.hint or 'default'}"
             + (f" ({self.form})" if self.form else "")
         )
@@ -132,6 +143,7 @@ class PlanCheck:
         return {
             "checked": self.checked,
             "overridden": [asdict(layer) for layer in self.overridden],
+            "accepted": [asdict(layer) for layer in self.accepted],
             "unchecked": self.unchecked,
             "by_runtime": dict(self.by_runtime),
             "batch_norms": list(self.batch_norms),
@@ -207,6 +219,7 @@ def check_plan(compiled: Any, graph_module: torch.fx.GraphModule) -> PlanCheck:
     ``graph_module`` (the decomposed program OpenVINO converted)."""
     planned = planned_dtypes(graph_module)
     computed = computed_dtypes(graph_module)
+    nodes = {n.name: n for n in graph_module.graph.nodes}
     check = PlanCheck()
     for op in compiled.get_runtime_model().get_ordered_ops():
         info = op.get_rt_info()
@@ -219,10 +232,10 @@ def check_plan(compiled: Any, graph_module: torch.fx.GraphModule) -> PlanCheck:
             made = {computed[n] for n in fx_names if n in computed}
             runtime = _runtime(op, layer_type, info) if layer_type not in _DATA_MOVEMENT else ()
             if made == {"fp32"} and runtime and "fp32" not in runtime:
+                names = tuple(fx_names)
+                why = accepted(op, layer_type, runtime, list(names), nodes)
                 check.lowered.append(
-                    LayerPrecision(
-                        op.get_friendly_name(), layer_type, runtime, ("fp32",), tuple(fx_names), True
-                    )
+                    LayerPrecision(op.get_friendly_name(), layer_type, runtime, ("fp32",), names, True, why)
                 )
             continue
         runtime = _runtime(op, layer_type, info)
@@ -236,6 +249,8 @@ def check_plan(compiled: Any, graph_module: torch.fx.GraphModule) -> PlanCheck:
             planned=tuple(sorted({dtype for dtype, _ in decided})),
             nodes=tuple(dict.fromkeys(name for _, name in decided)),
         )
+        if not layer.honoured:
+            layer.accepted = accepted(op, layer_type, runtime, list(fx_names), nodes)
         check.layers.append(layer)
         for precision in layer.runtime:
             check.by_runtime[precision] = check.by_runtime.get(precision, 0) + 1

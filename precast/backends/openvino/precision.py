@@ -6,11 +6,15 @@ Measured on OpenVINO 2026.4.1's CPU plugin (2-core AMD EPYC with avx512_bf16), a
 
 - **``hints_to_try``.** With ``precision_hint="auto"`` (the default), a program whose plan lowers ops to bf16, on
   a CPU whose OpenVINO default is bf16 (native bf16), is compiled with the bf16 hint first, the ops the plan keeps
-  fp32 marked to keep their precision (``keep_plan_fp32``: left alone, OpenVINO lowers them, keeping only the
-  graph's tail after the last Linear/convolution in fp32); if the plan check (``plan_check.check_plan``) still
-  finds a layer not running precast's dtype, the program is compiled again with the f32 hint, which runs every
-  dtype the graph states but fp16 (in f32). ``hint_reason`` says why the first hint was chosen; on a CPU without
-  native bf16 (plain AVX2) it is f32, where OpenVINO runs bf16 matmuls and convolutions in fp32.
+  fp32 marked to keep their precision (``keep_f32.keep_plan_fp32``: left alone, OpenVINO lowers them, keeping
+  only the graph's tail after the last Linear/convolution in fp32); OpenVINO's fused RMS and RoPE layers, which
+  lose those marks but compute in f32 inside, are accepted where the plan rounds their output to bf16 next
+  (``fused_kernels``: listed in ``plan.accepted``, not overrides). If the plan check (``plan_check.check_plan``)
+  still finds a layer not running precast's dtype, the program is compiled again with the f32 hint, which runs
+  every dtype the graph states but fp16 (in f32). Measured on an AVX512-BF16 EPYC (OpenVINO 2026.4.1): a bf16
+  Llama plan (0.246 B) now keeps the bf16 hint under ``auto`` (it fell back to f32, 65 overridden layers, all
+  RMS/RoPE), with bf16, int8 and int8-asym weights. ``hint_reason`` says why the first hint was chosen; on a
+  CPU without native bf16 (plain AVX2) it is f32, where OpenVINO runs bf16 matmuls and convolutions in fp32.
   An fp16-only plan likewise tries the f16 hint first where OpenVINO lists ``FP16`` among the CPU's capabilities
   (AVX512-FP16 or AVX2-VNNI-2: measured on an Intel Xeon with AMX and AVX512-FP16, the zoo MLP's fp16 plan runs
   every layer in fp16, bitwise the converted program's output); the f16 hint lowers fp32 ops too.
@@ -39,12 +43,17 @@ Measured on OpenVINO 2026.4.1's CPU plugin (2-core AMD EPYC with avx512_bf16), a
   converted as it is (``Select``). About 4% of MiniLM's time. Never under the bf16 hint, which would lower the
   split's own arithmetic.
 
+A form written as IR and read back loses the string marks that keep a bf16 weight's cast and a kept bias unfolded
+(``restore_marks`` puts them back: call it on a saved form read with ``read_model``).
+
 Input: an ``openvino.Model`` converted from precast's program. Output: a copy made for the hint, and its form.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from precast.backends.openvino.keep_f32 import BIAS_APART, COMPRESSED_CAST, keep_plan_fp32
 
 HINTS = (
     "auto",
@@ -55,43 +64,6 @@ HINTS = (
 )  # None: OpenVINO's own default (bf16 where native), no correction
 VELTKAMP = 65537.0  # 2**16 + 1: splits an f32 significand (24 bits) into bf16's 8 bits and the 16 below
 SPLIT_LIMIT = 3.4e38 / VELTKAMP  # beyond this x * 65537 overflows: those values are converted as they are
-# The runtime-info keys OpenVINO's frontend sets on the cast of a weight it keeps compressed (its
-# ``disable_constant_folding`` and ``mark_as_decompression``, which its Python API does not expose; the plugin
-# tests for the keys alone).
-COMPRESSED_CAST = ("DisableConstantFolding_0", "decompression_0")
-# The runtime-info key of OpenVINO's DisableFP16Compression ("precise", version 0). OpenVINO's IR writer stores a
-# node carrying it as ``DisablePrecisionConversion`` (any type -> f16), which its IR reader makes the typed
-# attribute the CPU plugin reads: a node whose conversion to f16 is disabled keeps its original precision
-# (intel_cpu Node: ``keepOriginalPrecision``), so ``Graph::EnforceInferencePrecision`` leaves it out of the bf16
-# inference precision, and ``ConvertMatMulToFC`` carries it to the FullyConnected it makes. The typed key itself
-# (``DisablePrecisionConversion_0``) holding a Python string is refused by the plugin ("Bad as"): hence the IR
-# round trip in ``keep_plan_fp32``.
-KEEP_PRECISION = "precise_0"
-# ops that only move or reinterpret data (or are casts, constants, the model's ends): never marked
-_NOT_COMPUTE = frozenset(
-    {
-        "Parameter",
-        "Result",
-        "Constant",
-        "Convert",
-        "Reshape",
-        "Transpose",
-        "Gather",
-        "Concat",
-        "ShapeOf",
-        "Squeeze",
-        "Unsqueeze",
-        "Broadcast",
-        "StridedSlice",
-        "Slice",
-        "Split",
-        "VariadicSplit",
-        "ReadValue",
-        "Assign",
-        "Tile",
-        "Range",
-    }
-)
 # The ops whose weight (input 1) the CPU plugin reads as a bf16 decompression, in the layer it runs (tested: the
 # same layers and outputs as with the weight folded to f32); a GroupConvolution reads its weight through a Reshape.
 COMPRESSED_READERS = ("MatMul", "Convolution")
@@ -140,7 +112,10 @@ def hint_reason(precision_hint: str | None, planned: set[str], core: Any) -> str
         return "the plan mixes bf16 and fp16, which no one OpenVINO hint runs: f32"
     if low == {"bf16"}:
         if native_bf16(core):
-            return "native bf16 (OpenVINO's default here): the bf16 hint, the plan's fp32 ops kept in f32"
+            return (
+                "native bf16 (OpenVINO's default here): the bf16 hint, the plan's fp32 ops kept in f32 (or run in "
+                "OpenVINO's fused f32 RMS/RoPE kernels where the plan rounds their output next: plan.accepted)"
+            )
         return (
             "no native bf16 on this CPU (OpenVINO's default here is f32; its bf16 would be emulated): the f32 "
             "hint, which runs the plan's bf16 ops in bf16 as written"
@@ -192,61 +167,6 @@ def _bf16_form(model: Any, fused_cache: bool) -> tuple[Any, str]:
             model,
             f"casts as written, attention in f32 (f32 typing failed: {str(exc).splitlines()[0][:120]})",
         )
-
-
-def fp32_ops(model: Any, graph_module: Any) -> list[Any]:
-    """The computing ops of ``model`` (named ``<fx node>/...`` by OpenVINO's frontend) that run an FX node the
-    plan decided fp32, or an undecided one the program computes in fp32 (what ``plan_check.check_plan`` holds
-    each layer to), with an f32 output. None for a program without precast's decisions: no plan to keep."""
-    import openvino as ov
-
-    from precast.backends.openvino.plan_check import computed_dtypes, planned_dtypes
-
-    planned, computed = planned_dtypes(graph_module), computed_dtypes(graph_module)
-    if not planned:
-        return []
-    found = []
-    for op in model.get_ordered_ops():
-        fx = op.get_friendly_name().split("/", 1)[0]
-        if op.get_type_name() in _NOT_COMPUTE or op.get_output_size() == 0:
-            continue
-        dtype = planned[fx][0] if fx in planned else computed.get(fx)
-        if dtype == "fp32" and op.get_output_element_type(0) == ov.Type.f32:
-            found.append(op)
-    return found
-
-
-def keep_plan_fp32(model: Any, graph_module: Any) -> tuple[Any, int]:
-    """Under the bf16 hint OpenVINO's CPU plugin lowers every f32 node it may, the ones precast kept fp32 included
-    (RMSNorm's multiplies, rotary adds: an override of the plan, and the reason ``auto`` used to fall back to the
-    slower f32 hint). Each op ``fp32_ops`` finds gets ``KEEP_PRECISION``; the model then goes through OpenVINO's
-    IR (in memory) so the mark becomes the typed attribute the plugin reads. Returns the model to compile (the
-    one given when there is nothing to mark) and how many ops were marked. The plan check still holds every
-    layer to precast's decision: an op the plugin fuses away from its mark shows there as an override.
-    ``model`` itself is left unmarked (it is what ``save`` writes)."""
-    if not fp32_ops(model, graph_module):
-        return model, 0
-    copy = model.clone()
-    ops_ = fp32_ops(copy, graph_module)
-    for op in ops_:
-        op.get_rt_info()[KEEP_PRECISION] = ""
-    return through_ir(copy), len(ops_)
-
-
-def through_ir(model: Any) -> Any:
-    """``model`` written as OpenVINO IR and read back: runtime info OpenVINO's IR writer knows becomes the typed
-    attribute its reader makes (``KEEP_PRECISION``). The weights are read back mapped from the file (a copy into
-    memory took 4x as long), which stays mapped after the temporary folder is removed (where a system refuses to
-    remove a mapped file, the folder is left to the system's temporary-file cleanup)."""
-    import tempfile
-    from pathlib import Path
-
-    import openvino as ov
-
-    with tempfile.TemporaryDirectory(prefix="precast-ov-", ignore_cleanup_errors=True) as folder:
-        xml = Path(folder) / "model.xml"
-        ov.save_model(model, str(xml), compress_to_fp16=False)
-        return ov.Core().read_model(str(xml))
 
 
 def lowered_by_openvino(model: Any) -> int:
@@ -301,6 +221,30 @@ def _kept_compressed(up: Any) -> None:
     info = up.get_rt_info()
     for key in COMPRESSED_CAST:
         info[key] = ""
+
+
+def restore_marks(model: Any) -> int:
+    """The string runtime-info marks an IR round trip drops, put back on a compiled form read from OpenVINO IR (a
+    saved ``prepare`` result): without them OpenVINO constant-folds what they protect, so a kept bias's Reshape
+    (``keep_f32.BIAS_APART``) folds into the FullyConnected it was kept apart from (which then loses its f32 mark
+    and runs bf16: tested), and a bf16 weight's exact cast into an f32 copy (``_kept_compressed``). The typed
+    ``DisablePrecisionConversion`` marks survive the IR. Returns how many nodes were marked again."""
+    import openvino as ov
+
+    marked = 0
+    for op in model.get_ordered_ops():
+        apart = op.get_friendly_name().endswith(BIAS_APART)
+        weight = (
+            op.get_type_name() == "Convert"
+            and op.get_input_element_type(0) == ov.Type.bf16
+            and op.get_output_element_type(0) == ov.Type.f32
+            and op.input_value(0).get_node().get_type_name() == "Constant"
+            and all(_reads_compressed(r) for r in op.output(0).get_target_inputs())
+        )
+        if apart or weight:
+            _kept_compressed(op)
+            marked += 1
+    return marked
 
 
 def _is_f32_to_bf16(op: Any) -> bool:

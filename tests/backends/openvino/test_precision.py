@@ -219,7 +219,8 @@ def test_plan_fp32_ops_are_marked_for_the_bf16_hint():
     the converted model itself (what save writes) is left unmarked, and the marks change no value."""
     import openvino as ov
 
-    from precast.backends.openvino.precision import fp32_ops, prepare
+    from precast.backends.openvino.keep_f32 import fp32_ops
+    from precast.backends.openvino.precision import prepare
 
     mlp, x = zoo.plain_mlp()
     kept = precast.convert(mlp, x, policy="rules", dtype=BF16, exclude_nodes=["linear_3"])
@@ -227,14 +228,22 @@ def test_plan_fp32_ops_are_marked_for_the_bf16_hint():
     assert sorted(op.get_type_name() for op in fp32_ops(ov_model, graph_module)) == ["Add", "MatMul"]
     made, form = prepare(ov_model, "bf16", graph_module=graph_module)
     marked = [op for op in made.get_ordered_ops() if "DisablePrecisionConversion_0" in op.get_rt_info()]
-    assert sorted(op.get_friendly_name().split("/")[0] for op in marked) == ["linear_3", "linear_3"]
+    assert sorted(op.get_type_name() for op in marked) == ["Add", "MatMul", "Reshape"]
+    assert {op.get_friendly_name().split("/")[0] for op in marked} == {"linear_3"}
+    # the bias read apart (else the plugin fuses it into a new, unmarked FullyConnected): marked, not folded
+    (apart,) = [op for op in marked if op.get_type_name() == "Reshape"]
+    assert "DisableConstantFolding_0" in apart.get_rt_info()
+    assert apart.input_value(0).get_node().get_type_name() == "Constant"
     assert form == "lowered by OpenVINO; 2 fp32 op(s) of the plan kept in f32"
     assert not [op for op in ov_model.get_ordered_ops() if "precise_0" in op.get_rt_info()]
     core, feed = ov.Core(), [ov.Tensor(x[0].numpy())]
     unmarked, _ = prepare(ov_model, "bf16")
 
     def compressed(m) -> int:  # the bf16 weights' casts marked as decompressions (lost by an IR round trip)
-        return sum("decompression_0" in op.get_rt_info() for op in m.get_ordered_ops())
+        return sum(
+            "decompression_0" in op.get_rt_info() and op.get_type_name() == "Convert"
+            for op in m.get_ordered_ops()
+        )
 
     assert compressed(made) == compressed(unmarked) == 3
     outs = [
@@ -476,3 +485,42 @@ def test_a_weight_with_other_readers_keeps_the_plain_cast():
     want = x.to(BF16).float() @ weight.float().T + (weight.float() * weight.float()).sum(0, keepdim=True)
     got = torch.from_numpy(compiled([x.numpy()])[0])
     assert torch.allclose(got, want, rtol=1e-2, atol=1e-2), (got - want).abs().max()
+
+
+def test_a_saved_bf16_form_gets_its_marks_back(tmp_path):
+    """The bf16 form written as IR and read back (what a saved model opens) loses the string marks that keep a
+    plan-fp32 Linear's bias apart and a bf16 weight's cast unfolded; ``restore_marks`` puts them back, so the
+    Linear the plan keeps fp32 runs f32 again, where OpenVINO reports native bf16 (without them its bias folds
+    into a new, unmarked FullyConnected, which the bf16 hint lowers)."""
+    import openvino as ov
+
+    from precast.backends.openvino.keep_f32 import BIAS_APART
+    from precast.backends.openvino.precision import prepare, restore_marks
+    from precast.runtime.exported import dynamic_batch
+
+    mlp, x = zoo.plain_mlp()
+    kept = precast.convert(mlp, x, policy="rules", dtype=BF16, exclude_nodes=["linear_3"])
+    # a dynamic batch, as precast.compile makes it (a static one lets the plugin fuse the whole MLP in one Subgraph)
+    ov_model, graph_module, _ = convert(dynamic_batch(kept.program))
+    made, _ = prepare(ov_model, "bf16", graph_module=graph_module)
+    ov.save_model(made, str(tmp_path / "form.xml"), compress_to_fp16=False)
+    core = ov.Core()
+    read = core.read_model(str(tmp_path / "form.xml"))
+    assert not [op for op in read.get_ordered_ops() if "DisableConstantFolding_0" in op.get_rt_info()]
+    assert restore_marks(read) == 4  # the bias's Reshape, the three bf16 weights' casts
+    apart = [op for op in read.get_ordered_ops() if op.get_friendly_name().endswith(BIAS_APART)]
+    assert len(apart) == 1 and "DisableConstantFolding_0" in apart[0].get_rt_info()
+
+    def linear_3(model) -> str:
+        compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "bf16"})
+        for op in compiled.get_runtime_model().get_ordered_ops():
+            info = op.get_rt_info()
+            if info["layerType"].astype(str) == "FullyConnected" and "linear_3/" in info[
+                "originalLayersNames"
+            ].astype(str):
+                return info["runtimePrecision"].astype(str)
+        raise AssertionError("no FullyConnected runs linear_3")
+
+    if native():
+        assert linear_3(read) == "f32"
+        assert linear_3(core.read_model(str(tmp_path / "form.xml"))) == "bf16"  # the marks lost: lowered
