@@ -4,6 +4,9 @@ in buffers the program writes, ``forward(input_ids, cache_position)``), on any r
     res = precast.generate(model, [1, 17, 42], max_new_tokens=32)              # greedy
     res = precast.generate(model, ids, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=0)   # sampled
     res.new_tokens, res.tokens_per_second
+    res = precast.generate(model, messages=[{"role": "user", "content": "Hi"}], tokenizer="smol/",
+                           max_new_tokens=64)   # a chat: the chat template of the export-llm folder (or of a
+                                                # transformers tokenizer); its end-of-turn token stops (llm/chat.py)
 
 ``model``: a ``precast.compile`` model (AOTInductor, or OpenVINO where it keeps the cache as state), or the
 (converted) ``ExportedProgram`` itself, run through ``.module()`` on a private copy of the state it writes (the
@@ -43,6 +46,7 @@ from torch.export import ExportedProgram
 from precast.errors import PrecastError
 from precast.ir.fake import has_data
 from precast.ir.program import private_state, written_targets
+from precast.llm.chat import chat_inputs
 from precast.llm.convention import WHAT, Convention, check_room, check_tokens, convention
 from precast.llm.sampling import Sampler, as_int, sampler
 from precast.runtime.owner import StateOwner, holds_state, owner_of
@@ -255,14 +259,18 @@ class _Plan:
     feed: list[int]  # the pending token of continue_from (if any), then the prompt
     start: int
     count: int  # max_new_tokens
+    chat_stops: list[int]  # the stop tokens of messages= (its chat template's), else none
 
 
-def _plan(model: Any, input_ids: Any, max_new_tokens: Any, continue_from: Any) -> _Plan:
+def _plan(
+    model: Any, input_ids: Any, max_new_tokens: Any, continue_from: Any, chat: tuple[Any, Any]
+) -> _Plan:
     """The model, prompt and continuation checked (one line each) before anything runs: the ids in the vocabulary,
-    the generation inside the cache."""
+    the generation inside the cache. ``chat``: (messages, tokenizer), the prompt when messages is given."""
     count = as_int(max_new_tokens)
     if count is None or count < 1:
         raise PrecastError(f"{WHAT}: max_new_tokens={max_new_tokens!r}; give an int >= 1")
+    input_ids, chat_stops = chat_inputs(input_ids, *chat, continue_from)
     prompt = _token_list(input_ids)
     if continue_from is not None:
         runner = _continued(model, continue_from)
@@ -275,7 +283,7 @@ def _plan(model: Any, input_ids: Any, max_new_tokens: Any, continue_from: Any) -
     conv = convention(_signature(runner))  # type: ignore[arg-type]
     check_tokens(conv, feed, "input_ids" if continue_from is None else "continue_from.pending + input_ids")
     check_room(conv, start, len(feed), count)
-    return _Plan(runner, conv, prompt, feed, start, count)
+    return _Plan(runner, conv, prompt, feed, start, count, chat_stops)
 
 
 def _callbacks(
@@ -321,9 +329,11 @@ def _decode(
 
 def generate(
     model: Any,
-    input_ids: Any,
+    input_ids: Any = None,
     *,
     max_new_tokens: int,
+    messages: Sequence[dict[str, Any]] | None = None,
+    tokenizer: Any = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -343,14 +353,14 @@ def generate(
     producing one (it is kept in the result). ``streamer``: called with each new token id as it is chosen (or
     transformers' streamer protocol); it must not use the model. ``continue_from``: a previous result of the same
     model, with nothing run on the model since: no reset, its pending token and ``input_ids`` (may be empty) are
-    fed first, at the positions after it. Token ids and counts may be ints or integer-likes (``numpy.int64``).
+    fed first, at the positions after it. Ids and counts may be integer-likes. ``messages``: a chat (see above).
 
     Every argument is checked (one PrecastError line) before the model is called. The generation holds the model
     for its whole length: other threads' generations, calls and ``reset()`` on it wait until it returns.
     """
-    plan = _plan(model, input_ids, max_new_tokens, continue_from)
+    plan = _plan(model, input_ids, max_new_tokens, continue_from, (messages, tokenizer))
     chooser = sampler(do_sample, temperature, top_k, top_p, seed, generator)
-    stops = _stops(stop_tokens, eos_token_id)
+    stops = _stops(stop_tokens, eos_token_id) | frozenset(plan.chat_stops)
     runner, owner = plan.runner, owner_of(plan.runner)
     on_prompt, on_token, on_end = _callbacks(streamer, owner)
     with owner.generation(WHAT) if owner is not None else nullcontext():
