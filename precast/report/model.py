@@ -72,6 +72,10 @@ class Report(DiagnosticLog):
     # weights=: {"source", "output", "files", "tensors", "bytes_read", "bytes_written", "clamped", "seconds"}
     weights: dict = field(default_factory=dict)
     verification: dict = field(default_factory=dict)
+    # precast export-llm: the converted decoder against the fp32 model on held-out text (precast/llm/accuracy.py):
+    # {"reference", "text", "positions", "windows", "window", "kld", "top1", "top1_se", "ppl", "reference_ppl",
+    # "seconds", "threads"}; {} when not measured
+    accuracy: dict = field(default_factory=dict)
     casts: list[CastRecord] = field(default_factory=list)  # run-time casts (len == casts_runtime)
 
     @property
@@ -145,12 +149,24 @@ class Report(DiagnosticLog):
         if self.verification:
             v = self.verification
             lines.append(f"verified against {v.get('reference')}: {v.get('verdict')}")
+        if self.accuracy:
+            lines.append(f"accuracy: {accuracy_line(self.accuracy)}")
         for d in self.diagnostics:
             lines.append(
                 f"{d.severity}: {d.message}"
                 + (f" (fix: {d.fix})" if d.fix and d.fix not in d.message else "")
             )
         return "\n".join(lines)
+
+
+def accuracy_line(a: dict) -> str:
+    """``KLD 0.0061 nats/token, top-1 agreement 95.1% (s.e. 1.0%), perplexity 9.87 (fp32 9.80); vs ...``: a
+    decoder against its fp32 reference on text (``Report.accuracy``, ``precast.llm.accuracy.Agreement``)."""
+    return (
+        f"KLD {a['kld']:.4f} nats/token, top-1 agreement {100 * a['top1']:.1f}% (s.e. {100 * a['top1_se']:.1f}%), "
+        f"perplexity {a['ppl']:.2f} (fp32 {a['reference_ppl']:.2f}); vs {a['reference']} on {a['positions']} "
+        f"tokens of {a['text']}, {a['seconds']:.1f} s at {a.get('threads', '?')} thread(s)"
+    )
 
 
 def json_finite(obj: object) -> object:
