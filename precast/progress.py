@@ -12,8 +12,9 @@ import contextlib
 import logging
 import os
 import sys
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # loggers of libraries precast imports whose records a user cannot act on: torchao's "Failed to load
@@ -64,6 +65,16 @@ def wanted(enabled: bool | None) -> bool:
     return enabled
 
 
+def time_left(seconds: float) -> str:
+    """``seconds`` as a person reads a wait: "8 s", "1 min 5 s", "2 h 3 min"."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
 class ProgressBar:
     """``with ProgressBar(text, total) as bar: ... bar.advance(); bar.describe("...")``"""
 
@@ -95,6 +106,21 @@ class ProgressBar:
     def advance(self) -> None:
         if self._bar is not None:
             self._bar.advance(self._task)
+
+    def counter(self, text: str, unit: str) -> Callable[[int, int], None]:
+        """A part of the current step counted in ``unit``: each call ``(done, total)`` describes the bar as
+        "TEXT: done/total UNIT, about 1 min 5 s left", the time left from the rate since the first call."""
+        started: list[float] = []
+
+        def count(done: int, total: int) -> None:
+            now = time.perf_counter()
+            started[:] = started or [now]
+            line = f"{text}: {done}/{total} {unit}"
+            if 0 < done < total:
+                line += f", about {time_left((now - started[0]) / done * (total - done))} left"
+            self.describe(line)
+
+        return count
 
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:

@@ -11,7 +11,7 @@ Input: the conversion's state after capture, the budget. Output: the state's wei
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,9 @@ class WeightBudget:
     error, for any other program), ``bytes`` (stored bytes of the linear/embedding weights, scales included) or
     ``bits`` (their mean bits per weight, e.g. 4.5). ``data``: calibration batches (a list of input tuples, as
     ``calibration=``); ``formats``: the formats to choose among besides "float" (the dtype the policy computes in);
-    ``probes``: backward passes per batch (more: a steadier ranking)."""
+    ``probes``: backward passes per batch (more: a steadier ranking); ``progress``: called as ``progress(done, total)``
+    before the first backward pass and after each (``total``: batches x probes; ``precast.progress.ProgressBar.counter``
+    shows it with the time left)."""
 
     kld: float | None = None
     mse: float | None = None
@@ -42,6 +44,7 @@ class WeightBudget:
     data: Any = field(default=None, compare=False)
     formats: Sequence[str] = ("int4", "int8")
     probes: int = 8
+    progress: Callable[[int, int], None] | None = field(default=None, compare=False, repr=False)
 
     def check(self) -> None:
         given = {
@@ -72,6 +75,10 @@ class WeightBudget:
             )
         if not isinstance(self.probes, int) or isinstance(self.probes, bool) or self.probes < 1:
             raise PrecastError(f"WeightBudget: probes={self.probes!r}: give a number of backward passes >= 1")
+        if self.progress is not None and not callable(self.progress):
+            raise PrecastError(
+                f"WeightBudget: progress={self.progress!r}: give a function progress(done, total), or None"
+            )
 
     @property
     def metric(self) -> str:
@@ -113,7 +120,13 @@ def choose(
     """Estimate the costs on ``ep`` (its fp32 weights) and allocate under the budget; one line when nothing fits."""
     budget.check()
     costs = estimate_costs(
-        ep, budget.data, budget.formats, float_dtype=float_dtype, metric=budget.metric, probes=budget.probes
+        ep,
+        budget.data,
+        budget.formats,
+        float_dtype=float_dtype,
+        metric=budget.metric,
+        probes=budget.probes,
+        progress=budget.progress,
     )
     if budget.metric != costs.metric:
         raise PrecastError(f"WeightBudget: {budget.metric} budget on a {costs.metric} estimate")
