@@ -185,9 +185,24 @@ def test_policy_none_bitwise_equal_to_program(zoo, name):
                 assert_bitwise(got_module(*x), want_module(*x))
 
 
+def _known_dynamic_narrowing(request, name: str, policy_id: str) -> None:
+    """A known failure, marked (the test still runs, and passes where auto keeps the op fp32): where policy auto
+    measures timm's resnet10t's bf16 convolutions faster (a CPU with native bf16: AVX512-BF16 / AMX), on torch 2.15
+    the fake run of its avg-pool downsample's bf16 conv2d (layer2.0.downsample.1) narrows the dynamic batch from
+    [2, 64] to [2, 15], which precast refuses ("dynamic-dim-specialized"). The same at 7eb02a0 (before issue 49);
+    found on a Zen 4 with AVX512-BF16, open for a fix in classify (keep such an op fp32 under auto)."""
+    if name == "resnet10t" and policy_id == "auto-bf16" and torch.__version__ >= "2.15":
+        request.applymarker(
+            pytest.mark.xfail(
+                raises=precast.PrecastError, strict=False, reason=_known_dynamic_narrowing.__doc__
+            )
+        )
+
+
 # ---- 2. no cast of a constant at run time --------------------------------------------------------------------
 @pytest.mark.parametrize("name, policy_id", cases(list(POLICIES)))
-def test_no_constant_casts(zoo, name, policy_id):
+def test_no_constant_casts(zoo, name, policy_id, request):
+    _known_dynamic_narrowing(request, name, policy_id)
     res = zoo.convert(name, policy_id).result
     assert constant_casts(res.program) == []
     if policy_id in DECOMPOSE[name]:
@@ -276,10 +291,11 @@ def test_policy_rules_finite_and_close_to_fp32(zoo, name, policy_id):
 
 # ---- 5. policy "auto": the rules' accuracy, low only where measured faster ------------------------------------
 @pytest.mark.parametrize("name, policy_id", cases(["auto-bf16"]))
-def test_policy_auto_within_rules_and_close_to_fp32(zoo, name, policy_id):
+def test_policy_auto_within_rules_and_close_to_fp32(zoo, name, policy_id, request):
     """Which ops auto puts in bf16 depends on this machine's timings; what holds whatever it chose: only ops
     the rules put low (auto never overrides an accuracy rule), outputs finite and as close to fp32 as the
     rules' bound, and with nothing low the program is bitwise the fp32 program."""
+    _known_dynamic_narrowing(request, name, policy_id)
     model = zoo.model(name)
     res = zoo.convert(name, policy_id).result
     rules = zoo.convert(name, "rules-bf16").result
