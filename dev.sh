@@ -6,7 +6,9 @@
 #                         included; they run on a CPU-only machine): what `pip install precast` gets today,
 #                         and the vision real-model tier
 # Commands:
-#   ./dev.sh demo            convert the built-in example and compare it before/after (floor lane)
+#   ./dev.sh demo            convert the built-in example and compare it before/after: installs only what the
+#                            demo needs (torch 2.13.0 + precast's own dependencies) into .venv, unless the floor
+#                            lane is installed there already
 #   ./dev.sh test            the whole test suite in both lanes (what CI runs): both environments are installed
 #                            first, one after the other, then the two suites run side by side
 #                            (PRECAST_SERIAL_LANES=1: floor lane then latest lane)
@@ -36,6 +38,21 @@ check_disk() {  # check_disk LANE: say up front, in one line, when the disk cann
     echo "dev.sh: warning: $((free_kib / 1024)) MiB free on $(df -P . | awk 'NR == 2 { print $6 }'); the $1 lane's" \
       "install writes about $need GiB (free some space if pip fails with 'No space left on device')" >&2
   fi
+}
+
+setup_demo() {  # the floor lane's torch and precast alone (no extras): what `./dev.sh demo` runs
+  local venv=.venv pins=constraints/floor.txt stamp
+  stamp="$(cat pyproject.toml "$pins" | sha256sum | cut -c1-16)"
+  [ "$(cat "$venv/.precast-stamp" 2>/dev/null)" = "$stamp" ] && return 0   # the whole floor lane is there
+  [ "$(cat "$venv/.precast-demo-stamp" 2>/dev/null)" = "$stamp" ] && return 0
+  local start=$SECONDS
+  [ -x "$venv/bin/python" ] || { echo "dev.sh: creating $venv with $PY" >&2; "$PY" -m venv "$venv"; }
+  local pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$pins")
+  echo "dev.sh: installing $(grep -E '^torch==' "$pins") and precast into $venv (the demo's needs only)" >&2
+  "${pip[@]}" "$(grep -E '^torch==' "$pins")"
+  "${pip[@]}" -e .
+  echo "$stamp" > "$venv/.precast-demo-stamp"
+  echo "dev.sh: demo environment installed in $((SECONDS - start)) s" >&2
 }
 
 setup() {  # setup LANE: create the lane's venv and install what it pins, once per pyproject/constraints change
@@ -98,7 +115,7 @@ tests() {  # tests LANE [pytest args]: the whole suite in an installed lane; ret
 
 cmd="${1:-demo}"; shift || true
 case "$cmd" in
-  demo)  setup floor; exec .venv/bin/python -m precast demo "$@" ;;
+  demo)  setup_demo; exec .venv/bin/python -m precast demo "$@" ;;
   test)
     floor=0; latest=0
     if [ -n "${PRECAST_SERIAL_LANES:-}" ]; then
