@@ -23,6 +23,7 @@ from precast.guard import guard_module  # noqa: E402
 from precast.ir.program import constant_sources  # noqa: E402
 from precast.ir.weight_formats import WeightFormat  # noqa: E402
 from precast.llm import GenerationResult, LogitsOnly, generate  # noqa: E402
+from precast.llm.loaded import LLM, load  # noqa: E402
 from precast.numerics.calibration_files import load_calibration  # noqa: E402
 from precast.numerics.energies import Energies, load_energies  # noqa: E402
 from precast.pipeline.weight_budget import WeightBudget  # noqa: E402
@@ -66,6 +67,8 @@ __all__ = [
     "CompiledModel",
     "generate",
     "GenerationResult",
+    "LLM",
+    "load",
     "LogitsOnly",
 ]
 from precast.version import __version__ as __version__  # noqa: E402 - one home for the version

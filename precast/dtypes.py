@@ -34,6 +34,15 @@ def long_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def dtype_of_name(name: object, what: str) -> torch.dtype:
+    """The dtype ``long_name`` wrote into a file (``what`` names it for the error): only the name of a torch dtype
+    is taken, never an arbitrary attribute, since the file is data."""
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise PrecastError(f"{what} names dtype {name!r}, which is not a torch dtype; write it again")
+    return dtype
+
+
 def parse_low_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """The low-precision dtype a user asked for (a dtype or a name), None for the policy's default."""
     if dtype is None or isinstance(dtype, torch.dtype) and dtype in LOW_DTYPES:

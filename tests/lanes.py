@@ -74,6 +74,12 @@ ONE_LANE: dict[str, tuple[str, str]] = {
         "in both lanes (tests/passes/test_quantize.py), and the floor lane holds the real SmolLM2 weights",
     ),
     "tests/bench": (FLOOR, _BENCH),
+    "tests/llm/test_folder.py": (
+        LATEST,
+        "precast.load of an export-llm folder: the folder format and opening the engines' saved forms, precast's "
+        "own code over OpenVINO's and AOTInductor's loaders, which both lanes test (tests/backends); the export "
+        "flow itself runs in the floor lane (tests/cli/test_cli_llm_export.py)",
+    ),
     "tests/numerics/test_distributed.py": (
         FLOOR,
         "statistics reduced across torchrun ranks over gloo: torch.distributed's stable API; the statistics are "

@@ -1,12 +1,11 @@
-"""The folder ``precast export-llm`` writes, and reads back for ``precast generate DIR``.
+"""Writing the folder ``precast export-llm`` writes (its format, reader and engines: ``precast.llm.folder``).
 
 - ``check_output_dir(out, inputs)``: before anything loads: ``-o`` is a new folder or an empty one, in a writable
   folder, and none of the files written there is an input.
 - ``staged(out)``: a hidden folder beside ``out`` that the block writes into, renamed onto ``out`` only when the
   block succeeds, removed otherwise (an exception, Ctrl-C, SIGTERM): never a partial artifact.
-- ``write_converted`` / ``write_tokenizer`` / ``write_openvino`` / ``write_aoti`` / ``write_manifest``: the files.
-- ``read_manifest(folder)``: ``export.json``, the artifact's own record (its files, the stop tokens), for
-  ``precast generate DIR``.
+- ``write_converted`` / ``write_tokenizer`` / ``write_program`` / ``write_manifest``: the files (the engines'
+  artifacts: ``precast.llm.folder_engines``).
 
 Input: paths. Output: the folder, written whole or not at all; one-line PrecastErrors.
 """
@@ -24,19 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from precast.errors import PrecastError
-from precast.io import loads_bounded
+from precast.llm.folder import (  # noqa: F401 - the folder's names, one home: precast.llm.folder
+    AOTI,
+    FORMAT,
+    MANIFEST,
+    OPENVINO,
+    PLAN,
+    PROGRAM,
+    REPORT,
+    TOKENIZER,
+    VERSION,
+)
 from precast.paths import PathArg, check_input_file, check_outputs
-
-MANIFEST = "export.json"
-FORMAT = "precast-llm-export"
-VERSION = 1
-PROGRAM = "program.pt2"
-TOKENIZER = "tokenizer.json"
-PLAN = "plan.json"
-REPORT = "report.json"
-OPENVINO = "model.xml"
-AOTI = "model.aoti.pt2"
-MANIFEST_LIMIT = 1 << 20  # export.json is a few KiB; a larger one is not ours
 
 
 def check_output_dir(out: str | os.PathLike, inputs: list[PathArg], names: list[str]) -> Path:
@@ -106,15 +104,20 @@ def staged(out: Path) -> Iterator[Path]:
         raise
 
 
-def write_converted(stage: Path, res: Any, model: Any, source: str, output: str) -> dict[str, str]:
-    """program.pt2 (serialized in memory first: a full disk is one line), the tokenizer, plan.json, report.json."""
-    import precast
+def write_program(stage: Path, program: Any, output: str) -> None:
+    """program.pt2 (serialized in memory first: a full disk is one line)."""
     from precast.cli.convert import program_bytes
     from precast.io import write_bytes
 
-    data = program_bytes(res.program, output)
+    data = program_bytes(program, output)
     write_bytes(stage / PROGRAM, data)
-    del data
+
+
+def write_converted(stage: Path, res: Any, model: Any, source: str) -> dict[str, str]:
+    """report.json, plan.json and the tokenizer (program.pt2 is written last: ``write_program``)."""
+    import precast
+    from precast.io import write_bytes
+
     files = {"program": PROGRAM, "report": REPORT}
     write_bytes(stage / REPORT, (res.report.to_json() + "\n").encode())
     if res.report.weight_formats:
@@ -146,63 +149,8 @@ def write_tokenizer(stage: Path, model: Any) -> None:
         model.tokenizer.save_pretrained(stage)
 
 
-def write_openvino(stage: Path, program: Any) -> str:
-    import precast
-
-    precast.compile(program, backend="openvino").save(stage / OPENVINO)
-    return OPENVINO
-
-
-def write_aoti(stage: Path, program: Any) -> str:
-    """A self-contained package (the weights inside), as ``precast compile -o`` writes one."""
-    from precast.backends.aoti import compiler as aoti
-    from precast.io import write_bytes
-
-    cm = aoti.compile(program, inductor_configs={aoti.IN_SO: True})
-    write_bytes(stage / AOTI, cm.package_path.read_bytes())
-    return AOTI
-
-
 def write_manifest(folder: Path, record: dict[str, Any]) -> None:
     from precast.io import write_bytes
 
     body = {"format": FORMAT, "version": VERSION, **record}
     write_bytes(folder / MANIFEST, (json.dumps(body, indent=2) + "\n").encode())
-
-
-def read_manifest(folder: Path) -> dict[str, Any]:
-    """An artifact folder's ``export.json`` (``{}`` when there is none); one line when it is not ours."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        return {}
-    try:
-        if path.stat().st_size > MANIFEST_LIMIT:
-            raise ValueError("too large")
-        data = loads_bounded(path.read_bytes())
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise PrecastError(f"{path}: not an export-llm manifest ({exc})") from exc
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise PrecastError(f'{path}: not an export-llm manifest (no "format": "{FORMAT}")')
-    return data
-
-
-def artifact_files(folder: Path) -> tuple[Path, Path | None, list[int]]:
-    """(program, tokenizer.json or None, stop tokens) of an artifact folder ``precast export-llm`` wrote."""
-    manifest = read_manifest(folder)
-    files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
-    names = {
-        k: str(files.get(k) or default) for k, default in (("program", PROGRAM), ("tokenizer", TOKENIZER))
-    }
-    for name in names.values():
-        if Path(name).name != name or name in ("", ".", ".."):
-            raise PrecastError(f"{folder / MANIFEST}: file {name!r} is not a name in the folder")
-    program = folder / names["program"]
-    if not program.is_file():
-        raise PrecastError(
-            f"{folder}: no {program.name} in it; give a folder precast export-llm wrote, or a program .pt2"
-        )
-    tokenizer = folder / names["tokenizer"]
-    stops = manifest.get("stop_tokens") or []
-    if not isinstance(stops, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
-        raise PrecastError(f"{folder / MANIFEST}: stop_tokens must be a list of token ids")
-    return program, (tokenizer if tokenizer.is_file() else None), stops

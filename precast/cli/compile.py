@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from precast.cli.flags import CACHE_DIR, TRUST_PICKLE, add_command, flag
+from precast.cli.flags import CACHE_DIR, THREADS, TRUST_PICKLE, add_command, flag
 from precast.errors import PrecastError
 
 BACKENDS = ("aoti", "openvino", "onnx", "executorch")
@@ -43,6 +43,7 @@ ARGUMENTS = (
         help="aoti only; auto (default): the form measured fastest on this machine and thread count for the "
         "program's 16-bit matmul weights (cached; PRECAST_FORM=NAME|flags overrides; docs/compile.md)",
     ),
+    THREADS,
     CACHE_DIR,
     flag("--static", action="store_true", help="keep the program's static shapes (no dynamic batch)"),
     flag(
@@ -78,12 +79,9 @@ def run(args: argparse.Namespace) -> int:
     backend = getattr(args, "backend", "aoti")
     if backend != "aoti":
         return _run_export(args, backend)
-    import importlib
-
     from precast.io import write_bytes
     from precast.pipeline.load import load_program
 
-    compile_mod = importlib.import_module("precast.backends.aoti.compiler")
     weights = getattr(args, "weights", None)
     files = None
     if weights:
@@ -110,18 +108,9 @@ def run(args: argparse.Namespace) -> int:
                 "drop --weights"
             )
         program, weights = with_weights(program, weights), None
-    # -o: a self-contained package (constants inside the .so), loadable without precast
-    configs = {compile_mod.IN_SO: True} if args.output else None
-    cm = compile_mod.compile(
-        program,
-        mode=args.mode,
-        cache_dir=args.cache_dir,
-        dynamic=not args.static,
-        inductor_configs=configs,
-        weights=weights,
-    )
+    cm = _compile(args, program, weights)
     how = "loaded from cache" if cm.from_cache else f"compiled in {cm.compile_seconds:.1f}s"
-    how += f", form {cm.form['name']}"
+    how += f", form {cm.form['name']}, {cm.threads} thread(s)"
     if args.output:
         write_bytes(args.output, cm.package_path.read_bytes(), (args.source,))
         print(f"{args.output}: {how} ({time.perf_counter() - started:.1f}s total)", file=sys.stderr)
@@ -129,6 +118,23 @@ def run(args: argparse.Namespace) -> int:
         print(cm.package_path)
         print(f"{how} ({time.perf_counter() - started:.1f}s total)", file=sys.stderr)
     return 0
+
+
+def _compile(args: argparse.Namespace, program: Any, weights: Any) -> Any:
+    """``precast.compile`` with the flags: -o makes a self-contained package (constants inside the .so, loadable
+    without precast); --threads (default: ``runtime/threads.default_threads``) the count it is compiled for."""
+    from precast.backends.aoti import compiler
+    from precast.runtime.threads import resolve_threads
+
+    return compiler.compile(
+        program,
+        mode=args.mode,
+        cache_dir=args.cache_dir,
+        dynamic=not args.static,
+        inductor_configs={compiler.IN_SO: True} if args.output else None,
+        weights=weights,
+        threads=resolve_threads(args.threads, "--threads"),
+    )
 
 
 def _run_export(args: argparse.Namespace, backend: str) -> int:
@@ -139,8 +145,12 @@ def _run_export(args: argparse.Namespace, backend: str) -> int:
 
     if not args.output:
         raise PrecastError(f"--backend {backend} needs -o FILE (e.g. -o model{SUFFIXES[backend]})")
-    if args.mode != "auto" or args.cache_dir is not None or getattr(args, "weights", None):
-        option = "--mode" if args.mode != "auto" else "--cache-dir" if args.cache_dir else "--weights"
+    aoti_only = {"--mode": args.mode != "auto", "--cache-dir": args.cache_dir is not None}
+    aoti_only.update(
+        {"--weights": bool(getattr(args, "weights", None)), "--threads": args.threads is not None}
+    )
+    if any(aoti_only.values()):
+        option = next(k for k, given in aoti_only.items() if given)
         raise PrecastError(f"{option} applies to --backend aoti only; drop it for --backend {backend}")
     outputs = {"the output": args.output}
     if backend == "openvino":

@@ -1,14 +1,17 @@
 """precast export-llm MODEL -o DIR [--gguf FILE] [--max-cache-len N] [--dtype bf16|fp16] [--cache-dtype DTYPE]
                      [--weight-format FORMAT... | --bits B | --kld K | --plan PLAN.json]
                      [--calibration-text FILE [--calibration-window W] [--calibration-tokens T]
-                      [--budget-formats FORMAT...] [--probes N]] [--backend openvino aoti] [--allow CODE]
+                      [--budget-formats FORMAT...] [--probes N]] [--eval-tokens N] [--backend openvino aoti]
+                     [--allow CODE]
 
 The flow of ``optimum-cli export openvino --weight-format int8`` / ``llama-quantize`` in one command: a transformers
 checkpoint (a ``save_pretrained`` folder, or a GGUF file) read in fp32, exported with transformers' static-cache
 recipe (``precast.llm.checkpoint``), converted (policy torch, bf16, the KV cache in bf16, the weights in the format
 asked for, or chosen by measurement on calibration text under a budget, or as a plan says), and written as one
 folder: program.pt2, tokenizer.json, plan.json, report.json, export.json, and OpenVINO IR / an AOTInductor package
-on request (``precast.cli.artifact``: written whole or not at all).
+on request (``precast.cli.artifact``: written whole or not at all). Before the fp32 weights are freed, the result
+is measured against them on ``--eval-tokens`` of held-out text (``precast.llm.accuracy``): KLD, top-1 agreement,
+perplexity, in the summary, report.json and export.json.
 
 Input: a checkpoint, options. Output: the artifact folder; the report's summary on stdout, one line on stderr.
 """
@@ -57,12 +60,14 @@ def add_parser(sub: Any) -> None:
 
 
 def outputs(args: argparse.Namespace) -> list[str]:
+    from precast.llm.folder_weights import REST
+
     names = [artifact.PROGRAM, artifact.TOKENIZER, artifact.PLAN, artifact.REPORT, artifact.MANIFEST]
     if "openvino" in args.backend:
         names += [artifact.OPENVINO, Path(artifact.OPENVINO).with_suffix(".bin").name]
     if "aoti" in args.backend:
         names.append(artifact.AOTI)
-    return names
+    return names + ([REST] if args.backend else [])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +92,7 @@ class _Export:
     about: dict = field(default_factory=dict)
     cache: int = 0  # positions of the static KV cache
     calibration: dict | None = None  # the calibration's record for export.json
+    accuracy: dict | None = None  # the result against the fp32 model on held-out text (precast.llm.accuracy)
 
 
 class _Steps:
@@ -110,7 +116,7 @@ def _run(args: argparse.Namespace) -> int:
     """Everything checked, the checkpoint read, exported and converted, the folder written; the summary
     printed."""
     job = _check_before_read(args)
-    steps = ["read", "export", "convert", "save", *args.backend]
+    steps = ["read", "export", "convert", *(["measure"] if args.eval_tokens else []), *args.backend, "save"]
     with ProgressBar(f"reading {job.source.name}", len(steps)) as bar:
         timer = _Steps(bar)
         res = _read_and_convert(args, job, timer)
@@ -161,30 +167,75 @@ def _read_and_convert(args: argparse.Namespace, job: _Export, timer: _Steps) -> 
     job.cache = args.max_cache_len or min(DEFAULT_CACHE, ckpt.max_positions(job.model.model) or DEFAULT_CACHE)
     ckpt.check_cache_len(job.cache, job.model.model)
     weight_format, job.calibration = _weight_choice(args, job.options, job.model, job.text, job.cache)
+    if job.calibration:  # each of the budget's backward passes on the bar, with the time left
+        progress = timer.bar.counter("measuring the weights", "backward passes")
+        weight_format = dataclasses.replace(weight_format, progress=progress)
     with timer.step("export", f"exporting (static cache of {job.cache} positions)"):
         ep = ckpt.export_decoder(job.model.model, job.cache)
+        _give_back_freed_memory()
     what = "measuring the weights and converting" if job.calibration else "converting"
     with timer.step("convert", what):
         res = convert_with(ep, None, dataclasses.replace(job.options, weight_format=weight_format))
+    if args.eval_tokens:
+        with timer.step("measure", f"measuring against fp32 on {args.eval_tokens} tokens of held-out text"):
+            job.accuracy = _accuracy(args, job, res)
     del ep
     job.model.model = None  # the fp32 weights, freed before the compiles
     return res
 
 
+def _give_back_freed_memory() -> None:
+    """The heap the export freed, given back to the system (glibc's ``malloc_trim``; elsewhere nothing): glibc keeps
+    freed blocks below its mmap threshold, ~0.9 GB after exporting SmolLM2-135M (RSS 1991 -> 1090 MiB), which
+    stayed in the peak of every later step (the weight budget's measuring, the conversion)."""
+    import ctypes
+    import ctypes.util
+
+    if sys.platform != "linux" or not (name := ctypes.util.find_library("c")):
+        return
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)  # glibc only (not musl)
+    if trim is not None:
+        import gc
+
+        gc.collect()
+        trim(0)
+
+
 def _write_folder(args: argparse.Namespace, job: _Export, timer: _Steps, res: Any) -> dict:
-    """The folder written whole or not at all: the converted program and its files, the compiled backends,
-    export.json; returns the files written."""
+    """The folder written whole or not at all: the engines' artifacts, the weights (once: indexed in the IR's .bin,
+    the rest in weights.bin) and the converted program without them (with them when no engine was asked for), its
+    files, export.json; returns the files written."""
+    from precast.llm import folder_engines as engines
+    from precast.llm.folder_weights import weightless
+    from precast.runtime.threads import resolve_threads
+
+    threads = resolve_threads(args.threads, "--threads") if args.backend else None
+    records: dict[str, Any] = {}
     with artifact.staged(job.out) as stage:
-        with timer.step("save", f"saving into {job.out}"):
-            files = artifact.write_converted(stage, res, job.model, args.model, args.output)
+        files = {}
         if "openvino" in args.backend:
             with timer.step("openvino", "compiling for OpenVINO"):
-                files["openvino"] = artifact.write_openvino(stage, res.program)
+                records["openvino"] = engines.write_openvino(stage, res.program, threads)
+            files["openvino"] = artifact.OPENVINO
         if "aoti" in args.backend:
             with timer.step("aoti", "compiling with AOTInductor"):
-                files["aoti"] = artifact.write_aoti(stage, res.program)
-        record = _record(args, job.source, job.about, job.cache, job.calibration, files, timer.seconds)
-        artifact.write_manifest(stage, record)
+                records["aoti"] = engines.write_aoti(stage, res.program, threads)
+            files["aoti"] = artifact.AOTI
+        if (
+            args.backend
+        ):  # each weight once: in the IR's .bin (indexed) or weights.bin, the program without them
+            records["weight_index"], rest = engines.write_weights(
+                stage, res.program, "openvino" in args.backend
+            )
+            files.update({"weights": rest} if rest else {})
+        with timer.step("save", f"saving into {job.out}"):
+            program = weightless(res.program) if "weight_index" in records else res.program
+            artifact.write_program(stage, program, args.output)
+            files = {**artifact.write_converted(stage, res, job.model, args.model), **files}
+        record = _record(
+            args, job.source, job.about, job.cache, job.calibration, files, timer.seconds, job.accuracy
+        )
+        artifact.write_manifest(stage, {**record, **records})
     return files
 
 
@@ -219,14 +270,40 @@ def _weight_choice(args: argparse.Namespace, options: Any, model: Any, text: str
     return precast.WeightBudget(**kw), record
 
 
+def _accuracy(args: argparse.Namespace, job: _Export, res: Any) -> dict | None:
+    """The converted program against the fp32 model (the checkpoint as read) on held-out text (``precast.llm.accuracy``), into the
+    report (report.json, the summary); None without a tokenizer to read text with (the summary says so)."""
+    from precast.llm.accuracy import on_held_out_text
+    from precast.runtime.threads import resolve_threads, running_at
+
+    if job.model.tokenizer is None:
+        return None
+    used = job.calibration["windows"] * job.calibration["window"] if job.calibration else 0
+    # at --threads' count (default: the cores other processes leave free): 2 threads on 2 busy cores ran 3-4x
+    # slower than 1
+    with running_at(resolve_threads(getattr(args, "threads", None), "--threads")):
+        agreement = on_held_out_text(
+            job.model.model,
+            res.program,
+            job.model.tokenizer,
+            tokens=args.eval_tokens,
+            text=job.text,
+            used=used,
+            name="--calibration-text",
+        )
+    res.report.accuracy = agreement.record()
+    return res.report.accuracy
+
+
 def _record(args: argparse.Namespace, source: Any, about: dict, cache: int, *facts: dict | None) -> dict:
-    """export.json's record; ``facts``: the calibration's, the files written, the seconds per step."""
+    """export.json's record; ``facts``: the calibration's, the files written, the seconds per step, the accuracy
+    measured."""
     import torch
     import transformers
 
     from precast.version import __version__
 
-    calibration, files, seconds = facts
+    calibration, files, seconds, accuracy = facts
     budget = budget_of(args)
     weights: dict[str, Any] = (
         {"budget": {budget[0]: budget[1]}, "calibration": calibration}
@@ -243,6 +320,7 @@ def _record(args: argparse.Namespace, source: Any, about: dict, cache: int, *fac
         "dtype": args.dtype,
         "cache_dtype": args.cache_dtype or args.dtype,
         "weights": weights,
+        "accuracy": accuracy,
         "stop_tokens": about["stop_tokens"],
         "files": files,
         "seconds": seconds,
@@ -262,8 +340,16 @@ def _print(res: Any, out: Path, files: dict, seconds: dict, tokenizer_note: str)
         print(f"{len(infos)} info diagnostic(s): {out / artifact.REPORT}")
     if "tokenizer" not in files:
         print(
-            f"warning: no tokenizer written ({tokenizer_note or 'none found'}); generate with --prompt-ids",
+            f"warning: no tokenizer written ({tokenizer_note or 'none found'}); generate with --prompt-ids (and no "
+            "accuracy against fp32 was measured: it reads text)",
             file=sys.stderr,
         )
     took = ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
     print(f"wrote {out}: {', '.join(files.values())}, {artifact.MANIFEST} ({took})", file=sys.stderr)
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    weights = sum(res.report.weight_bytes_after.values())
+    print(
+        f"folder {size / 2**20:.1f} MiB for {weights / 2**20:.1f} MiB of weights as stored "
+        f"({size / max(weights, 1):.2f}x: each weight once)",
+        file=sys.stderr,
+    )

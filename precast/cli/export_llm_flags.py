@@ -10,7 +10,7 @@ import argparse
 from typing import Any
 
 from precast.cli.convert import as_flags, weight_format_of
-from precast.cli.flags import Group, allow, flag
+from precast.cli.flags import THREADS, Group, allow, flag
 from precast.errors import PrecastError
 from precast.paths import check_input_file
 
@@ -18,10 +18,12 @@ BACKENDS = ("openvino", "aoti")
 DEFAULT_CACHE = 1024  # positions, or the model's max_position_embeddings when smaller
 DEFAULT_WINDOW = 256
 DEFAULT_TOKENS = 1024
+DEFAULT_EVAL = 512  # --eval-tokens: precast.llm.accuracy.DEFAULT_TOKENS (a test holds them equal)
 
 HOW = Group(exclusive=True)  # the weights' formats: given, chosen under a budget, or a plan's
 
 ARGUMENTS = (
+    THREADS,
     flag("model", help="a folder save_pretrained wrote (config.json + safetensors), or a .gguf file"),
     flag("-o", "--output", required=True, metavar="DIR", help="a new (or empty) folder"),
     flag(
@@ -107,6 +109,15 @@ ARGUMENTS = (
         help="--bits/--kld: backward passes per window (default 8)",
     ),
     flag(
+        "--eval-tokens",
+        type=int,
+        default=DEFAULT_EVAL,
+        metavar="N",
+        help=f"measure the result against the fp32 model on N tokens of held-out text (the calibration text's "
+        f"unused part, else Python's documentation): KLD, top-1 agreement, perplexity (default {DEFAULT_EVAL}; "
+        "0: not measured)",
+    ),
+    flag(
         "--backend",
         nargs="+",
         choices=BACKENDS,
@@ -172,6 +183,8 @@ def _refuse_calibration_flags(args: argparse.Namespace) -> None:
 
 def _check_counts(args: argparse.Namespace) -> None:
     """The counts given: at least 1, the cache at least ``MIN_CACHE`` positions."""
+    if args.eval_tokens < 0:
+        raise PrecastError(f"--eval-tokens {args.eval_tokens}: give a number >= 0 (0: not measured)")
     for option, value in (
         ("--calibration-window", args.calibration_window),
         ("--calibration-tokens", args.calibration_tokens),

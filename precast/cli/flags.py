@@ -76,7 +76,26 @@ TRUST_PICKLE = flag(
     action="store_true",
     help="load a .pt2 whose sample inputs or constants need a full unpickle (it can run code: trusted files only)",
 )
+
+
 # where compiled AOTInductor packages are cached (compile, generate)
+def _threads(text: str) -> int:
+    """An argparse type: a positive thread count in ASCII digits."""
+    import argparse
+
+    if not text.strip().isascii() or not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"invalid thread count: {text!r} (a positive integer)")
+    return int(text)
+
+
+THREADS = flag(
+    "--threads",
+    type=_threads,
+    default=None,
+    metavar="N",
+    help="intra-op threads the engine runs at (default: the physical cores this process may use, less those "
+    "other processes keep busy now: precast.runtime.threads; $OMP_NUM_THREADS when set)",
+)
 CACHE_DIR = flag(
     "--cache-dir", default=None, help="aoti only; default: $PRECAST_CACHE_DIR or the user cache dir"
 )

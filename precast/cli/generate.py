@@ -1,11 +1,14 @@
-"""precast generate IN.pt2|DIR (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json) --max-new-tokens N
+"""precast generate IN.pt2|DIR (--prompt-ids 1,2,3 | --prompt TEXT --tokenizer tokenizer.json | --chat TEXT)
+                   --max-new-tokens N
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop-tokens 2,3]
                    [--backend aoti|openvino|eager] [--cache-dir DIR] [--weights DIR]
 
 Input: a decoder program saved with torch.export.save (transformers' recipe: ``input_ids``, ``cache_position``, a
 static KV cache), converted or not; or the folder ``precast export-llm`` wrote (its program.pt2, its tokenizer.json
-unless --tokenizer is given, its end-of-sequence tokens unless --stop-tokens is given). Output: the new tokens on
-stdout as they come (ids, comma-separated, or text through the tokenizer), and one line of timings on stderr.
+unless --tokenizer is given, its end-of-sequence tokens unless --stop-tokens is given). ``--chat TEXT``: a user
+message through the chat template of the tokenizer's folder (``llm/chat.py``); its end-of-turn token stops too, and
+the stop tokens are not printed. Output: the new tokens on stdout as they come (ids, comma-separated, or text
+through the tokenizer), and one line of timings on stderr.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from precast.cli.flags import CACHE_DIR, TRUST_PICKLE, Group, add_command, flag
+from precast.cli.flags import CACHE_DIR, THREADS, TRUST_PICKLE, Group, add_command, flag
 from precast.errors import PrecastError
 from precast.paths import check_input_file
 
@@ -50,6 +53,13 @@ ARGUMENTS = (
     ),
     flag("--prompt", group=PROMPT, metavar="TEXT", help="the prompt as text (needs --tokenizer)"),
     flag(
+        "--chat",
+        group=PROMPT,
+        metavar="TEXT",
+        help="a user message through the chat template of the folder's tokenizer (an Instruct model's prompt); "
+        "the template's end-of-turn token stops too, unless --stop-tokens is given",
+    ),
+    flag(
         "--tokenizer",
         metavar="FILE",
         help="a tokenizer.json (Hugging Face `tokenizers` format, pip install 'precast[llm]'): encodes --prompt "
@@ -61,7 +71,14 @@ ARGUMENTS = (
     flag("--top-p", type=float, default=None, help="sample within the top-P probability mass"),
     flag("--seed", type=_integer, default=None, help="seed of the sampling (reproducible draws)"),
     flag("--stop-tokens", metavar="IDS", default=None, help="stop after one of these ids: 2,32000"),
-    flag("--backend", choices=BACKENDS, default="aoti", help="default: aoti (AOTInductor, cached)"),
+    flag(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="default: for a folder, the engine it holds (its OpenVINO IR, else its AOTInductor package), run "
+        "without converting; for a program, aoti (AOTInductor, cached)",
+    ),
+    THREADS,
     CACHE_DIR,
     flag(
         "--weights",
@@ -115,62 +132,103 @@ def run(args: argparse.Namespace) -> int:
     import precast
     from precast.pipeline.load import load_program
 
-    stops_given = _read_folder(args)
+    folder = _read_folder(args)
+    stops_given = folder.stop_tokens if folder is not None else None
     _check_flags(args)
     tokenizer = _tokenizer(args.tokenizer)
-    prompt = _prompt(args, tokenizer)
-    stops = _ids(args.stop_tokens, "--stop-tokens") if args.stop_tokens is not None else stops_given or None
+    chat = _chat(args, stops_given)
+    prompt = _prompt(args, tokenizer, chat)
+    given = stops_given if chat is None else chat.stop_tokens
+    stops = _ids(args.stop_tokens, "--stop-tokens") if args.stop_tokens is not None else given or None
     sampling = _sampling(args)
-    program = load_program(args.source, trust_pickle=args.trust_pickle)
-    _check_program(args, program, prompt)
-    model = _model(args, program)
+    if folder is None:
+        program = load_program(args.source, trust_pickle=args.trust_pickle)
+        _check_program(args, program, prompt)
+        model, threads = _model(args, program)
+    else:
+        model, threads = _folder_model(args, folder, prompt)
     res = precast.generate(
         model,
         prompt,
         max_new_tokens=args.max_new_tokens,
         stop_tokens=stops,
-        streamer=_streamer(tokenizer),
+        streamer=_streamer(tokenizer, hide=stops if chat is not None else ()),
         **sampling,
     )
     sys.stdout.write("\n")
     print(
         f"{len(res.new_tokens)} new tokens ({res.stop_reason}) after a prompt of {res.prompt_length}: prefill "
-        f"{res.prefill_seconds * 1e3:.1f} ms, decode {res.tokens_per_second:.1f} tokens/s ({args.backend})",
+        f"{res.prefill_seconds * 1e3:.1f} ms, decode {res.tokens_per_second:.1f} tokens/s ({args.backend}"
+        + (f", {threads} thread{'s' if threads != 1 else ''})" if threads else ")"),
         file=sys.stderr,
     )
     return 0
 
 
-def _read_folder(args: argparse.Namespace) -> list[int] | None:
-    """An export-llm folder as SOURCE: its program (and tokenizer, unless --tokenizer) into ``args``; its stop
-    tokens returned (None for a program file)."""
+def _read_folder(args: argparse.Namespace) -> Any:
+    """An export-llm folder as SOURCE, read (``precast.llm.folder.Folder``: its tokenizer into ``args`` unless
+    --tokenizer; its backend, unless --backend, the engine it holds); None for a program file."""
     if not Path(args.source).is_dir():
+        args.backend = args.backend or "aoti"
         return None
-    from precast.cli.artifact import artifact_files
+    from precast.llm.folder import open_folder
+    from precast.llm.folder_engines import default_backend
 
-    program_file, tokenizer_file, stops_given = artifact_files(Path(args.source))
-    args.source = str(program_file)
-    if args.tokenizer is None and tokenizer_file is not None:
-        args.tokenizer = str(tokenizer_file)
-    return stops_given
+    folder = open_folder(args.source)
+    if args.tokenizer is None and folder.tokenizer is not None:
+        args.tokenizer = str(folder.tokenizer)
+    args.backend = args.backend or default_backend(folder)
+    if args.weights:
+        raise PrecastError("--weights is for a program file; a folder holds its weights")
+    return folder
+
+
+def _folder_model(args: argparse.Namespace, folder: Any, prompt: list[int]) -> tuple[Any, int | None]:
+    """The folder's engine as it holds it (``precast.llm.folder_engines``: opened, or rebuilt where not valid
+    here, each said in one line on stderr), the prompt checked against its signature before the first call."""
+    from precast.llm.folder_engines import load_engine
+
+    model, notes, threads = load_engine(folder, args.backend, args.threads, args.cache_dir, args.trust_pickle)
+    for note in notes:
+        print(note, file=sys.stderr)
+    _check_program(args, model, prompt)
+    return model, threads
 
 
 def _check_flags(args: argparse.Namespace) -> None:
     """The flags that need each other, checked before anything is read."""
-    if args.backend != "aoti" and (args.cache_dir or args.weights):
+    if args.backend not in ("aoti", None) and (args.cache_dir or args.weights):
         option = "--cache-dir" if args.cache_dir else "--weights"
         raise PrecastError(f"{option} applies to --backend aoti only; drop it for --backend {args.backend}")
     if args.max_new_tokens < 1:
         raise PrecastError(f"--max-new-tokens {args.max_new_tokens}: give a number >= 1")
     if args.prompt is not None and args.tokenizer is None:
         raise PrecastError("--prompt is text: give --tokenizer tokenizer.json to encode it, or --prompt-ids")
+    if args.chat is not None and args.tokenizer is None:
+        raise PrecastError(
+            "--chat needs a chat template: give the folder precast export-llm wrote, or --tokenizer "
+            "DIR/tokenizer.json beside its tokenizer_config.json / chat_template.jinja"
+        )
 
 
-def _prompt(args: argparse.Namespace, tokenizer: Any) -> list[int]:
-    """The prompt's token ids: --prompt-ids as typed, or --prompt through the tokenizer."""
+def _prompt(args: argparse.Namespace, tokenizer: Any, chat: Any = None) -> list[int]:
+    """The prompt's token ids: --prompt-ids as typed, --prompt through the tokenizer, or --chat's message
+    through the chat template."""
+    if chat is not None:
+        return chat.prompt([{"role": "user", "content": args.chat}])
     if args.prompt_ids is not None:
         return _ids(args.prompt_ids, "--prompt-ids")
     return tokenizer.encode(args.prompt).ids
+
+
+def _chat(args: argparse.Namespace, stops_given: list[int] | None) -> Any:
+    """--chat's template (``llm/chat.py``): read from the tokenizer's folder (export-llm's), its stop tokens the
+    folder's end-of-sequence ids plus the template's end-of-turn token; None without --chat."""
+    if args.chat is None:
+        return None
+    from precast.llm.chat import chat_template
+
+    return chat_template(Path(args.tokenizer).parent, stops_given or ())
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -188,27 +246,36 @@ def _check_program(args: argparse.Namespace, program: Any, prompt: list[int]) ->
     from precast.llm.convention import check_room, check_tokens, convention
     from precast.runtime.signature import ProgramSignature
 
-    conv = convention(ProgramSignature.from_program(program))
+    signature = getattr(program, "signature", None)  # a compiled model's, else the program's own
+    conv = convention(signature if signature is not None else ProgramSignature.from_program(program))
     check_tokens(conv, prompt, "--prompt-ids" if args.prompt_ids is not None else "--prompt's ids", who="")
     check_room(conv, 0, len(prompt), args.max_new_tokens)
 
 
-def _model(args: argparse.Namespace, program: Any) -> Any:
-    """The program as --backend runs it: eagerly, compiled with AOTInductor (cached), or on OpenVINO."""
+def _model(args: argparse.Namespace, program: Any) -> tuple[Any, int | None]:
+    """The program as --backend runs it: eagerly, compiled with AOTInductor (cached), or on OpenVINO; and the
+    thread count the engine runs at."""
     import precast
+    from precast.runtime.threads import resolve_threads
 
     if args.backend == "eager":
-        return program
+        return program, None
+    threads = resolve_threads(args.threads, "--threads")
     if args.backend == "aoti":
-        return precast.compile(program, cache_dir=args.cache_dir, weights=args.weights)
-    return precast.compile(program, backend="openvino")
+        return precast.compile(
+            program, cache_dir=args.cache_dir, weights=args.weights, threads=threads
+        ), threads
+    return precast.compile(program, backend="openvino", threads=threads), threads
 
 
-def _streamer(tokenizer: Any) -> Callable[[int], None]:
-    """Writes each new token to stdout as it comes: its id (comma-separated), or its text."""
+def _streamer(tokenizer: Any, hide: Any = ()) -> Callable[[int], None]:
+    """Writes each new token to stdout as it comes: its id (comma-separated), or its text; ``hide``: tokens not
+    written (--chat's end-of-turn and end-of-sequence tokens)."""
     shown: list[int] = []
 
     def stream(token: int) -> None:
+        if token in hide:
+            return
         shown.append(token)
         if tokenizer is None:
             sys.stdout.write(("," if len(shown) > 1 else "") + str(token))

@@ -15,8 +15,8 @@ bf16 ops in bf16, the ops it kept fp32 in fp32), with precast's casts to bf16 co
 fp16 plan runs in fp16 only under OpenVINO's ``f16`` hint (the f32 hint runs fp16 ops in f32), tried first where the
 CPU has fp16 kernels (OpenVINO lists ``FP16`` in its capabilities: AVX512-FP16 or AVX2-VNNI-2).
 Under the bf16 hint the ops precast kept fp32 are marked so that OpenVINO keeps them in f32
-(``precision.keep_plan_fp32``). ``check_plan`` (``plan_check``) reads the compiled model back and warns,
-in one line, about the layers where OpenVINO runs another precision than precast decided (``plan.overridden``).
+(``keep_f32``; fused f32 RMS/RoPE kernels accepted: ``fused_kernels``). ``check_plan`` (``plan_check``) reads the
+compiled model back and warns in one line about the layers that run another precision (``plan.overridden``).
 ``save`` writes the model as converted (no hint-specific form: ``precision.prepare`` makes one from a model
 read back).
 
@@ -33,28 +33,20 @@ Input: an ExportedProgram (or a ConvertResult). Output: an ``OpenVINOModel``.
 from __future__ import annotations
 
 import dataclasses
-import os
-import threading
 import time
 import warnings
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
+from precast.backends.openvino.compiled import OpenVINOModel
 from precast.backends.openvino.compressed import WeightCheck, check_weights, stored_weights, warn_uncompressed
 from precast.backends.openvino.convert import convert, ov_message, require_openvino, shared_tensors
 from precast.backends.openvino.growing_cache import Growing
-from precast.backends.openvino.ir_files import save_ir
 from precast.backends.openvino.kv_state import (
-    GrowingState,
     cache_precision,
     carried,
-    initial_values,
-    ov_tensor,
-    state_values,
-    to_torch,
 )
 from precast.backends.openvino.plan_check import (
     PlanCheck,
@@ -67,8 +59,6 @@ from precast.backends.openvino.precision import HINTS, hint_reason, hints_to_try
 from precast.errors import PrecastError
 from precast.ir.program import node_records
 from precast.runtime.exported import batch_symbols, dynamic_batch, exported_program
-from precast.runtime.owner import StateOwner, holds_state
-from precast.runtime.signature import ProgramSignature
 
 WHERE = "precast.compile(backend='openvino')"
 AUTO_NOTE = (
@@ -76,132 +66,6 @@ AUTO_NOTE = (
     "kernels on this CPU (what eager and AOTInductor run), not OpenVINO's; on OpenVINO, policy='torch' or "
     "'rules' gives a plan that does not depend on those timings"
 )
-
-
-class OpenVINOModel:
-    """A program compiled by OpenVINO for the CPU. Call it like the program's module (the same input checks as
-    ``precast.compile``'s AOTInductor model, before OpenVINO runs); outputs are torch tensors in the program's
-    output structure."""
-
-    def __init__(
-        self,
-        ov_model: Any,
-        compiled: Any,
-        program: ExportedProgram,
-        plan: PlanCheck,
-        *,
-        weights: tuple[torch.Tensor, ...] = (),
-        growing: Growing | None = None,
-        precision_hint: str | None,
-        threads: int | None,
-        compile_seconds: float,
-        weight_check: WeightCheck | None = None,
-        dynamic_quantization: bool = False,
-    ):
-        self.ov_model = ov_model  # the openvino.Model (what ``save`` writes)
-        self.compiled = compiled  # the openvino.CompiledModel
-        # the program itself is not kept (what calls need from it, its signature and output structure, is), only
-        # the weights OpenVINO reads in place from torch's memory (convert.shared_tensors): OpenVINO does
-        # not keep those alive itself, and a caller who dropped the program would leave it reading freed memory
-        self._weights = weights
-        self.plan = plan
-        # the weights the program stores as int8/int4, and which OpenVINO runs compressed (compressed)
-        self.weights = weight_check if weight_check is not None else WeightCheck()
-        # whether OpenVINO quantizes those layers' activations on the fly (DYNAMIC_QUANTIZATION_GROUP_SIZE)
-        self.dynamic_quantization = dynamic_quantization
-        self.precision_hint = precision_hint
-        self.threads = threads
-        self.compile_seconds = compile_seconds
-        # what the model accepts (dynamic batch where it could be)
-        self.signature = ProgramSignature.from_program(program)
-        self._out_spec = program.call_spec.out_spec
-        self._request = compiled.create_infer_request()  # its own: two models never share state
-        self._outputs = len(compiled.outputs)
-        self._lock = threading.Lock()  # one infer request: calls from several threads take turns
-        # precast.generate holds it; every call/reset waits and bumps it (runtime/owner.py)
-        self._owner = StateOwner()
-        # the caches OpenVINO holds as variables between calls (kv_state), by name
-        self.state_names = tuple(v.get_variable_id() for v in ov_model.get_sinks())
-        self._initial = initial_values(ov_model) if self.state_names else {}
-        # whether a call ran since creation or reset (OpenVINO evaluates the variables' initial values then)
-        self._started = False
-        # caches in OpenVINO's growing form (growing_cache): how they grew (``growing``), and at run time their
-        # live positions, checked before every call (``_growing_state``)
-        self.growing = growing if growing is not None and growing.grown else None
-        self.cache_form = _cache_form(growing)
-        self._growing_state = None
-        if self.growing is not None:
-            where = [s.name for s in self.signature.inputs].index(self.growing.positions)
-            self._growing_state = GrowingState(self.growing, where, self._initial)
-
-    @holds_state  # waits while a generation holds the model in another thread (runtime/owner.py)
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        flat = self.signature.check(args, kwargs)
-        feeds = [ov_tensor(t, shared=True) for t in flat if isinstance(t, torch.Tensor)]
-        with self._lock:
-            growing_state = self._growing_state
-            if growing_state is not None:
-                live = growing_state.begin(self._request, flat[growing_state.position_index])
-                feeds.append(growing_state.beam)
-            # each input set as a tensor over torch's memory (the signature checked its dtype), then a bare
-            # infer: OpenVINO's data dispatch and its copy of the outputs cost ~75 us a call (a decode step)
-            for i, feed in enumerate(feeds):
-                self._request.set_input_tensor(i, feed)
-            self._request.infer(share_outputs=True)
-            self._started = True
-            if growing_state is not None:
-                growing_state.live = live
-            outs = [to_torch(self._request.get_output_tensor(i)) for i in range(self._outputs)]
-        return pytree.tree_unflatten(outs, self._out_spec) if self._out_spec is not None else outs
-
-    def __repr__(self) -> str:
-        hint = self.precision_hint or "OpenVINO's default"
-        return f"OpenVINOModel(precision hint {hint}, {self.plan.summary()})"
-
-    @holds_state
-    def reset(self) -> None:
-        """Restart from the program's initial state (a new conversation): every cache variable back to the
-        buffer the program was exported with (zeros for transformers' recipe). No-op for a stateless program."""
-        with self._lock:
-            self._request.reset_state()
-            self._started = False
-            if self._growing_state is not None:
-                self._growing_state.live = 0
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The caches as OpenVINO holds them now, by buffer name (copies, in the dtype precast stored them)."""
-        with self._lock:
-            if self._growing_state is not None:  # the live positions, zeros past them (the program's buffers)
-                return self._growing_state.static_view(self._request, self._started)
-            if not self._started:  # OpenVINO reports zeros until a call evaluates the initial values
-                return {k: v.clone() for k, v in self._initial.items()}
-            return state_values(self._request)
-
-    @property
-    def compressed(self) -> dict[str, str]:
-        """Each weight the program stores as int8/int4 that OpenVINO runs compressed -> the element type it reads
-        it in (``i8``, ``u4``); ``model.weights.uncompressed`` lists the others (warned about at compile)."""
-        return self.weights.compressed
-
-    def runtime_precision(self) -> str:
-        """The inference precision the compiled model runs with (OpenVINO's INFERENCE_PRECISION_HINT: f32, bf16, f16)."""
-        return self.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
-
-    def save(self, path: str | os.PathLike) -> dict[str, Any]:
-        """Write the OpenVINO IR to ``path`` (``.xml``) and its weights beside it (``.bin``), see ``save_ir``."""
-        return save_ir(self.ov_model, path)
-
-
-def _cache_form(growing: Growing | None) -> str:
-    """How the model holds its caches, in words (``OpenVINOModel.cache_form``): empty without caches."""
-    if growing is None:
-        return ""
-    if growing.grown:
-        return (
-            "growing along the sequence, attention fused by OpenVINO; the IR takes beam_idx (int32 [batch]: "
-            "arange(batch))"
-        )
-    return f"static ({growing.reason})"
 
 
 # ---- converting and compiling -------------------------------------------------------------------------------
@@ -226,7 +90,7 @@ def compile_openvino(
     own choice). ``dynamic``: keep or make dim 0 dynamic. ``warn``: one ``PlanOverrideWarning`` line summing up
     the layers that do not run precast's dtype (``model.plan.overridden`` lists them), one line when auto gave up
     the faster hint. Under the bf16 hint the ops the plan keeps fp32 are marked to stay in f32
-    (``precision.keep_plan_fp32``); ``model.plan.reason`` says why the hint was chosen.
+    (``keep_f32``; ``model.plan.accepted``: fused f32 kernels); ``model.plan.reason`` says why the hint was chosen.
     Weights the program stores as int8/int4 run compressed where OpenVINO can (``model.compressed``; one
     ``CompressedWeightWarning`` line names those it runs on an f32 copy). ``dynamic_quantization``: let OpenVINO
     quantize the activations of those layers to 8 bits on the fly (its ``DYNAMIC_QUANTIZATION_GROUP_SIZE``, on CPUs
@@ -255,6 +119,8 @@ def compile_openvino(
         compile_seconds=time.perf_counter() - started,
         weight_check=built.weight_check,
         dynamic_quantization=dynamic_quantization,
+        config=built.config,
+        form_model=built.form_model,
     )
 
 
@@ -284,6 +150,8 @@ class _Built:
     weights: tuple[torch.Tensor, ...]
     growing: Growing | None
     weight_check: WeightCheck
+    form_model: Any = None  # the form compiled (precision.prepare's copy)
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the options it was compiled with
 
 
 def _build(
@@ -299,10 +167,13 @@ def _build(
     ov_model, graph_module, growing = convert(ep, state)
     weights = shared_tensors(ov_model, graph_module)  # what OpenVINO reads from torch's memory: kept alive
     kv_precision, options = _runtime_options(ov_model, graph_module, growing, dynamic_quantization)
-    compiled, plan = _compile_for_plan(ov_model, graph_module, precision_hint, threads, kv_precision, options)
+    compiled, plan, form = _compile_for_plan(
+        ov_model, graph_module, precision_hint, threads, kv_precision, options
+    )
     weight_check = check_weights(compiled, graph_module)
     plan.batch_norms = rounded_batch_norms(ep.graph)
-    return _Built(ov_model, compiled, plan, weights, growing, weight_check)
+    config = compile_config(plan.hint, threads, options)
+    return _Built(ov_model, compiled, plan, weights, growing, weight_check, form, config)
 
 
 def _runtime_options(
@@ -337,9 +208,10 @@ def _compile_for_plan(
     threads: int | None,
     kv_precision: str | None,
     options: dict[str, Any],
-) -> tuple[Any, PlanCheck]:
+) -> tuple[Any, PlanCheck, Any]:
     """Compile with each hint ``hints_to_try`` gives until one honours the plan (the last is kept regardless);
-    the plan check says which hint, why it was chosen, and why an earlier one was given up."""
+    the plan check says which hint, why it was chosen, and why an earlier one was given up. Returns the compiled
+    model, the plan check and the form compiled."""
     import openvino as ov
 
     core = ov.Core()
@@ -362,17 +234,26 @@ def _compile_for_plan(
         )
     plan.hint, plan.fallback = hint, fallback
     plan.reason = hint_reason(precision_hint, planned, core)
-    return compiled, plan
+    return compiled, plan, prepared
+
+
+def compile_config(
+    hint: str | None, threads: int | None, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The CPU plugin's compile options: precast's (KV_CACHE_PRECISION, DYNAMIC_QUANTIZATION_GROUP_SIZE), the
+    precision hint and the thread count."""
+    config: dict[str, Any] = dict(options or {})
+    if hint is not None:
+        config["INFERENCE_PRECISION_HINT"] = hint
+    if threads is not None:
+        config["INFERENCE_NUM_THREADS"] = threads
+    return config
 
 
 def _compile(
     core: Any, model: Any, hint: str | None, threads: int | None, options: dict[str, Any] | None = None
 ) -> Any:
-    config: dict[str, Any] = dict(options or {})  # KV_CACHE_PRECISION, DYNAMIC_QUANTIZATION_GROUP_SIZE
-    if hint is not None:
-        config["INFERENCE_PRECISION_HINT"] = hint
-    if threads is not None:
-        config["INFERENCE_NUM_THREADS"] = threads
+    config = compile_config(hint, threads, options)
     try:
         return core.compile_model(model, "CPU", config)
     except RuntimeError as exc:
