@@ -308,11 +308,6 @@ def _on_text(args: argparse.Namespace, ep: torch.export.ExportedProgram) -> tupl
 
 def _read_tokenizer(path: str) -> Any:
     """--tokenizer's tokenizer.json (the ``tokenizers`` library); one line when it is not one."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise PrecastError("--tokenizer needs the tokenizers package: pip install 'precast[llm]'") from None
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the Rust library raises its own exception type for a malformed file
-        raise PrecastError(f"--tokenizer {path}: not a tokenizer.json ({first_line(exc)[:200]})") from exc
+    from precast.llm.folder import read_tokenizer
+
+    return read_tokenizer(path, "--tokenizer")

@@ -22,7 +22,6 @@ from typing import Any
 
 from precast.cli.flags import CACHE_DIR, THREADS, TRUST_PICKLE, Group, add_command, flag
 from precast.errors import PrecastError
-from precast.paths import check_input_file
 
 BACKENDS = ("aoti", "openvino", "eager")
 
@@ -113,18 +112,9 @@ def _ids(text: str, option: str) -> list[int]:
 
 
 def _tokenizer(path: str | None) -> Any:
-    if path is None:
-        return None
-    check_input_file(path, "give a tokenizer.json", "--tokenizer")  # a FIFO or device: refused unopened
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise PrecastError("--tokenizer needs the tokenizers package: pip install 'precast[llm]'") from None
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the Rust library raises its own exception type for a malformed file
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise PrecastError(f"--tokenizer {path}: not a tokenizer.json ({first[:200]})") from exc
+    from precast.llm.folder import read_tokenizer
+
+    return None if path is None else read_tokenizer(path, "--tokenizer")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -137,3 +137,22 @@ def folder_program(folder: Folder, *, weights: bool = True, trust_pickle: bool =
     from precast.llm.folder_weights import filled_program
 
     return filled_program(program, folder_tensors(folder) or {}, folder.path)
+
+
+def read_tokenizer(path: str | Path, who: str, *, required: bool = True) -> Any:
+    """A ``tokenizer.json`` (the ``tokenizers`` library), one line when it is not one; ``who`` names it in the
+    line (``--tokenizer``). Without the package: one line, or None when not ``required``."""
+    from precast.errors import first_line
+    from precast.paths import check_input_file
+
+    check_input_file(path, "give a tokenizer.json", who)  # a FIFO or device: refused unopened
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        if not required:
+            return None
+        raise PrecastError(f"{who} needs the tokenizers package: pip install 'precast[llm]'") from None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust library raises its own exception type for a malformed file
+        raise PrecastError(f"{who} {path}: not a tokenizer.json ({first_line(exc)[:200]})") from exc

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from precast.errors import PrecastError
-from precast.llm.folder import BACKENDS, Folder, open_folder
+from precast.llm.folder import BACKENDS, Folder, open_folder, read_tokenizer
 
 
 class LLM:
@@ -120,17 +120,9 @@ def load(
 
 
 def _tokenizer(path: Path | None, notes: list[str]) -> Any:
-    if path is None:
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
+    tokenizer = None if path is None else read_tokenizer(path, "the folder's", required=False)
+    if path is not None and tokenizer is None:
         notes.append(
             f"{path.name} not read (no tokenizers package: pip install 'precast[llm]'): token ids only"
         )
-        return None
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the Rust library raises its own exception type for a malformed file
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise PrecastError(f"{path}: not a tokenizer.json ({first[:200]})") from exc
+    return tokenizer
