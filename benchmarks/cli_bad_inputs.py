@@ -551,19 +551,19 @@ def _weights_fixtures(d: Path) -> None:
 API_CASES: list[tuple[str, str]] = [
     (
         "convert: weights_out through a missing folder and .. is the input",
-        "precast.convert(weightless(), weights=D / 'in', weights_out=str(D / 'new') + '/../in')",
+        "precast.convert(weightless(), weights=precast.WeightOptions(files=D / 'in', out=str(D / 'new') + '/../in'))",
     ),
     (
         "convert: weights_out through a link into the input",
-        "precast.convert(weightless(), weights=D / 'in', weights_out=D / 'inlink' / 'sub')",
+        "precast.convert(weightless(), weights=precast.WeightOptions(files=D / 'in', out=D / 'inlink' / 'sub'))",
     ),
     (
         "convert: weights folder holding a FIFO named *.safetensors",
-        "precast.convert(weightless(), weights=D / 'fifo_w', weights_out=D / 'o')",
+        "precast.convert(weightless(), weights=precast.WeightOptions(files=D / 'fifo_w', out=D / 'o'))",
     ),
     (
         "convert: weights of another model",
-        "precast.convert(weightless(), weights=D / 'other_w', weights_out=D / 'o')",
+        "precast.convert(weightless(), weights=precast.WeightOptions(files=D / 'other_w', out=D / 'o'))",
     ),
     (
         "with_weights: weights of another model",

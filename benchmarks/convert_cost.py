@@ -7,14 +7,14 @@
 
 The same measurement as ``precast bench --convert`` (``precast.bench.run_convert_bench``): the real
 ``precast.convert`` observed stage by stage through ``precast.passes.runner.observe`` (see
-``precast/bench/convert_cost.py``), on a synthetic chain of N ops in one bf16 region and on the small-config
-transformers / timm models of ``precast.bench.convert_models`` (skipped when the library is missing), for policy
+``precast/bench/convert/cost.py``), on a synthetic chain of N ops in one bf16 region and on the small-config
+transformers / timm models of ``precast.bench.convert.models`` (skipped when the library is missing), for policy
 None and "torch". Results are printed as each row finishes and written to ``--out``
 (convert_cost.json / convert_cost.md). ``--profile POLICY`` adds a cProfile of ``precast.convert`` on the chain
 at the largest N. Target (issue 15): <= 1 ms per node for all stages together, verification excluded, linear
 in N. Timings on a shared machine are noisy: compare rows measured in the same run.
 
-``--llama SIZE ...`` measures instead the cost per GB of weights (issue 29 item 3; ``precast.bench.convert_gb``):
+``--llama SIZE ...`` measures instead the cost per GB of weights (issue 29 item 3; ``precast.bench.convert.gb``):
 a Llama-shaped transformers model with random weights at 0.2 B or 1.1 B parameters, exported (plain forward,
 1 x 16 tokens), converted with policy None, "torch" and "rules" (``--policies``) and default options, one fresh
 process per (size, policy): wall and CPU seconds per GB, peak RSS above the input weights over their bytes, and
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="convert_cost_out", metavar="DIR")
     args = p.parse_args(argv)
     if args.llama:
-        from precast.bench.convert_gb import gb_markdown, run_gb_bench, write_gb_outputs
+        from precast.bench.convert import gb_markdown, run_gb_bench, write_gb_outputs
 
         policies = tuple(None if x == "none" else x for x in (args.policies or ["none", "torch", "rules"]))
         rows = run_gb_bench(tuple(args.llama), policies)

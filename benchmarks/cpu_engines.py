@@ -60,7 +60,7 @@ PRECAST_OV = ("precast -> OpenVINO", "precast (fp32 head) -> OpenVINO")
 
 
 def minilm() -> tuple[torch.nn.Module, tuple]:
-    from precast.bench.minilm import SENTENCES
+    from benchmarks.harness.minilm import SENTENCES
     from tests.realmodels.builders import MeanPooled, minilm_bert_model, minilm_tokenize
 
     model = MeanPooled(minilm_bert_model(), False).eval()
@@ -126,7 +126,7 @@ def build(name: str, threads: list[int], cache: Path, work: Path) -> tuple[dict,
     if name == "cnn":
         head = [n.name for n in fp32.graph.nodes if n.target == torch.ops.aten.linear.default]
         plans["precast (fp32 head) -> OpenVINO"] = precast.convert(
-            fp32, inputs, policy="rules", dtype=torch.bfloat16, exclude_nodes=head
+            fp32, inputs, policy=precast.RulesPolicy(dtype=torch.bfloat16, exclude_nodes=head)
         ).program
     facts: dict[str, Any] = {"ref": ref, "plan": {}}
     aoti = {

@@ -22,8 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from precast.bench.decode import bandwidth_gbs
-from precast.bench.decode_model import Shape
+from precast.bench.decode import Shape, bandwidth_gbs
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

@@ -8,10 +8,10 @@ the language reference's topics), teacher-forced in windows through transformers
         [--anchor-python /path/to/ov-anchor/bin/python] [--out docs/benchmarks]
 
 Forms (``--forms`` picks a subset):
-  precast_torch       ``precast.convert(ep, policy="torch", dtype=bf16, cache_dtype=bf16)``, run eagerly
+  precast_torch       ``precast.convert(ep, policy="torch", dtype=bf16, cache=CacheOptions(dtype=bf16))``, run eagerly
   precast_openvino    the same through ``precast.compile(program, backend="openvino")``: the default call
   openvino_anchor     OpenVINO's own export of the same weights (optimum-intel, in the anchor's environment:
-                      ``precast bench --llm --build-anchor-env``), loaded here by this process's OpenVINO with
+                      ``python -m benchmarks.llm_decode --build-anchor-env``), loaded here by this process's OpenVINO with
                       ``INFERENCE_PRECISION_HINT`` / ``KV_CACHE_PRECISION`` bf16 (as optimum-intel runs it)
 
 The weights are read from the package's GGUF once (transformers dequantizes it: ~80-200 s) and cached as an fp32
@@ -143,12 +143,13 @@ def openvino_runner(program: torch.export.ExportedProgram) -> tuple[Run, str]:
 
 def anchor_runner(folder: Path, python: str) -> tuple[Run, str]:
     """OpenVINO's own export (optimum-intel in the anchor's environment), run by this process's OpenVINO."""
-    import numpy as np
     import openvino as ov
+
+    from benchmarks.harness.decode_anchor import window_runner
 
     out = folder.with_name(folder.name + "-ov")
     if not (out / "openvino_model.xml").exists():
-        script = Path(__file__).resolve().parents[1] / "precast" / "bench" / "ov_anchor.py"
+        script = Path(__file__).resolve().parent / "harness" / "ov_anchor.py"
         subprocess.run([python, "-P", str(script), "--export", str(folder), str(out)], check=True)
     request = (
         ov.Core()
@@ -160,20 +161,7 @@ def anchor_runner(folder: Path, python: str) -> tuple[Run, str]:
         .create_infer_request()
     )
 
-    def run(ids: torch.Tensor) -> torch.Tensor:
-        request.reset_state()
-        n = ids.shape[1]
-        request.infer(
-            {
-                "input_ids": ids.numpy(),
-                "attention_mask": np.ones((1, n), np.int64),
-                "position_ids": np.arange(n, dtype=np.int64)[None],
-                "beam_idx": np.zeros(1, np.int32),
-            }
-        )
-        return torch.from_numpy(request.get_output_tensor(0).data.copy())[0].float()
-
-    return run, f"optimum-intel export, OpenVINO {ov.__version__}, hint bf16"
+    return window_runner(request), f"optimum-intel export, OpenVINO {ov.__version__}, hint bf16"
 
 
 def compare(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -216,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     import precast
-    from precast.bench.decode_anchor import anchor_python
+    from benchmarks.harness.decode_anchor import anchor_python
 
     args.work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
@@ -226,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     runners: dict[str, tuple[Run, str]] = {"fp32": (program_runner(ep), "the fp32 program, eager")}
     converted = None
     if {"precast_torch", "precast_openvino"} & set(args.forms):
-        converted = precast.convert(ep, policy="torch", dtype=torch.bfloat16, cache_dtype="bf16").program
+        converted = precast.convert(
+            ep, policy="torch", dtype=torch.bfloat16, cache=precast.CacheOptions(dtype="bf16")
+        ).program
     for form in args.forms:
         if form == "precast_torch":
             runners[form] = (program_runner(converted), "policy torch bf16, cache bf16, eager")
@@ -235,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         elif form == "openvino_anchor":
             python = anchor_python(args.anchor_python)
             if python is None:
-                print("openvino_anchor: no anchor environment (precast bench --llm --build-anchor-env)")
+                print(
+                    "openvino_anchor: no anchor environment (python -m benchmarks.llm_decode --build-anchor-env)"
+                )
                 continue
             runners[form] = anchor_runner(args.work / "smollm2-fp32", python)
     sums = {name: {"kld": 0.0, "top1": 0.0, "nll": 0.0, "n": 0.0} for name in runners}

@@ -21,7 +21,7 @@ Variants (``--variant`` picks a subset):
   aoti_bf16           AOTInductor on the hand-cast program
   aoti_bf16_frozen    ... with ``freezing=True``
   aoti_bf16_autotune  ... with ``max_autotune=True``, C++ GEMM backend (the template packs weights at compile time)
-  precast_torch       ``precast.convert(ep, policy="torch", cache_dtype=bf16)`` then ``precast.compile`` with no
+  precast_torch       ``precast.convert(ep, policy="torch", cache=CacheOptions(dtype=bf16))`` then ``precast.compile`` with no
                       options: the form measured fastest here at the largest --threads value
                       (precast/backends/aoti/forms.py; the note says which, with the times; run --threads 1 and
                       --threads 2 separately for each count's own choice)
@@ -37,7 +37,7 @@ Variants (``--variant`` picks a subset):
                       ``OVModelForCausalLM.from_pretrained(export=True)``, stateful), ``INFERENCE_PRECISION_HINT`` and
                       ``KV_CACHE_PRECISION`` bf16, in its own environment (optimum-intel 2.2 needs transformers
                       < 5.6: ``--build-anchor-env [DIR]`` builds it, default precast's data folder
-                      (``precast.bench.decode_anchor.ANCHOR_ENV``: ``<user data dir>/precast/ov-anchor``, where
+                      (``benchmarks.harness.decode_anchor.ANCHOR_ENV``: ``<user data dir>/precast/ov-anchor``, where
                       ``precast bench --llm`` looks too); ``--anchor-python`` or $PRECAST_OV_ANCHOR_PYTHON point at
                       another). One persistent process per thread count takes its turn in every
                       interleaved repeat; its resident memory is what that fresh process gained loading the IR.
@@ -48,7 +48,7 @@ Variants (``--variant`` picks a subset):
 
 Every form is measured in one interleaved run per thread count, with the load average printed before and after.
 The forms, their building, the interleaved measuring and the fresh-process memory are the package's
-(``precast/bench/decode_forms.py``, ``decode.py``, ``decode_rss.py``): ``precast bench --llm`` runs the same code on
+(``precast/bench/decode/forms.py``, ``decode.py``, ``decode_rss.py``): ``precast bench --llm`` runs the same code on
 a default subset, with each row's ratio to the fastest hand-cast form and to the anchor; this script adds every
 form, the accuracy check, the targets and the profile.
 
@@ -79,11 +79,15 @@ if __package__ in (None, ""):  # run as a file: the repository root is importabl
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from benchmarks.harness import decode_anchor  # noqa: E402 - registers the anchor forms
 from precast import cpu  # noqa: E402 - after the path set-up above
-from precast.bench import decode, decode_anchor, decode_forms, decode_model, decode_rss  # noqa: E402 - after the path set-up
+from precast.bench import decode  # noqa: E402 - after the path set-up
+from precast.bench.decode import forms as decode_forms  # noqa: E402
+from precast.bench.decode import model as decode_model  # noqa: E402
+from precast.bench.decode import rss as decode_rss  # noqa: E402
 
 # the forms, their building, measuring and fresh-process memory live in the package's harness
-# (precast/bench/decode*.py), which ``precast bench --llm`` runs too: this script adds the profile, the accuracy
+# (precast/bench/decode/), which ``precast bench --llm`` runs too: this script adds the profile, the accuracy
 # check, the targets and its own table
 EAGER, HAND, PRECAST, OPENVINO, VARIANTS = (
     decode_forms.EAGER,

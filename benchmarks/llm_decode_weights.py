@@ -1,12 +1,12 @@
 """Decode speed with weights stored in 8 and 4 bits (issue 41), in one interleaved run: precast's plan (policy
 torch, bf16, KV cache bf16) with ``weight_format="int8"`` / ``"int8-asym"`` (forms ``..._int8a``) / ``"int4"`` /
 a mixed int4/int8 plan (forms ``..._q4km``: llama.cpp's Q4_K_M choice of the tensors in more bits, int8 there and
-int4 elsewhere; ``precast.bench.decode_model.q4_k_m_rules``) on
+int4 elsewhere; ``precast.quant.presets.q4_k_m_rules``) on
 AOTInductor (``precast.compile()``, no
 options) and on OpenVINO (``precast.compile(backend="openvino")``, the default call), beside the same plan with bf16
 weights and OpenVINO's own exports of the same seeded weights (optimum-intel; ``optimum-cli --weight-format int8``).
 
-The decoder is ``precast.bench.decode_model``'s Llama-shaped 0.246 B model (random seeded weights; ``--quick``: the
+The decoder is ``precast.bench.decode.model``'s Llama-shaped 0.246 B model (random seeded weights; ``--quick``: the
 tiny one); the forms, the interleaving, the fresh-process memory and the bandwidth probe are the package harness's
 (``precast.bench.decode``, which ``precast bench --llm`` runs). Printed per thread count: ms per token, tokens/s,
 bytes a step reads and the share of the measured memory bandwidth that makes, and the targets:
@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from precast.bench import decode, decode_anchor, decode_model
+from benchmarks.harness import decode_anchor  # registers the anchor forms
+from precast.bench import decode
 
 FORMS = (
     "precast_torch",
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - started:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     payload = decode.run_decode_bench(
-        decode_model.QUICK if args.quick else decode_model.Shape(),
+        decode.QUICK if args.quick else decode.Shape(),
         args.threads,
         args.repeats,
         args.steps,

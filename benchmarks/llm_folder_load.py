@@ -6,7 +6,7 @@ AOTInductor against optimum-intel's own flow (``optimum-cli export openvino --we
 
 Builds once into ``--work`` (reused after): precast's folder (``precast export-llm FILE --weight-format int8
 --backend openvino aoti``), the GGUF's fp32 checkpoint (``save_pretrained``), optimum's int8 folder (in the anchor
-environment: ``precast bench --llm --build-anchor-env``). Prints per form: seconds from process start to the first
+environment: ``python -m benchmarks.llm_decode --build-anchor-env``). Prints per form: seconds from process start to the first
 token (imports included), the load alone, the first token's time; the folder's bytes against the weights' bytes;
 the CPU, the thread count and the load average. Nothing here is asserted: figures, not tests.
 """
@@ -129,7 +129,7 @@ def _sizes(folder: Path) -> str:
 
 
 def main() -> int:
-    from precast.bench.decode_anchor import anchor_python
+    from benchmarks.harness.decode_anchor import anchor_python
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", default=None)

@@ -78,8 +78,8 @@ def asym_grid(grid: torch.dtype | None):
 
 
 def precast_format(name: str):
-    """precast's own format (``precast.ir.weight_formats``), scales on bf16's grid, read in fp32."""
-    from precast.ir.weight_formats import dequantize, parse_format, quantize
+    """precast's own format (``precast.quant.formats``), scales on bf16's grid, read in fp32."""
+    from precast.quant.formats import dequantize, parse_format, quantize
 
     fmt = parse_format(name)
     return lambda w: dequantize(quantize(w, fmt, torch.bfloat16), fmt, torch.float32)

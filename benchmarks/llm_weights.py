@@ -9,7 +9,7 @@ What it does, in one run (the CPU and load printed with the table):
 1. exports the model with transformers' static-cache recipe (as benchmarks/llm_accuracy.py), the reference the
    fp32 program run eagerly;
 2. estimates every linear/embedding weight's cost in int4-g64 / int8 / bf16 on the first ``--calibration`` tokens
-   (``precast.numerics.weight_sensitivity.estimate_costs``: the Fisher estimate; the seconds printed), and, with
+   (``precast.quant.estimate.estimate_costs``: the Fisher estimate; the seconds printed), and, with
    ``--ablation``, measures each weight alone in int4 on one window, printing the Spearman correlation;
 3. converts with ``policy="torch"`` (bf16, cache bf16) and each plan: bf16 weights; int8 everywhere; int8 but the
    tied embedding/head table; int4-g64 everywhere; the greedy plan at each ``--bits`` budget; at the same bytes, a
@@ -41,7 +41,7 @@ from benchmarks.llm_accuracy import compare, cpu_line, export, load_fp32, openvi
 def q4_k_m_rule(names: list[str], layers: int) -> dict[str, str]:
     """llama.cpp's Q4_K_M choice of which tensors get more bits (``use_more_bits`` in llama-quant.cpp): attn_v and
     ffn_down of layers i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2, and the output table; in precast's formats."""
-    from precast.bench.decode_model import q4_k_m_more_bits
+    from precast.quant.presets import q4_k_m_more_bits
 
     plan = {}
     for name in names:
@@ -56,7 +56,7 @@ def q4_k_m_rule(names: list[str], layers: int) -> dict[str, str]:
 def plan_total(costs, formats: dict[str, str]) -> tuple[int, float]:
     """(bytes, estimated KLD) of a plan; a format the estimate did not cover (int8-asym): its bytes from the
     format (bf16 scales), no estimate (nan)."""
-    from precast.ir.weight_formats import parse_format
+    from precast.quant.formats import parse_format
 
     if all(f in w.estimate for w in costs.weights.values() for f in set(formats.values())):
         return costs.total(formats)
@@ -91,8 +91,8 @@ def convert(ep: torch.export.ExportedProgram, weight_format: object):
         ep,
         policy="torch",
         dtype=torch.bfloat16,
-        cache_dtype="bf16",
-        weight_format=weight_format,
+        cache=precast.CacheOptions(dtype="bf16"),
+        weights=precast.WeightOptions(format=weight_format),
         verify=False,
     )
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     import precast
-    from precast.numerics.weight_sensitivity import ablate, allocate, estimate_costs, spearman
+    from precast.quant.estimate import ablate, allocate, estimate_costs, spearman
 
     load = os.getloadavg()[0]
     model, tok = load_fp32(args.work)

@@ -328,9 +328,9 @@ def _anchor_export(python: str, model_dir: Path, out: Path, weight_format: str, 
 def ov_runner(xml: str, config: dict):
     """The OpenVINO model (stateful, optimum's inputs) compiled for the CPU with ``config``, teacher-forced from an
     empty state, as ``llm_accuracy.anchor_runner``; and the properties it resolved."""
-    import numpy as np
     import openvino as ov
-    import torch
+
+    from benchmarks.harness.decode_anchor import window_runner
 
     compiled = ov.Core().compile_model(xml, "CPU", config)
     resolved = {}
@@ -340,20 +340,7 @@ def ov_runner(xml: str, config: dict):
             resolved[p] = value.get_type_name() if hasattr(value, "get_type_name") else str(value)
     request = compiled.create_infer_request()
 
-    def run(ids):
-        request.reset_state()
-        n = ids.shape[1]
-        request.infer(
-            {
-                "input_ids": ids.numpy(),
-                "attention_mask": np.ones((1, n), np.int64),
-                "position_ids": np.arange(n, dtype=np.int64)[None],
-                "beam_idx": np.zeros(1, np.int32),
-            }
-        )
-        return torch.from_numpy(request.get_output_tensor(0).data.copy())[0].float()
-
-    return run, resolved
+    return window_runner(request), resolved
 
 
 def _evaluate(run, references) -> dict:
@@ -409,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     import openvino as ov
     import torch
 
+    from benchmarks.harness.decode_anchor import anchor_python
     from benchmarks.llm_accuracy import cpu_line, export, load_fp32, program_runner
-    from precast.bench.decode_anchor import anchor_python
 
     python = anchor_python(args.anchor_python)
     if python is None:
@@ -480,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.llm_accuracy import openvino_runner
 
         for fmt in args.precast_fp32:
-            res = precast.convert(ep, policy=None, weight_format=fmt, verify=False)
+            res = precast.convert(ep, policy=None, weights=precast.WeightOptions(format=fmt), verify=False)
             stored = sum(r["bytes_after"] for r in res.report.weight_formats)
             run, how = openvino_runner(res.program)
             r = _evaluate(run, references)
@@ -490,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                 **r,
                 "bits_per_weight": 8 * stored / elements,
                 "stored_bytes": stored,
-                "how": f"precast.convert(policy=None, weight_format={fmt!r}), {how.split(': ', 1)[-1]}",
+                "how": f"precast.convert(policy=None, weights=WeightOptions(format={fmt!r})), {how.split(': ', 1)[-1]}",
             }
             print(
                 f"precast {fmt} policy None [openvino]: KLD {r['kld']:.5f}, top-1 {100 * r['top1']:.1f}%",

@@ -66,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = precast.convert(
-            ep, policy="torch", dtype=torch.bfloat16, cache_dtype="bf16", weight_format=args.weights
+            ep,
+            policy="torch",
+            dtype=torch.bfloat16,
+            cache=precast.CacheOptions(dtype="bf16"),
+            weights=precast.WeightOptions(format=args.weights),
         ).program
     runners = {
         "fp32": (program_runner(ep), "the fp32 program, eager"),

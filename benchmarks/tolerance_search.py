@@ -1,4 +1,4 @@
-"""The tolerance search on all-MiniLM-L6-v2 (real weights, ``precast.bench.minilm``): forwards, wall time and ops
+"""The tolerance search on all-MiniLM-L6-v2 (real weights, ``benchmarks.harness.minilm``): forwards, wall time and ops
 kept in fp32 for ``policy="rules", tolerance={"cosine": 0.99996}`` on the first 8 sample sentences (one
 calibration batch), as ``tests/realmodels/test_minilm.py`` runs it.
 
@@ -7,8 +7,8 @@ calibration batch), as ``tests/realmodels/test_minilm.py`` runs it.
 Before (the search as it was before the overrides/fast-search rework: a ``MixedInterpreter`` applying the
 decisions op by op, each candidate ranked by one forward with it alone in low precision, then doubling and
 bisection), measured before the change with this model, data and target on the same 2-core CPU machine, bf16,
-by a script that wrapped ``MixedInterpreter.run`` and ``check_program`` in ``precast.numerics.tolerance_search`` /
-``precast.numerics.tolerance`` with call counters and ran ``run()``'s conversion under ``time``::
+by a script that wrapped ``MixedInterpreter.run`` and ``check_program`` in ``precast.numerics.tolerance.search`` /
+``precast.numerics.tolerance.stage`` with call counters and ran ``run()``'s conversion under ``time``::
 
     forwards 49 (reference 1, all-low 1, every candidate in fp32 1, 37 rankings, 8 tries, check 1)
     convert 56.6 s wall (26 s CPU; the machine was shared), kept 15 of 37 candidates in fp32:
@@ -38,7 +38,7 @@ import torch
 import torch.fx
 
 import precast
-from precast.bench.minilm import SENTENCES, load_minilm, tokenize
+from benchmarks.harness.minilm import SENTENCES, load_minilm, tokenize
 
 TARGET = 0.99996
 
@@ -51,10 +51,7 @@ def run(dtype: torch.dtype = torch.bfloat16, target: float = TARGET) -> dict:
     res = precast.convert(
         model,
         cal[0],
-        policy="rules",
-        dtype=dtype,
-        calibration=cal,
-        tolerance={"cosine": target},
+        policy=precast.RulesPolicy(dtype=dtype, calibration=cal, tolerance={"cosine": target}),
         verify=False,
     )
     wall = time.perf_counter() - start
@@ -112,7 +109,7 @@ def _old_search(program: Any, ep: Any, policy: Any, opts: Any, cal: Any, tol: An
     from precast.ir.inputs import placeholder_values, user_values
     from precast.ir.op_families import GEMM_OPS
     from precast.metrics import WorstError
-    from precast.numerics.tolerance import user_outputs
+    from precast.numerics.tolerance.stage import user_outputs
     from precast.policy.base import apply_decision
     from precast.policy.compose import decide
     from precast.policy.measurements import ToleranceResult

@@ -25,23 +25,35 @@ from torch.export import ExportedProgram
 from precast.errors import PrecastError
 from precast.guard import guard_module
 from precast.ir.program import private_state
-from precast.numerics.calibrate import calibrate as calibrate_program
-from precast.numerics.calibration import TOLERANCE_BATCHES
+from precast.numerics.calibration.checks import TOLERANCE_BATCHES
+from precast.numerics.calibration.stage import calibrate as calibrate_program
 from precast.numerics.distributed import process_group
 from precast.pipeline.after_lowering import after_lowering
 from precast.pipeline.conversion import begin, run_checks
 from precast.pipeline.options import CheckedOptions, ConvertOptions
 from precast.pipeline.prepare import prepare
+from precast.pipeline.records import CacheOptions, IOOptions, VerifyOptions, WeightOptions, options_of
 from precast.pipeline.verify import verify_conversion
-from precast.pipeline.weight_budget import WeightBudget, choose_weights
 from precast.policy.measurements import Calibration
 from precast.policy.resolve import POLICY_NAMES, resolve_policy
+from precast.quant.budget import WeightBudget, choose_weights
 from precast.report.build import fill_report, new_report, unchanged_report, write_program_info
 from precast.report.model import Report
 from precast.threads import TORCH_LOCK
 from precast.weights.streamed import write_weights
 
-__all__ = ["POLICY_NAMES", "ConvertOptions", "ConvertResult", "calibrate", "convert", "convert_with"]
+__all__ = [
+    "POLICY_NAMES",
+    "CacheOptions",
+    "ConvertOptions",
+    "ConvertResult",
+    "IOOptions",
+    "VerifyOptions",
+    "WeightOptions",
+    "calibrate",
+    "convert",
+    "convert_with",
+]
 
 
 @dataclass
@@ -59,59 +71,40 @@ def convert(
     program_or_module: ExportedProgram | torch.nn.Module,  # what to convert
     example_inputs: Any = None,  # (x,) or (args, kwargs): to export a module, and to verify the result
     *,
+    policy: Any = None,  # None (the program's own regions), "torch", "rules", "auto" or a policy object
     dtype: torch.dtype | str | None = None,  # the low dtype: "bf16", "fp16" or a torch dtype
     device_type: str | None = None,  # "cpu" or "cuda": whose autocast tables apply
-    policy: Any = None,  # None (the program's own regions), "torch", "rules", "auto" or a policy object
-    exclude_nodes: Iterable[str] = (),  # rules: regexes on node names / module paths kept fp32
-    exclude_ops: Iterable[Any] = (),  # rules: ops kept fp32
-    include_nodes: Iterable[str] = (),  # rules: regexes on node names / module paths run low
-    include_ops: Iterable[Any] = (),  # rules: ops run low
-    data_max: float | None = None,  # rules: an op whose activations exceed this absmax stays fp32
-    init_max: float | None = None,  # rules: an op whose constants exceed this absmax stays fp32
-    max_reduction_depth: int | None = None,  # rules: an op accumulating over more elements stays fp32
-    calibration: Iterable[Any] | None = None,  # rules: batches, or a precast.Calibration (or its file)
-    tolerance: Any = None,  # rules: the accuracy the tolerance search keeps by putting ops back in fp32
-    keep_io_types: bool | None = None,  # outputs cast back to the program's dtypes (None: the policy's)
-    dynamic_shapes: Any = None,  # torch.export's dynamic_shapes, when precast exports a module
-    custom_rules: Iterable[Any] = (),  # rules: (node, context) -> a reason to keep the node fp32, or None
-    patterns: Iterable[str] | str | None = None,  # rules: the precision-sensitive patterns kept fp32
-    verify: bool = True,  # run the converted program against its reference on the example inputs
+    weights: WeightOptions | str | os.PathLike | None = None,  # the weights' storage format, streamed files
+    cache: CacheOptions | None = None,  # the caches the program stores into (an LLM's KV cache)
+    io: IOOptions | None = None,  # outputs' dtypes, torch.export's dynamic_shapes
+    verify: VerifyOptions | bool = True,  # run the converted program against its reference
     allow: Iterable[str] = (),  # diagnostic codes (precast.codes) whose errors become warnings
     plan: Any = None,  # a precast.Plan (or its JSON file): its ops stay fp32, its weight formats apply
-    cache_dtype: torch.dtype | str | None = None,  # the caches the program stores into, held in this dtype
-    weights: str | os.PathLike | None = None,  # safetensors files of the program's weights, streamed
-    weights_out: str | os.PathLike | None = None,  # the folder the converted streamed weights go to
-    weight_format: Any = None,  # linear/embedding weights in 8 or 4 bits, or a precast.WeightBudget
+    **shortcuts: Any,  # the release before's keywords (exclude_nodes=, weight_format=, ...): they warn
 ) -> ConvertResult:
-    """Convert a program (or module + example inputs) to explicit mixed precision. Each keyword has its line
-    above, and its section in the README ("API notes", "LLMs") and docs/ (rules, streaming, weight_formats,
-    sensitivity); they become one ``ConvertOptions`` (``pipeline/options.py``), converted by ``convert_with``."""
-    keywords = {
-        "exclude_nodes": exclude_nodes,  # the rules keywords first (RulesPolicy's field names)
-        "exclude_ops": exclude_ops,
-        "include_nodes": include_nodes,
-        "include_ops": include_ops,
-        "data_max": data_max,
-        "init_max": init_max,
-        "max_reduction_depth": max_reduction_depth,
-        "calibration": calibration,
-        "tolerance": tolerance,
-        "custom_rules": custom_rules,
-        "patterns": patterns,
+    """Convert a program (or module + example inputs) to explicit mixed precision.
+
+    The rules' options (``exclude_nodes``, ``calibration``, ``tolerance``, ...) are the policy's:
+    ``policy=precast.RulesPolicy(...)``. ``weights=precast.WeightOptions(format="int8")`` stores weights in 8/4
+    bits (``files=``/``out=``: streamed weights), ``cache=precast.CacheOptions(dtype="bf16")`` holds the KV
+    cache low, ``io=precast.IOOptions(keep_types=..., dynamic_shapes=...)``, ``verify=False`` (or a
+    ``precast.VerifyOptions``) skips verification. The keywords of the release before (the rules' options,
+    ``weight_format``, ``weights_out``, ``cache_dtype``, ``keep_io_types``, ``dynamic_shapes``, ``weights=PATH``)
+    still work for one release, each with a ``FutureWarning`` naming its new place; any other keyword is a
+    ``TypeError``. README ("API notes", "LLMs") and docs/ (rules, streaming, weight_formats) say more; the
+    arguments become one ``ConvertOptions`` (``pipeline/records.py``), converted by ``convert_with``."""
+    given = {
+        "policy": policy,
         "dtype": dtype,
         "device_type": device_type,
-        "policy": policy,
-        "keep_io_types": keep_io_types,
-        "dynamic_shapes": dynamic_shapes,
+        "weights": weights,
+        "cache": cache,
+        "io": io,
         "verify": verify,
         "allow": allow,
         "plan": plan,
-        "cache_dtype": cache_dtype,
-        "weights": weights,
-        "weights_out": weights_out,
-        "weight_format": weight_format,
     }
-    return convert_with(program_or_module, example_inputs, ConvertOptions.from_keywords(keywords))
+    return convert_with(program_or_module, example_inputs, options_of(given, shortcuts))
 
 
 def convert_with(
@@ -162,15 +155,15 @@ def calibrate(
     group: Any = None,
     progress: bool | None = None,
 ) -> Calibration:
-    """The calibration statistics ``convert(..., policy="rules", calibration=...)`` would measure on ``data``,
-    as a value: ``.save(path)``, ``precast.load_calibration(path)``, ``.merge(other, ...)``, and
-    ``convert(..., calibration=cal)`` (or its path, or a list of them) converts with them without measuring.
+    """The calibration statistics ``convert(..., policy=RulesPolicy(calibration=...))`` would measure on
+    ``data``, as a value: ``.save(path)``, ``precast.load_calibration(path)``, ``.merge(other, ...)``, and
+    ``RulesPolicy(calibration=cal)`` (or its path, or a list of them) converts with them without measuring.
 
     ``dtype``: the low dtype the conversion will use (its subnormal counts; a conversion to another is refused).
     ``keep``: batches kept for the tolerance search (the globally first). ``shard=(rank, world)``: ``data`` is
     ``batches[rank::world]`` (files of all the shards merge into the statistics of all the batches). With
     torch.distributed initialised (or ``group=``), every rank passes its shard and gets the merged statistics
-    (docs/distributed.md); ``group=False``: this process alone. (``convert(calibration=batches)`` measures in
+    (docs/distributed.md); ``group=False``: this process alone. (``RulesPolicy(calibration=batches)`` measures in
     its process alone: a conversion on rank 0 only never waits for the others.)"""
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
         raise PrecastError(f"keep={keep!r}: give a number of batches >= 0")

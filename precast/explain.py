@@ -15,7 +15,7 @@ Nothing here changes the caller's program or module: every program measured is a
 
 from __future__ import annotations
 
-import dataclasses
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,17 +27,14 @@ from torch.export import ExportedProgram
 
 from precast.dtypes import dtype_name, parse_low_dtype
 from precast.errors import PrecastError, module_path, user_source_line
-from precast.explain_weights import WeightSensitivity, weight_sensitivity
 from precast.io import atomic_path
 from precast.ir.diagnostics import DiagnosticLog
 from precast.ir.inputs import check_example_inputs, placeholder_values
-from precast.numerics.calibrate import batches_of
+from precast.numerics.calibration.stage import batches_of
 from precast.numerics.distributed import process_group
 from precast.numerics.energies import Energies, load_energies
 from precast.numerics.nonfinite import is_nonfinite, op_inputs, op_subgraph, run_watching
-from precast.numerics.sensitivity import ablate, estimate
-from precast.numerics.sensitivity_estimator import Estimator
-from precast.numerics.sensitivity_results import METRICS, Estimate
+from precast.numerics.sensitivity import METRICS, Estimate, Estimator, ablate, estimate
 from precast.pipeline.conversion import Conversion, begin
 from precast.pipeline.options import CheckedOptions
 from precast.pipeline.prepare import prepare
@@ -45,6 +42,7 @@ from precast.policy.hooks import binds
 from precast.policy.plan import Plan
 from precast.policy.resolve import resolve_policy
 from precast.policy.rules.policy import RulesPolicy
+from precast.quant.sensitivity import WeightSensitivity, weights_shortcut
 from precast.report.sensitivity import sensitivity_dict
 
 REPRO_SCRIPT = '''"""Repro written by `precast sensitivity`: {op} ({node}) at {location}.
@@ -125,7 +123,7 @@ def sensitivity(
     *,
     dtype: torch.dtype | str | None = None,
     policy: Any = "rules",
-    metric: str = "rel",
+    metric: str | None = None,
     device_type: str | None = None,
     dynamic_shapes: Any = None,
     measure_points: int = 1,
@@ -141,34 +139,26 @@ def sensitivity(
 ) -> Sensitivity | WeightSensitivity:
     """Rank the ops the policy runs in low precision by the output error their rounding causes (docs/sensitivity.md).
 
-    ``inputs``: one batch (as for ``convert``'s ``example_inputs``); ``metric``: "rel", "cosine" or "max_abs";
+    ``inputs``: one batch (as for ``convert``'s ``example_inputs``); ``metric``: "rel" (default), "cosine" or "max_abs";
     ``measure_points``: curve points measured on real conversions (0-3); ``ablation``: also measure each op alone in
     low precision (one conversion per op); ``repro``: a folder for a standalone repro of the first non-finite op
     (else the top-ranked op). ``data`` (batches to estimate the energies on), ``group`` (the ranks whose energies
     are summed) and ``energies`` (measured before, used instead of measuring): docs/sensitivity.md and
     docs/distributed.md.
 
-    ``weight_formats`` (e.g. ``("int4", "int8")``): rank the linear/embedding weights instead (docs/weight_formats.md,
-    ``precast.explain_weights``: ``metric`` "kld" (default) or "mse", ``data`` default ``[inputs]``, ``evaluate``,
-    ``measure_bits``, ``probes``). Returns a ``WeightSensitivity`` (``.plan(bits=4.5)``, ``.curve``, ``.spearman``)."""
-    if weight_formats is not None:
-        return weight_sensitivity(
-            program_or_module,
-            inputs,
-            data=list(data) if data is not None else [inputs],
-            formats=weight_formats,
-            policy=policy,
-            dtype=dtype,
-            metric=metric if metric in ("kld", "mse") else "kld",
-            probes=probes,
-            evaluate=evaluate,
-            measure_bits=measure_bits,
-            ablation=ablation,
+    ``weight_formats`` (e.g. ``("int4", "int8")``): a shortcut, kept one release with a FutureWarning, for
+    ``precast.weight_sensitivity`` (which ranks the weights: docs/weight_formats.md); the options it does not take
+    are refused in one line. Returns a ``WeightSensitivity`` then."""
+    if weight_formats is not None:  # the shortcut, one release, with a warning (precast.weight_sensitivity)
+        given = {"measure_points": measure_points, "repro": repro, "group": group, "energies": energies}
+        weights = {"data": data, "evaluate": evaluate, "measure_bits": measure_bits, "probes": probes}
+        kw = {"policy": policy, "dtype": dtype, "device_type": device_type, "dynamic_shapes": dynamic_shapes}
+        return weights_shortcut(
+            program_or_module, inputs, weight_formats, metric, ablation, given, weights, kw
         )
-    if metric not in METRICS:
-        raise PrecastError(f"metric={metric!r}: choose {', '.join(METRICS)}")
-    if not isinstance(measure_points, int) or not 0 <= measure_points <= 3:
-        raise PrecastError(f"measure_points={measure_points!r}: give 0, 1, 2 or 3")
+    metric = "rel" if metric is None else metric
+    _refuse_weight_options(evaluate=evaluate, measure_bits=measure_bits, probes=probes)
+    _check_options(metric, measure_points, ablation, repro, device_type)
     pol, low = _ranked_policy(policy, dtype, device_type)
     group, given, data = _measure_sources(inputs, data, group, energies)
     state, low = _prepared(program_or_module, inputs, pol, low, device_type, dynamic_shapes)
@@ -179,6 +169,33 @@ def sensitivity(
         ep, state.policy, state.binding, batch, metric, measure_points=measure_points, low=low, **more
     )
     return _finished(est, result, state.policy, ablation, repro)
+
+
+def _check_options(
+    metric: str, measure_points: int, ablation: bool, repro: str | Path | None, device_type: str | None
+) -> None:
+    """The op ranking's own options, each checked before anything runs: one line per bad value."""
+    if device_type not in (None, "cpu", "cuda"):
+        raise PrecastError(f"device_type={device_type!r}: precast has autocast tables for 'cpu' and 'cuda'")
+    if metric not in METRICS:
+        raise PrecastError(f"metric={metric!r}: choose {', '.join(METRICS)}")
+    if type(measure_points) is not int or not 0 <= measure_points <= 3:
+        raise PrecastError(f"measure_points={measure_points!r}: give 0, 1, 2 or 3")
+    if not isinstance(ablation, bool):
+        raise PrecastError(f"ablation={ablation!r}: give True (measure each op alone) or False")
+    if repro is not None and not isinstance(repro, (str, os.PathLike)):
+        raise PrecastError(f"repro={repro!r}: give the folder (a path) the repro is written to")
+
+
+def _refuse_weight_options(**given: Any) -> None:
+    """Weight sensitivity's own options, given to the op ranking: refused in one line, never ignored."""
+    defaults = {"evaluate": None, "measure_bits": (), "probes": 8}
+    named = [k for k, v in given.items() if not (v is defaults[k] or v == defaults[k])]
+    if named:
+        raise PrecastError(
+            f"{', '.join(f'{k}=' for k in named)}: weight sensitivity's options, and this call ranks ops; give "
+            "weight_formats=(...) to rank the weights, or leave them out"
+        )
 
 
 def _finished(
@@ -202,7 +219,12 @@ def _ranked_policy(
     if policy == "rules":
         return RulesPolicy(dtype=low), low
     if isinstance(policy, RulesPolicy):
-        pol = dataclasses.replace(policy, tolerance=None)  # the ranking replaces the search
+        if policy.tolerance is not None:  # refused, not dropped: the ranking is what a search starts from
+            raise PrecastError(
+                f"{type(policy).__name__}(tolerance=...): sensitivity ranks every op the policy runs low, before "
+                "any tolerance search; give the policy without tolerance (dataclasses.replace(p, tolerance=None))"
+            )
+        pol = policy
         mine = parse_low_dtype(policy.dtype)
         if low is not None and mine is not None and mine != low:
             raise PrecastError(
@@ -226,6 +248,10 @@ def _measure_sources(inputs: Any, data: Any, group: Any, energies: Any) -> tuple
     if energies is not None and (data is not None or group not in (None, False)):
         raise PrecastError(
             "energies= are used as given: measure more with data= (and a process group), not both"
+        )
+    if group not in (None, False) and data is None:
+        raise PrecastError(
+            "group= sums the energies each rank measures on its data=: give data= (this rank's batches) too"
         )
     group = process_group(group) if data is not None else None  # every rank estimating on its shard
     given = None

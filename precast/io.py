@@ -11,6 +11,8 @@
   refused (anyone who can write it can make precast load their native code).
 - ``write_tensors(out, tensors, metadata)`` / ``read_tensors(path)``: named tensors in the safetensors format
   (written and read here with torch alone: no pickle, no extra dependency; the ``safetensors`` package reads it).
+- ``program_bytes(program, output)``: an ExportedProgram serialized in memory (``torch.export.save``), to be written
+  with ``write_bytes``; a failure of the save is one line naming ``output``.
 - ``file_lock(path)``: an inter-process lock that says which lock it waits for after a few seconds and gives up
   after ``$PRECAST_LOCK_TIMEOUT`` seconds (default 600) with one line.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import io
 import json
 import os
 import re
@@ -37,8 +40,9 @@ from typing import Any
 
 import torch
 
-from precast.errors import PrecastError
+from precast.errors import PrecastError, first_line
 from precast.paths import check_outputs
+from precast.threads import TORCH_LOCK
 
 CACHE_ENV = "PRECAST_CACHE_DIR"
 LOCK_TIMEOUT_ENV = "PRECAST_LOCK_TIMEOUT"
@@ -368,3 +372,15 @@ def read_tensors(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], 
     except (ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
         raise PrecastError(f"{bad} ({exc}); write it again") from exc
     return out, metadata
+
+
+def program_bytes(program: torch.export.ExportedProgram, output: str) -> bytes:
+    """The converted program serialized in memory, to be written through Python (a full disk is one line, not an
+    abort); a failure of ``torch.export.save`` is one line naming ``output``."""
+    buffer = io.BytesIO()
+    try:
+        with TORCH_LOCK:
+            torch.export.save(program, buffer)
+    except Exception as exc:
+        raise PrecastError(f"{output}: could not save the converted program: {first_line(exc)}") from exc
+    return buffer.getvalue()

@@ -73,6 +73,11 @@ ONE_LANE: dict[str, tuple[str, str]] = {
         "precast export-llm's flow (files, progress, refusals, the artifact); the weight formats it stores are tested "
         "in both lanes (tests/passes/test_quantize.py), and the floor lane holds the real SmolLM2 weights",
     ),
+    "tests/llm/test_export_api.py": (
+        FLOOR,
+        "precast.llm.export, the flow export-llm runs, called from Python and compared with the command's folder: "
+        "the same flow as tests/cli/test_cli_llm_export.py, which runs in the floor lane",
+    ),
     "tests/bench": (FLOOR, _BENCH),
     "tests/llm/test_folder.py": (
         LATEST,

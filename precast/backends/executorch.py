@@ -306,29 +306,34 @@ def export_executorch(
     an op, and never leaves a partial file. Returns the file's contents (:func:`pte_contents`) with the
     program's own constant bytes by dtype (``info["program_constants"]``) for comparison.
     """
+    require_modules()  # the extra named before the path is checked, as before the split
+    out = check_writable(path)
+    data, info = lower_executorch(program, verify=verify, check_ir_validity=check_ir_validity)
+    with atomic_path(out) as tmp:
+        tmp.write_bytes(data)
+    return {"path": str(out), **info}
+
+
+def lower_executorch(
+    program: ExportedProgram, *, verify: bool = True, check_ir_validity: bool = True
+) -> tuple[bytes, dict[str, Any]]:
+    """``export_executorch`` without the file: the ``.pte``'s bytes and what they hold (see there)."""
     require_modules()
     if not isinstance(program, ExportedProgram):
         raise PrecastError(
             f"export_executorch: got {type(program).__name__}; pass the ExportedProgram that precast.convert "
             "returns (ConvertResult.program)"
         )
-    out = check_writable(path)
     et = _lower(program, check_ir_validity)
     _check_kernels(et.executorch_program.execution_plan[0])
     data = bytes(et.buffer)
-    info: dict[str, Any] = {
-        "path": str(out),
-        **pte_contents(data),
-        "program_constants": program_constants(program),
-    }
+    info: dict[str, Any] = {**pte_contents(data), "program_constants": program_constants(program)}
     if verify and program.example_inputs is not None:
         args, kwargs = program.example_inputs
         got = ExecuTorchProgram(data)(*_flat_inputs(program, args, kwargs))
         want = [t for t in pytree.tree_leaves(program.module()(*args, **kwargs))]
         info["max_abs_diff"] = max_abs_diff(got, want)
-    with atomic_path(out) as tmp:
-        tmp.write_bytes(data)
-    return info
+    return data, info
 
 
 def max_abs_diff(got: Sequence[Any], want: Sequence[Any]) -> float:
@@ -346,3 +351,43 @@ def max_abs_diff(got: Sequence[Any], want: Sequence[Any]) -> float:
             if w.numel():
                 diff = max(diff, (g.double() - w.double()).abs().max().item())
     return diff
+
+
+# ---- precast.compile(backend="executorch") -----------------------------------------------------------------
+def compile_executorch(program: Any, *, verify: bool = True, check_ir_validity: bool = True) -> Any:
+    """``precast.compile(program, backend="executorch")``: the ``.pte`` lowered and verified as
+    ``export_executorch`` does, loaded in ExecuTorch's runtime behind the program's signature
+    (``runtime/signed.SignedModel``; ``precast.save`` writes the ``.pte``)."""
+    from precast.runtime.exported import exported_program
+    from precast.runtime.signed import from_record, program_record
+
+    where = "precast.compile(backend='executorch')"
+    require_modules()
+    ep = exported_program(program, where)
+    data, info = lower_executorch(ep, verify=verify, check_ir_validity=check_ir_validity)
+    summary = ", ".join(f"{k}: {v}" for k, v in info.items() if isinstance(v, (int, float, str)))
+    return from_record(
+        ExecuTorchProgram(data),
+        program_record(ep),
+        data,
+        engine="executorch",
+        where=where,
+        facts={"summary": summary},
+    )
+
+
+def load_executorch(path: str | Path, record: dict[str, Any], *, threads: int | None = None) -> Any:
+    """A saved ``.pte`` loaded in ExecuTorch's runtime, its calls checked against the record's signature."""
+    from precast.runtime.signed import from_record
+
+    if threads is not None:
+        raise PrecastError(f"{path}: ExecuTorch's portable runtime takes no thread count here; drop threads=")
+    data = _read(path)
+    return from_record(
+        ExecuTorchProgram(data),
+        record,
+        data,
+        engine="executorch",
+        where=str(path),
+        facts=dict(record.get("facts") or {}),
+    )

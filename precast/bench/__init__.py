@@ -1,31 +1,35 @@
-"""``precast bench``: eager vs AOTInductor variants vs precast + AOTInductor on a model, and (``--convert``) the
-cost of the conversion itself, stage by stage.
+"""``precast bench``: eager vs AOTInductor, ONNX Runtime and OpenVINO variants vs precast on a model,
+(``--convert``) the cost of the conversion itself, and (``--llm``) LLM decode. Only what the command runs ships
+here; the benchmarks' own helpers (real-weight models, OpenVINO's anchor environment) are the source checkout's.
 
-Modules (each opens with what it takes and returns):
+Modules and subpackages (each opens with what it takes and returns):
   factories     ``--model`` specs -> (model, inputs); the autocast switch; the fp32 reference
+  models        the short ``--model`` names (seeded random weights)
   measure       latency (interleaved repeats), output error, casts per forward, RSS in a fresh process
-  variants      the six variants built and run on one model: ``run_bench`` -> ``Result`` rows
-  programs      the programs ``--convert`` measures: the synthetic chain, the real architectures
-  convert_cost  ``precast.convert`` observed stage by stage: ``run_convert_bench`` -> ``ConvertCost`` rows
+  variants      the variants built and run on one model: ``run_bench`` -> ``Result`` rows (``openvino``,
+                ``ort``: those engines' variants)
   output        rich tables, markdown, JSON, PNG
+  convert/      ``--convert``: ``precast.convert`` observed stage by stage, per node and per GB of weights
+  decode/       ``--llm``: the decode forms, measured interleaved
 
-The models themselves are not in the package: short names resolve to ``precast.bench.models`` (a source
-checkout); any ``module:factory`` works.
-
-Input: model specs and options. Output: ``Result`` rows (see ``variants``/``convert_cost``) and their files.
+Input: model specs and options. Output: ``Result`` rows (see ``variants``/``convert``) and their files.
 """
 
 from __future__ import annotations
 
-from precast.bench.convert_cost import (
+from precast.bench.convert import (
     CHAIN_SIZES,
     CONVERT_POLICIES,
     ConvertCost,
     StageClock,
+    chain_program,
+    export_for_bench,
     linearity,
     measure_convert_cost,
+    model_programs,
     observed_convert,
     profile_convert,
+    real_models,
     run_convert_bench,
 )
 from precast.bench.factories import build, default_models, fp32_reference, regions, resolve, retarget
@@ -47,7 +51,6 @@ from precast.bench.output import (
     write_convert_outputs,
     write_outputs,
 )
-from precast.bench.programs import chain_program, export_for_bench, model_programs, real_models
 from precast.bench.variants import BASELINE, VARIANTS, Result, build_variants, run_bench
 
 __all__ = [

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from precast.bench.convert_cost import ConvertCost, linearity
+from precast.bench.convert.cost import ConvertCost, linearity
 from precast.bench.variants import VARIANTS, Result
 
 # ---- precast bench ---------------------------------------------------------------------------------------

@@ -13,6 +13,12 @@ Variants (all at the same precision, on the same inputs):
   ort_fp32, ort_precast the fp32 program and precast's conversion on ONNX Runtime's CPU provider (bench/ort.py)
   ov_default, ov_precast OpenVINO's own default on the fp32 program, and precast's conversion run with the dtypes
                         it states (bench/openvino.py)
+  precast_<engine>      precast's conversion compiled by an engine of ``precast.backends.registry`` the bench has
+                        no baselines for (``precast_executorch``), with that engine's defaults
+
+The variants come from the engine registry: each engine's are listed under its name (``ENGINE_VARIANTS``), its
+extra checked (``Engine.require``: a missing one is the row's one-line error naming ``pip install``) before any
+of them is built; a new engine in the registry is a ``precast_<name>`` row without a change here.
 
 Input: model specs (``factories.build``), batch sizes, dtype/device, repeats. Output: ``run_bench`` -> one
 ``Result`` per (model, batch, variant): median latency of interleaved repeats, speedup vs aoti_default,
@@ -33,6 +39,7 @@ from typing import Any
 
 import torch
 
+from precast.backends.registry import ENGINES, Engine, engine
 from precast.bench.factories import (
     build,
     check_specs,
@@ -56,18 +63,22 @@ from precast.errors import PrecastError, first_line
 from precast.metrics import flat_error
 from precast.progress import ProgressBar
 
-VARIANTS = (
-    "eager_fp32",
-    "eager_autocast",
+AOTI_VARIANTS = (
     "aoti_default",
     "aoti_freezing",
     "aoti_runtime_folding",
     "precast_aoti",
     "aoti_fp32",
     "auto_aoti",
-    *ORT_VARIANTS,
-    *OV_VARIANTS,
 )
+# the engines the bench has its own variants for (baselines beside precast's row); every other engine of the
+# registry gets precast_<name>
+_OWN = {"aoti": AOTI_VARIANTS, "onnx": ORT_VARIANTS, "openvino": OV_VARIANTS}
+ENGINE_VARIANTS: dict[str, tuple[str, ...]] = {
+    e.name: _OWN.get(e.name, (f"precast_{e.name}",)) for e in ENGINES
+}
+ENGINE_OF = {variant: name for name, names in ENGINE_VARIANTS.items() for variant in names}
+VARIANTS = ("eager_fp32", "eager_autocast", *ENGINE_OF)
 BASELINE = "aoti_default"
 # the bench loads each package alone in a fresh process (aoti_load_package, its size and RSS): weights inside the
 # .so, as plain AOTInductor builds them (precast.compile's default leaves them out, docs/compile.md)
@@ -157,6 +168,8 @@ def _build_variant(setup: _Setup, variant: str, res: Result) -> Callable[[], Any
         return _eager(fn, res)
     if variant == "eager_autocast":
         return _eager(lambda m=model, x=inputs: m(*x), res)
+    runs_on = engine(ENGINE_OF[variant], where=f"bench {variant}")
+    runs_on.require(where=f"bench {variant}")
     if variant in ORT_VARIANTS:
         if setup.work is None:
             raise PrecastError(
@@ -167,7 +180,24 @@ def _build_variant(setup: _Setup, variant: str, res: Result) -> Callable[[], Any
         if setup.device != "cpu":
             raise PrecastError(f"{variant}: OpenVINO runs on the CPU here; use --device cpu")
         return build_ov_variant(variant, model, inputs, fp32_program, res)
-    return _aoti_variant(setup, variant, res)
+    if variant in AOTI_VARIANTS:
+        return _aoti_variant(setup, variant, res)
+    return _engine_variant(setup, runs_on, res)
+
+
+def _engine_variant(setup: _Setup, on: Engine, res: Result) -> Callable[[], Any]:
+    """precast's conversion compiled by ``on`` with its defaults (an engine the bench has no baselines for);
+    the compile time and what the engine made of it into ``res``."""
+    import precast
+
+    if setup.device != "cpu":
+        raise PrecastError(f"precast_{on.name}: {on.title} runs on the CPU here; use --device cpu")
+    program = precast.convert(setup.model, setup.inputs).program
+    started = time.perf_counter()
+    compiled = on.compile(program)
+    res.compile_s = round(time.perf_counter() - started, 2)
+    res.note = on.describe(compiled) or on.summary
+    return lambda m=compiled, x=setup.inputs: m(*x)
 
 
 def _eager(fn: Callable[[], Any], res: Result) -> Callable[[], Any]:

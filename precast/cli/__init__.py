@@ -1,7 +1,8 @@
 """The ``precast`` command line: convert, report, check, sensitivity, compile, generate, export-llm, bench, demo.
 
 Each subcommand lives in ``precast/cli/<name>.py`` (``export-llm``: ``export_llm.py``) with
-``add_parser(subparsers)`` and ``run(args) -> int``.
+``add_parser(subparsers)`` and ``run(args) -> int``; what several commands share is in ``flags.py`` and
+``common.py`` (a command module never imports another: ``tests/arch/test_cli_commands.py``).
 User errors (PrecastError, bad options, an OSError such as a full disk or a read-only destination) print one
 line and exit with status 2, no traceback; Ctrl-C exits 130 and SIGTERM 143, after the file being written is
 removed (writes go to a temporary file renamed into place). Commands check every option they can before loading
@@ -19,6 +20,7 @@ import sys
 import threading
 
 from precast.errors import PrecastError
+from precast.interrupts import INTERRUPTED, end_startup
 from precast.progress import quiet_libraries, verbose
 
 COMMANDS = ("convert", "report", "check", "sensitivity", "compile", "generate", "export-llm", "bench", "demo")
@@ -69,8 +71,12 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    end_startup()  # from here Ctrl-C is a KeyboardInterrupt: the file being written is removed on the way out
+    try:  # importing the command modules (torch, transformers) takes seconds: Ctrl-C there is one line too
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:

@@ -4,8 +4,7 @@ precast bench [--model NAME|module:factory ...] [--batch N ...] [--dtype bf16|fp
               [--repeats N] [--variant V ...] [--out DIR]
 precast bench --convert [--model chain NAME ...] [--sizes N ...] [--policy none torch] [--no-memory] [--out DIR]
 precast bench --convert --llama 0.2b 1.1b [--policy none torch rules] [--out DIR]
-precast bench --llm [--quick] [--threads 1 2] [--steps N] [--repeats N] [--anchor-python PY] [--no-rss] [--out DIR]
-precast bench --llm --build-anchor-env [DIR]
+precast bench --llm [--quick] [--threads 1 2] [--steps N] [--repeats N] [--no-rss] [--out DIR]
 
 Input: argv. Output: tables on stdout, files in ``--out``, an exit status.
 """
@@ -29,11 +28,11 @@ ARGUMENTS = (
         metavar="SPEC",
         help="package.module:factory (as precast convert takes; called with batch=N when it has a batch "
         "parameter), or a short name of precast.bench.models: "
-        "seed, mlp, cnn, encoder, minilm. Default: mlp. "
+        "seed, mlp, cnn, encoder. Default: mlp. "
         "eager_fp32 turns the model's autocast regions off through the modules' autocast/device_type/dtype "
         "attributes (see precast/bench/models.py); a model without them keeps its regions as written and gets "
         "its fp32 reference from its exported program with the regions inlined. With --convert: chain (the "
-        "synthetic chain at --sizes) and the real architectures of precast.bench.convert_models (gpt2, llama, "
+        "synthetic chain at --sizes) and the real architectures of precast.bench.convert.models (gpt2, llama, "
         "bert, convnext_atto, efficientvit_m0, fastvit_t8; skipped when transformers/timm is missing); "
         "default: all",
     ),
@@ -53,7 +52,8 @@ ARGUMENTS = (
         default=None,
         metavar="V",
         help="subset of: eager_fp32 eager_autocast aoti_default aoti_freezing aoti_runtime_folding precast_aoti "
-        "aoti_fp32 auto_aoti ort_fp32 ort_precast ov_default ov_precast (default: all)",
+        "aoti_fp32 auto_aoti ov_default ov_precast ort_fp32 ort_precast, and precast_<engine> for each other engine "
+        "of precast.backends.registry: precast_executorch (default: all)",
     ),
     flag("--out", default=None, metavar="DIR", help="write bench.json, bench.md, bench.png here"),
     flag(
@@ -103,27 +103,16 @@ ARGUMENTS = (
         help="instead: decode speed of a Llama-shaped decoder with random weights (0.246 B; --quick: 2 tiny "
         "layers), interleaved at each --threads: eager fp32, eager hand-cast bf16, the hand-cast bf16 program "
         "through AOTInductor (as compiled, frozen, max-autotune), precast.compile with no options (the form this "
-        "CPU implies) and with mode='default', precast on OpenVINO, and OpenVINO's own export through "
-        "optimum-intel in its own environment (the anchor: --anchor-python; --build-anchor-env builds it). Each "
-        "row: tokens/s against the fastest hand-cast form's and the anchor's, resident memory of a fresh process "
-        "(--no-rss skips it) against the anchor's; the load average before and after. The run budgets 5 minutes: "
+        "CPU implies) and with mode='default', and precast on OpenVINO. Each row: tokens/s against the fastest "
+        "hand-cast form's, resident memory of a fresh process (--no-rss skips it); the load average before and "
+        "after (OpenVINO's own export through optimum-intel, the anchor, is the source checkout's decode "
+        "script's). The run budgets 5 minutes: "
         "builds (compiled packages are cached; only a first run compiles), memory, then as many repeats as fit "
         "(2 to 10; --repeats N for a fixed number); needs precast[llm]",
     ),
     flag("--quick", group=LLM, action="store_true", help="with --llm: the tiny decoder (a smoke run)"),
     flag("--threads", group=LLM, nargs="+", type=int, default=[1, 2], metavar="N", help="with --llm"),
     flag("--steps", group=LLM, type=int, default=8, metavar="N", help="with --llm: decode steps per sample"),
-    flag("--anchor-python", group=LLM, default=None, metavar="PY", help="with --llm: the anchor's Python"),
-    flag(
-        "--build-anchor-env",
-        group=LLM,
-        nargs="?",
-        const="",
-        default=None,
-        metavar="DIR",
-        help="with --llm: only build the anchor's environment (optimum-intel 2.2, transformers < 5.6, OpenVINO) "
-        "in DIR (default: precast's data folder), then exit",
-    ),
     # after the LLM group's flags: the usage line lists them last
     flag(
         "--no-memory", group=CONVERT, action="store_true", help="skip the tracemalloc run (halves the time)"
@@ -208,7 +197,7 @@ def run_llm(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from precast.bench import decode, decode_model
+    from precast.bench import decode
     from precast.errors import PrecastError
 
     if (args.repeats is not None and args.repeats < 1) or args.steps < 1 or any(t < 1 for t in args.threads):
@@ -217,8 +206,6 @@ def run_llm(args: argparse.Namespace) -> int:
         import transformers  # noqa: F401
     except ImportError:
         raise PrecastError("bench --llm: needs transformers; pip install 'precast[llm]'") from None
-    if args.build_anchor_env is not None:
-        return build_anchor_env(args.build_anchor_env)
     if args.out:
         out_dir(args.out, "llm_decode.json")
 
@@ -227,12 +214,11 @@ def run_llm(args: argparse.Namespace) -> int:
 
     log(f"load average (1, 5, 15 min) before: {decode.load_average()}")
     payload = decode.run_decode_bench(
-        decode_model.QUICK if args.quick else decode_model.Shape(),
+        decode.QUICK if args.quick else decode.Shape(),
         list(args.threads),
         args.repeats,
         args.steps,
         cache_dir=args.cache_dir,
-        anchor=args.anchor_python,
         log=log,
         memory=not args.no_rss,
     )
@@ -245,21 +231,6 @@ def run_llm(args: argparse.Namespace) -> int:
         out = Path(args.out)
         write_bytes(out / "llm_decode.json", (json.dumps(payload, indent=1, default=str) + "\n").encode())
         write_bytes(out / "llm_decode.md", text.encode())
-    return 0
-
-
-def build_anchor_env(folder: str) -> int:
-    """``--build-anchor-env [DIR]``: the anchor's environment, each command echoed; the first that fails is one
-    line (pip's own reason) and exit status 2."""
-    from precast.bench import decode_anchor
-    from precast.errors import PrecastError
-
-    env = folder or decode_anchor.ANCHOR_ENV
-    try:
-        decode_anchor.build_anchor_env(env, log=lambda m: print(m, file=sys.stderr, flush=True))
-    except RuntimeError as exc:
-        raise PrecastError(f"bench --llm --build-anchor-env: {exc}") from None
-    print(f"anchor environment ready: {env}/bin/python", file=sys.stderr)
     return 0
 
 
@@ -305,7 +276,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 def run_convert_gb(args: argparse.Namespace) -> int:
     from precast import bench
-    from precast.bench.convert_gb import LLAMA_SHAPES, gb_markdown, run_gb_bench, write_gb_outputs
+    from precast.bench.convert import LLAMA_SHAPES, gb_markdown, run_gb_bench, write_gb_outputs
     from precast.errors import PrecastError
 
     ignored = [

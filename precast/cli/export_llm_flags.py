@@ -1,24 +1,53 @@
-"""``precast export-llm``'s flags: the argument table, and every value checked before anything loads.
+"""``precast export-llm``'s flags: the argument table, and the flags as ``precast.llm.export``'s options record.
 
-Input: the parsed flags (``argparse.Namespace``). Output: the parser's table (``ARGUMENTS``), the conversion's
-options record (``check_flags``), or a one-line ``PrecastError`` naming the flag.
+The values are checked where the library checks them (``precast.llm.export_options``), named as the flags name
+them (``WORDS``, the budget's fields too: ``--bits``/``--kld``, ``--budget-formats``, ``--probes`` make one
+``precast.WeightBudget``, checked by ``WeightBudget.check``); only what no option of the library holds (a budget's
+flags given without a budget) is checked here.
+
+Input: the parsed flags (``argparse.Namespace``). Output: the parser's table (``ARGUMENTS``), the export's options
+record, checked (``check_flags``), or a one-line ``PrecastError`` naming the flag.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from precast.cli.convert import as_flags, weight_format_of
+from precast.cli.common import as_flags, weight_format_of
 from precast.cli.flags import THREADS, Group, allow, flag
 from precast.errors import PrecastError
-from precast.paths import check_input_file
+from precast.llm.export_options import (
+    BACKENDS,
+    DEFAULT_CACHE,
+    DEFAULT_EVAL,  # --eval-tokens: precast.llm.accuracy.DEFAULT_TOKENS (a test holds them equal)
+    DEFAULT_TOKENS,
+    DEFAULT_WINDOW,
+    ExportOptions,
+)
 
-BACKENDS = ("openvino", "aoti")
-DEFAULT_CACHE = 1024  # positions, or the model's max_position_embeddings when smaller
-DEFAULT_WINDOW = 256
-DEFAULT_TOKENS = 1024
-DEFAULT_EVAL = 512  # --eval-tokens: precast.llm.accuracy.DEFAULT_TOKENS (a test holds them equal)
+# how a refusal of the export's options names them here (precast.llm.export_options.ExportOptions.said)
+WORDS = {
+    "source": "MODEL",
+    "out_dir": "-o",
+    "gguf": "--gguf",
+    "max_cache_len": "--max-cache-len",
+    "dtype": "--dtype",
+    "cache_dtype": "--cache-dtype",
+    "weight_format": "--weight-format",
+    "plan": "--plan",
+    "calibration_text": "--calibration-text",
+    "calibration_window": "--calibration-window",
+    "calibration_tokens": "--calibration-tokens",
+    "eval_tokens": "--eval-tokens",
+    "backend": "--backend",
+    "threads": "--threads",
+    "allow": "--allow",
+    "a budget": "a budget (--bits or --kld)",
+    "bits": "--bits",  # the budget's fields (``precast.WeightBudget``)
+    "kld": "--kld",
+    "formats": "--budget-formats",
+    "probes": "--probes",
+}
 
 HOW = Group(exclusive=True)  # the weights' formats: given, chosen under a budget, or a plan's
 
@@ -137,103 +166,51 @@ def budget_of(args: argparse.Namespace) -> tuple[str, float] | None:
     return None
 
 
-def check_flags(args: argparse.Namespace) -> Any:
-    """Every flag checked before anything loads (one line each); returns the conversion's options record."""
+def check_flags(args: argparse.Namespace) -> ExportOptions:
+    """Every flag checked before anything loads (one line each, in the flags' words); returns the export's
+    options record, checked."""
+    # a budget's values (> 0, its formats, probes) are checked by the library (ExportOptions.check), as worded
     chosen = budget_of(args)
-    if chosen is not None:
-        _check_budget(args, *chosen)
-    else:
-        _refuse_calibration_flags(args)
-    _check_counts(args)
-    if chosen is not None and args.budget_formats:
-        _check_budget_formats(args.budget_formats)
-    if args.plan is not None:
-        _check_plan(args.plan)
-    return _options(args)
-
-
-def _check_budget(args: argparse.Namespace, name: str, value: float) -> None:
-    """--bits/--kld: a finite number > 0, with the calibration text it is measured on."""
-    if not value > 0 or value != value or value == float("inf"):
-        raise PrecastError(f"--{name} {value:g}: give a number > 0")
-    if args.calibration_text is None:
-        raise PrecastError(
-            f"--{name} measures each weight's cost on text: give --calibration-text FILE (plain text)"
-        )
-    check_input_file(args.calibration_text, "give a plain text file", "--calibration-text")
-
-
-def _refuse_calibration_flags(args: argparse.Namespace) -> None:
-    """Without a budget, the first calibration flag given is refused."""
-    given = [
-        option
-        for option, value in (
-            ("--calibration-text", args.calibration_text),
-            ("--calibration-window", args.calibration_window),
-            ("--budget-formats", args.budget_formats),
-            ("--probes", args.probes),
-        )
-        if value is not None
-    ]
-    if args.calibration_tokens != DEFAULT_TOKENS:
-        given.append("--calibration-tokens")
-    if given:
-        raise PrecastError(f"{given[0]} applies to a budget (--bits or --kld) only; drop it or give one")
-
-
-def _check_counts(args: argparse.Namespace) -> None:
-    """The counts given: at least 1, the cache at least ``MIN_CACHE`` positions."""
-    if args.eval_tokens < 0:
-        raise PrecastError(f"--eval-tokens {args.eval_tokens}: give a number >= 0 (0: not measured)")
-    for option, value in (
-        ("--calibration-window", args.calibration_window),
-        ("--calibration-tokens", args.calibration_tokens),
-        ("--probes", args.probes),
-    ):
-        if value is not None and value < 1:
-            raise PrecastError(f"{option} {value}: give a number >= 1")
-    if args.max_cache_len is not None:
-        from precast.llm.checkpoint import MIN_CACHE
-
-        if args.max_cache_len < MIN_CACHE:
-            raise PrecastError(f"--max-cache-len {args.max_cache_len}: give at least {MIN_CACHE} positions")
-
-
-def _check_budget_formats(formats: list[str]) -> None:
-    """--budget-formats: known 8/4-bit formats."""
-    from precast.ir.weight_formats import parse_format
-
-    for f in formats:
-        try:
-            fmt = parse_format(f, "--budget-formats")
-        except PrecastError as exc:  # --budget-formats='int2': ... -> --budget-formats int2: ...
-            raise PrecastError(f"--budget-formats {f}:" + str(exc).split(":", 1)[1]) from None
-        if not fmt.quantized:
-            raise PrecastError(f"--budget-formats {f}: name 8/4-bit formats (float is always one)")
-
-
-def _check_plan(path: str) -> None:
-    """--plan: a plan file that carries weight formats."""
-    from precast.policy.plan import load_plan
-
-    if not load_plan(path).weights:
-        raise PrecastError(f"--plan {path}: carries no weight formats (write one with export-llm or convert)")
-
-
-def _options(args: argparse.Namespace) -> Any:
-    """The conversion's options record (policy torch), checked; a refusal in the words of the flags."""
-    from precast.pipeline.options import ConvertOptions
-
-    options = ConvertOptions(
-        policy="torch",
+    if chosen is None:
+        for option, value in (("--budget-formats", args.budget_formats), ("--probes", args.probes)):
+            if value is not None:
+                raise PrecastError(
+                    f"{option} applies to a budget (--bits or --kld) only; drop it or give one"
+                )
+    options = ExportOptions(
+        args.model,
+        args.output,
+        gguf=args.gguf,
+        max_cache_len=args.max_cache_len,
         dtype=args.dtype,
-        cache_dtype=args.cache_dtype or args.dtype,
-        allow=tuple(args.allow),
+        cache_dtype=args.cache_dtype,
+        weight_format=_budget(args, chosen) if chosen else weight_format_of(args.weight_format),
         plan=args.plan,
-        weight_format=weight_format_of(args.weight_format),
+        calibration_text=args.calibration_text,
+        calibration_window=args.calibration_window,
+        calibration_tokens=args.calibration_tokens,
+        eval_tokens=args.eval_tokens,
+        backend=tuple(args.backend),
+        threads=getattr(args, "threads", None),
+        allow=tuple(args.allow),
+        words=WORDS,
     )
-    try:
+    try:  # the conversion's own refusals name its keywords (dtype='int8'): in the flags' words here
         options.check()
     except PrecastError as exc:
         raise PrecastError(as_flags(str(exc), args)) from None
     return options
+
+
+def _budget(args: argparse.Namespace, chosen: tuple[str, float]) -> object:
+    """``--bits B`` / ``--kld K`` (with ``--budget-formats``, ``--probes``) as one ``precast.WeightBudget``,
+    measured on the calibration text's windows (``precast.llm.export``)."""
+    import precast
+
+    name, value = chosen
+    kw: dict[str, object] = {name: value}
+    if args.budget_formats:
+        kw["formats"] = tuple(args.budget_formats)
+    if args.probes is not None:
+        kw["probes"] = args.probes
+    return precast.WeightBudget(**kw)

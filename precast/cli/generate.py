@@ -2,6 +2,7 @@
                    --max-new-tokens N
                    [--temperature T] [--top-k K] [--top-p P] [--seed S] [--stop-tokens 2,3]
                    [--backend aoti|openvino|eager] [--cache-dir DIR] [--weights DIR]
+                   (--backend: the engines of ``precast.backends.registry`` that run a KV cache, or eager)
 
 Input: a decoder program saved with torch.export.save (transformers' recipe: ``input_ids``, ``cache_position``, a
 static KV cache), converted or not; or the folder ``precast export-llm`` wrote (its program.pt2, its tokenizer.json
@@ -20,10 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from precast.backends.registry import ENGINES, engine, stateful_names
 from precast.cli.flags import CACHE_DIR, THREADS, TRUST_PICKLE, Group, add_command, flag
 from precast.errors import PrecastError
 
-BACKENDS = ("aoti", "openvino", "eager")
+BACKENDS = (*stateful_names(), "eager")  # an engine that carries a decoder's KV cache, or torch eagerly
+# the engine options flags set, by flag: refused (one line) for an engine whose compile takes no such option
+_ENGINE_FLAGS = {"--cache-dir": "cache_dir", "--weights": "weights"}
 
 
 # token ids as typed: ASCII digits, separated by single commas, spaces around them allowed (int() alone would take
@@ -187,9 +191,13 @@ def _folder_model(args: argparse.Namespace, folder: Any, prompt: list[int]) -> t
 
 def _check_flags(args: argparse.Namespace) -> None:
     """The flags that need each other, checked before anything is read."""
-    if args.backend not in ("aoti", None) and (args.cache_dir or args.weights):
-        option = "--cache-dir" if args.cache_dir else "--weights"
-        raise PrecastError(f"{option} applies to --backend aoti only; drop it for --backend {args.backend}")
+    takes = () if args.backend in ("eager", None) else engine(args.backend, "--backend").options
+    for name, option in _ENGINE_FLAGS.items():
+        if getattr(args, option) and option not in takes:
+            takers = " / ".join(e.name for e in ENGINES if option in e.options)
+            raise PrecastError(
+                f"{name} applies to --backend {takers} only; drop it for --backend {args.backend}"
+            )
     if args.max_new_tokens < 1:
         raise PrecastError(f"--max-new-tokens {args.max_new_tokens}: give a number >= 1")
     if args.prompt is not None and args.tokenizer is None:
@@ -243,19 +251,16 @@ def _check_program(args: argparse.Namespace, program: Any, prompt: list[int]) ->
 
 
 def _model(args: argparse.Namespace, program: Any) -> tuple[Any, int | None]:
-    """The program as --backend runs it: eagerly, compiled with AOTInductor (cached), or on OpenVINO; and the
-    thread count the engine runs at."""
+    """The program as --backend runs it: eagerly, or compiled by that engine (``precast.compile``: AOTInductor
+    cached, OpenVINO, ...); and the thread count the engine runs at."""
     import precast
     from precast.runtime.threads import resolve_threads
 
     if args.backend == "eager":
         return program, None
     threads = resolve_threads(args.threads, "--threads")
-    if args.backend == "aoti":
-        return precast.compile(
-            program, cache_dir=args.cache_dir, weights=args.weights, threads=threads
-        ), threads
-    return precast.compile(program, backend="openvino", threads=threads), threads
+    options = {option: getattr(args, option) for option in _ENGINE_FLAGS.values() if getattr(args, option)}
+    return precast.compile(program, backend=args.backend, threads=threads, **options), threads
 
 
 def _streamer(tokenizer: Any, hide: Any = ()) -> Callable[[int], None]:

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     """Every option and file checked, the program and its inputs loaded, the ops ranked; the results written
     and printed."""
     import precast
-    from precast.cli.convert import load_source
+    from precast.cli.common import load_source
 
     opts, given = _check(args)
     inputs = _read_inputs(args)
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> tuple[dict[str, Any], list | None]:
     """Every flag and file checked before the (long) load of the program: (the rules' options, the energies
     --energies gave)."""
-    from precast.cli.convert import check_options, is_factory
+    from precast.cli.common import check_options, is_factory
 
     opts = check_options(argparse.Namespace(**{**vars(args), "policy": _convert_policy(args.policy)})).rules
     read = (None if is_factory(args.source) else args.source, args.inputs, *(args.energies or ()))

@@ -40,13 +40,13 @@ META_KEY = "precast"
 class ConstantSource:
     """Where a stored constant came from: ``stored`` (FQN in the converted program) holds
     ``original``'s value cast from ``original_dtype`` to ``dtype``, or, with ``derive``, one part of its
-    quantized form (``precast.passes.quantize.stored_value`` recomputes either from the original)."""
+    quantized form (``precast.quant.graph.stored_value`` recomputes either from the original)."""
 
     stored: str
     original: str
     original_dtype: torch.dtype
     dtype: torch.dtype
-    # a quantized weight's part (``precast.ir.weight_formats.derive_tag``: "int8-bf16.q", ...), None for a cast
+    # a quantized weight's part (``precast.quant.formats.derive_tag``: "int8-bf16.q", ...), None for a cast
     derive: str | None = None
 
 

@@ -237,16 +237,7 @@ def _runner(model: Any, conv: Convention) -> Callable[[torch.Tensor], torch.Tens
     def run(ids: torch.Tensor) -> torch.Tensor:
         if callable(reset):
             reset()
-        tokens = ids[None].to(conv.ids_dtype)
-        positions = torch.arange(ids.numel(), dtype=conv.positions_dtype)
-        args: dict[int, torch.Tensor] = {}
-        kwargs: dict[str, torch.Tensor] = {}
-        for (root, key), value in ((conv.ids, tokens), (conv.positions, positions)):
-            if root == "args":
-                args[int(key)] = value
-            else:
-                kwargs[str(key)] = value
-        return _logits(model(*(args[i] for i in sorted(args)), **kwargs), ids.numel())
+        return _logits(conv.run(model, ids[None].to(conv.ids_dtype), 0), ids.numel())
 
     return run
 

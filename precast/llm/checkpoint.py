@@ -93,8 +93,9 @@ def require_transformers() -> None:
     require("transformers", "tokenizers", message=message, load=False)
 
 
-def locate(model: str, gguf: str | None = None) -> Source:
-    """The checkpoint's files, checked (one line each); for a folder, its config read and checked a decoder."""
+def locate(model: str, gguf: str | None = None, gguf_said: str = "--gguf") -> Source:
+    """The checkpoint's files, checked (one line each); for a folder, its config read and checked a decoder.
+    ``gguf_said``: how a refusal names the GGUF option (``--gguf`` on the command line, ``gguf=`` in Python)."""
     p = Path(model)
     if not p.exists():
         raise PrecastError(
@@ -107,15 +108,17 @@ def locate(model: str, gguf: str | None = None) -> Source:
             )
         gguf, p = p.name, p.parent
     if gguf is not None:
-        return Source(p, _gguf_file(p, gguf), files=[_gguf_file(p, gguf)])
+        found = _gguf_file(p, gguf, gguf_said)
+        return Source(p, found, files=[found])
     config = check_input_file(
-        p / "config.json", "give a folder save_pretrained wrote (config.json + safetensors), or --gguf FILE"
+        p / "config.json",
+        f"give a folder save_pretrained wrote (config.json + safetensors), or {gguf_said} FILE",
     )
     shards = sorted(p.glob("*.safetensors"))
     if not shards:
         raise PrecastError(
             f"{p}: no .safetensors weights in it (only safetensors are read: a .bin is a pickle); save the model "
-            "with save_pretrained, or give --gguf FILE"
+            f"with save_pretrained, or give {gguf_said} FILE"
         )
     require_transformers()
     source = Source(p, None, _config(p), [config, *shards, *sorted(p.glob("*.safetensors.index.json"))])
@@ -124,16 +127,16 @@ def locate(model: str, gguf: str | None = None) -> Source:
     return source
 
 
-def _gguf_file(folder: Path, name: str) -> Path:
+def _gguf_file(folder: Path, name: str, said: str = "--gguf") -> Path:
     """``--gguf FILE``: the path as given, else inside the folder; the packages transformers needs checked."""
     given = Path(name)
     path = given if given.is_absolute() or given.exists() else folder / given
-    check_input_file(path, "give the .gguf file inside or beside the model folder", "--gguf")
+    check_input_file(path, "give the .gguf file inside or beside the model folder", said)
     require_transformers()
     missing = [m for m in GGUF_PACKAGES if importlib.util.find_spec(m) is None]
     if missing:
         raise PrecastError(
-            f"--gguf {name}: transformers reads a GGUF file with the {' and '.join(GGUF_PACKAGES)} packages "
+            f"{said} {name}: transformers reads a GGUF file with the {' and '.join(GGUF_PACKAGES)} packages "
             f"({', '.join(missing)} missing): {GGUF_EXTRA}"
         )
     return path.resolve()
@@ -256,13 +259,15 @@ def max_positions(model_or_config: Any) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def check_cache_len(max_cache_len: int, model_or_config: Any) -> None:
+def check_cache_len(max_cache_len: int, model_or_config: Any, said: str | None = None) -> None:
+    """``said``: how a refusal names the option and its value (default ``--max-cache-len N``)."""
+    said = said or f"--max-cache-len {max_cache_len}"
     if max_cache_len < MIN_CACHE:
-        raise PrecastError(f"--max-cache-len {max_cache_len}: give at least {MIN_CACHE} positions")
+        raise PrecastError(f"{said}: give at least {MIN_CACHE} positions")
     limit = max_positions(model_or_config)
     if limit is not None and max_cache_len > limit:
         raise PrecastError(
-            f"--max-cache-len {max_cache_len}: the model's config allows {limit} positions "
+            f"{said}: the model's config allows {limit} positions "
             "(max_position_embeddings); give at most that"
         )
 
@@ -323,7 +328,12 @@ def read_text(path: str, where: str = "--calibration-text") -> str:
 
 
 def calibration_windows(
-    tokenizer: Any, text: str, window: int, tokens: int, where: str = "--calibration-text"
+    tokenizer: Any,
+    text: str,
+    window: int,
+    tokens: int,
+    where: str = "--calibration-text",
+    window_said: str = "--calibration-window",
 ) -> list[dict[str, torch.Tensor]]:
     """The text's first ``tokens`` tokens (the model's own tokenizer) in whole windows of ``window`` tokens, each
     a batch from position 0 of an empty cache; one line when the text holds less than one window."""
@@ -334,7 +344,7 @@ def calibration_windows(
     count = min(len(ids), tokens) // window
     if count < 1:
         raise PrecastError(
-            f"{where}: {len(ids)} token(s), fewer than one window of {window} (--calibration-window); give more "
+            f"{where}: {len(ids)} token(s), fewer than one window of {window} ({window_said}); give more "
             "text or a smaller window"
         )
     flat = torch.tensor(ids[: count * window], dtype=torch.long)

@@ -35,8 +35,13 @@ class Convention:
     vocab: int | None = None  # the rows of the embedding table the ids index (None: not found in the graph)
 
     def call(self, model: Callable, ids: list[int], start: int) -> torch.Tensor:
-        tokens = torch.tensor([ids], dtype=self.ids_dtype)
-        positions = torch.arange(start, start + len(ids), dtype=self.positions_dtype)
+        """The last position's logits of ``model`` run on ``ids`` from position ``start``."""
+        return _last_logits(self.run(model, torch.tensor([ids], dtype=self.ids_dtype), start))
+
+    def run(self, model: Callable, tokens: torch.Tensor, start: int) -> Any:
+        """``model``'s output for ``tokens`` [1, n] at positions ``start`` .. ``start + n - 1``, each input
+        passed where the convention places it."""
+        positions = torch.arange(start, start + tokens.shape[-1], dtype=self.positions_dtype)
         args: dict[int, torch.Tensor] = {}
         kwargs: dict[str, torch.Tensor] = {}
         for (root, key), value in ((self.ids, tokens), (self.positions, positions)):
@@ -44,8 +49,7 @@ class Convention:
                 args[int(key)] = value
             else:
                 kwargs[str(key)] = value
-        out = model(*(args[i] for i in sorted(args)), **kwargs)
-        return _last_logits(out)
+        return model(*(args[i] for i in sorted(args)), **kwargs)
 
 
 def _last_logits(out: Any) -> torch.Tensor:

@@ -6,6 +6,8 @@
     print(llm.decode(res.new_tokens)); llm.notes  # what was loaded, and anything rebuilt (and why)
 
 The folder's format, what is valid where and what is rebuilt: ``precast.llm.folder`` and ``folder_engines``.
+``precast.load(FILE)`` of a file is the engine registry's (``backends/registry.load``): the compiled model an
+artifact ``precast.save`` wrote holds (any engine's), by the record beside it.
 
 Input: a folder path, options. Output: an ``LLM`` (the compiled model, tokenizer, chat template, stop tokens, notes).
 """
@@ -97,8 +99,10 @@ def load(
     threads: int | None = None,
     cache_dir: str | Path | None = None,
     trust_pickle: bool = False,
-) -> LLM:
+) -> LLM | Any:
     """``precast.load(DIR)``: the folder ``precast export-llm`` wrote, ready to generate (see the module docstring).
+    ``precast.load(FILE)``: an artifact ``precast.save`` wrote (any engine's: ``backends/registry.load``, which
+    reads the record beside it), the compiled model itself; ``backend`` and ``threads`` as below.
 
     ``backend``: ``"openvino"`` (the folder's IR), ``"aoti"`` (its AOTInductor package) or ``"eager"`` (the program
     in torch); default: the engine the folder holds (OpenVINO first), else AOTInductor, compiled once into the
@@ -107,6 +111,8 @@ def load(
     """
     from precast.llm.folder_engines import default_backend, load_engine
 
+    if Path(path).is_file():
+        return _artifact(path, backend, threads, cache_dir, trust_pickle)
     started = time.perf_counter()
     folder = open_folder(path)
     if backend is not None and backend not in BACKENDS:
@@ -126,3 +132,15 @@ def _tokenizer(path: Path | None, notes: list[str]) -> Any:
             f"{path.name} not read (no tokenizers package: pip install 'precast[llm]'): token ids only"
         )
     return tokenizer
+
+
+def _artifact(path: str | Path, backend: str | None, threads: int | None, cache_dir: Any, trust: bool) -> Any:
+    """A saved artifact (a file): the engine registry's load; the folder-only options refused in one line."""
+    from precast.backends.registry import load as load_artifact
+
+    if cache_dir is not None or trust:
+        option = "cache_dir=" if cache_dir is not None else "trust_pickle="
+        raise PrecastError(
+            f"precast.load: {option} is for an LLM folder; {path} is a saved artifact: drop it"
+        )
+    return load_artifact(path, backend=backend, threads=threads)

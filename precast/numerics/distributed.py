@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from precast.errors import PrecastError
 from precast.ir.inputs import user_input_nodes
 from precast.ir.program import Program
-from precast.numerics.calibration import measured_nodes
+from precast.numerics.calibration.checks import measured_nodes
 from precast.numerics.energies import Energies
 from precast.policy.measurements import COUNTS, Calibration, NodeStats
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from precast.errors import PrecastError
 from precast.io import write_bytes
-from precast.numerics.calibration_files import count, read_json_file
+from precast.numerics.calibration.files import count, read_json_file
 
 FORMAT, VERSION = "precast-energies", 1
 # "underflow" when more than this share of an op's nonzero values are below the low dtype's normals

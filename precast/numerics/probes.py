@@ -19,7 +19,7 @@ import torch.fx
 from precast.ir.graph import ASSERT_METADATA, CAST_META
 from precast.ir.program import Program
 from precast.ir.regions import region_autocast
-from precast.numerics.tolerance_search import Source
+from precast.numerics.tolerance.search import Source
 from precast.policy.measurements import Tolerance
 from precast.policy.rules.taxonomy import recorded_kind
 

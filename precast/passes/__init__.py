@@ -43,7 +43,6 @@ from precast.passes.caches import HeldCaches, hold_caches
 from precast.passes.classify import classify as classify_program  # keeps the submodule name free
 from precast.passes.classify import classify_error_handler
 from precast.passes.fold import CastCache, fold_constant_casts
-from precast.passes.quantize import QuantizeResult, quantize_weights
 from precast.passes.restore_io import restore_output_dtypes
 from precast.passes.rewrite import insert_casts
 from precast.passes.runner import run_stage
@@ -51,6 +50,7 @@ from precast.passes.simplify import simplify_casts
 from precast.policy.autocast import UNKNOWN_CATEGORY
 from precast.policy.base import Policy
 from precast.policy.writes import WRITE_CAST_META
+from precast.quant.graph import QuantizeResult, quantize_weights
 
 # the names ``run_stage`` reports, in the order a conversion runs them (a test observes a rules conversion with
 # tolerance and auto against this list); "check_pass" follows every rewriting stage

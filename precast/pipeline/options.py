@@ -1,7 +1,7 @@
 """The options of one conversion, as one frozen record checked in one place.
 
-``ConvertOptions`` holds what ``precast.convert`` and ``precast convert`` take besides the source and its inputs:
-the policy (a name or an object), the rules keywords (``rules``: by the names ``RulesPolicy`` declares,
+``ConvertOptions`` holds what ``precast.convert`` (its records, flattened by ``pipeline/records.py``) and
+``precast convert`` take besides the source and its inputs: the policy (a name or an object), the rules keywords (``rules``: by the names ``RulesPolicy`` declares,
 ``precast.policy.resolve.RULE_OPTIONS``), and the conversion's own options. ``check()`` is where every refusal of
 a bad option or a bad mix comes from, one line each, before anything is captured or run: the policy and its
 keywords (``policy/resolve.py``), a plan over them (``policy/plan.py``), the low and cache dtypes, keep_io_types,
@@ -25,15 +25,15 @@ from torch.export import ExportedProgram
 from precast.dtypes import parse_low_dtype
 from precast.errors import PrecastError
 from precast.ir.diagnostics import parse_allow
-from precast.numerics.calibrate import is_given
-from precast.numerics.tolerance_search import parse_tolerance
-from precast.passes.weight_rules import WeightRules, weight_rules
-from precast.pipeline.weight_budget import WeightBudget
+from precast.numerics.calibration.stage import is_given
+from precast.numerics.tolerance.search import parse_tolerance
 from precast.policy.base import Policy
 from precast.policy.hooks import binds, hook
 from precast.policy.pinned import Pinned
 from precast.policy.plan import load_plan, with_plan
 from precast.policy.resolve import RULE_OPTIONS, resolve_policy, rule_options
+from precast.quant.budget import WeightBudget
+from precast.quant.rules import WeightRules, weight_rules
 from precast.weights.files import WeightFiles
 from precast.weights.streamed import check_weights_out
 
@@ -59,9 +59,9 @@ class ConvertOptions:
 
     @classmethod
     def from_keywords(cls, given: Mapping[str, Any]) -> ConvertOptions:
-        """The record from ``convert``'s keywords (the mapping of name -> value ``convert`` writes out from its
-        parameters): the rules keywords picked by ``RulesPolicy``'s field names, the rest by this record's; a
-        name that is neither is an error here, never silently dropped."""
+        """The record from flat keywords (name -> value: what ``pipeline/records.options_of`` makes of
+        ``convert``'s records and shortcuts): the rules keywords picked by ``RulesPolicy``'s field names, the rest
+        by this record's; a name that is neither is an error here, never silently dropped."""
         own = {f.name for f in dataclasses.fields(cls)} - {"rules"}
         unknown = set(given) - own - set(RULE_OPTIONS)
         if unknown:
@@ -111,7 +111,7 @@ class ConvertOptions:
                     "weight_format=WeightBudget(...) measures the weights, which streamed weights cannot give (no "
                     "values in memory); convert in memory, or give the formats (a plan written by one that did)"
                 )
-            return None  # chosen after capture, on the program's weights (pipeline/weight_budget.py)
+            return None  # chosen after capture, on the program's weights (precast/quant/budget.py)
         rules = weight_rules(self.weight_format)
         if planned and rules is not None:
             raise PrecastError(

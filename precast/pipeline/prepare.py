@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from precast.errors import PrecastError
 from precast.ir import diagnostics
-from precast.numerics.calibrate import calibrate_stage, is_given
+from precast.numerics.calibration.stage import calibrate_stage, is_given
 from precast.numerics.latency import measure_program
-from precast.numerics.tolerance import tolerance_stage
-from precast.numerics.tolerance_search import parse_tolerance
+from precast.numerics.tolerance.search import parse_tolerance
+from precast.numerics.tolerance.stage import tolerance_stage
 from precast.passes.runner import run_stage
 from precast.pipeline.conversion import Conversion
 from precast.policy.hooks import Binding, binds, hook

@@ -32,7 +32,7 @@ class PolicyHooks:
     - ``for_device(device_type, dtype)``: the policy once the program's device type and the low dtype are
       known (``TorchPolicy`` fills in its own); default: the policy itself.
     - ``capture_under_autocast``: on a module, trace its forward inside ``torch.autocast`` (policy torch).
-    - ``keep_io_types``: the default of ``convert(keep_io_types=None)``.
+    - ``keep_io_types``: the default of ``convert(io=IOOptions(keep_types=None))``.
     - ``reference``: what verification compares with: ``"autocast"`` (eager autocast; a difference is a
       ``not-bitwise`` warning) or ``"measured"`` (the unconverted program; the difference is information).
     - ``prepare_steps``: of ``"calibrate"``, ``"latency"``, ``"tolerance"`` (``precast.pipeline.prepare``),

@@ -14,7 +14,7 @@ itself, whatever ``keep``) is refused, as is merging two that hold the same kept
 Files: JSON (format ``precast-calibration``) for the statistics; the sample's tensors in a safetensors file
 beside it (``<stem>.sample.safetensors``, named and hashed in the JSON). Nothing is pickled: a batch's structure
 is a pytree spec in JSON, its tensors safetensors, its other leaves JSON values (read back, as untrusted input,
-by ``precast.numerics.calibration_files``).
+by ``precast.numerics.calibration.files``).
 
 Input: batches' outputs (``NodeStats.update``), calibrations, the search's measurements. Output: merged values,
 files, summaries; one-line PrecastErrors for values that cannot merge.
@@ -250,7 +250,7 @@ def save_calibration(cal: Calibration, path: str | Path) -> None:
 
 @dataclass
 class Tolerance:
-    """The bounds of a tolerance (``precast.numerics.tolerance_search.parse_tolerance``): all must hold."""
+    """The bounds of a tolerance (``precast.numerics.tolerance.search.parse_tolerance``): all must hold."""
 
     spec: dict
 

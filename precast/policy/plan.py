@@ -77,7 +77,7 @@ class Plan:
     policy: str = "rules"
     source: str = ""
     # weight name (the program's FQN: module path + attribute, stable across exports) -> storage format
-    # (``precast.ir.weight_formats``: "int8", "int8-asym", "int4-g64", "float"), applied as ``weight_format=``
+    # (``precast.quant.formats``: "int8", "int8-asym", "int4-g64", "float"), applied as ``weight_format=``
     weights: dict[str, str] = field(default_factory=dict)
 
     # ---- making one ------------------------------------------------------------------------------------

@@ -22,12 +22,12 @@ from precast.ir import diagnostics
 from precast.ir.diagnostics import Diagnostic
 from precast.ir.graph import constant_bytes, is_cast
 from precast.ir.program import META_KEY, Program
-from precast.numerics.tolerance import tolerance_check
-from precast.passes.quantize import is_dequant
+from precast.numerics.tolerance.stage import tolerance_check
 from precast.passes.runner import timed
 from precast.pipeline.conversion import Conversion
 from precast.policy.measurements import Calibration
 from precast.policy.rules.options import RuleOptions
+from precast.quant.forms import is_dequant
 from precast.report.model import CastRecord, NodeRecord, Report, json_finite
 
 # export's run-time checks: no precision of their own, not worth a row in the report

@@ -1,7 +1,7 @@
 """Rendering a sensitivity estimate: JSON-ready dict, a ranked table, a PNG (bar chart + cumulative curve), and
 a Model Explorer node-data overlay.
 
-Input: ``precast.numerics.sensitivity_results.Estimate``. Output: text, a dict, a PNG file, Model Explorer ``ModelNodeData``.
+Input: ``precast.numerics.sensitivity.results.Estimate``. Output: text, a dict, a PNG file, Model Explorer ``ModelNodeData``.
 matplotlib (the ``bench`` extra) is imported only when a picture is asked for; without it, one clear line.
 """
 
@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from precast.errors import PrecastError, short_path
-from precast.numerics.sensitivity_results import Estimate
+from precast.numerics.sensitivity.results import Estimate
 from precast.report.render import MODEL_EXPLORER_GRAPH
 
 STATUS_STYLE = {"overflow": "bold red", "underflow": "yellow", "fine": ""}

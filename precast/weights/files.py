@@ -194,9 +194,13 @@ class WeightFiles:
     def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype | str]:
         return self.headers[name]
 
+    def _key(self, name: str) -> str:
+        """The files' own key of ``name`` (a reader under other names, as ``aoti.swap``'s, maps it)."""
+        return name
+
     def __getitem__(self, name: str) -> torch.Tensor:
         with self._opened(self.where[name]) as h:
-            return h.get_tensor(name)
+            return h.get_tensor(self._key(name))
 
     def __iter__(self):  # noqa: ANN204
         return iter(self.where)
@@ -211,7 +215,7 @@ class WeightFiles:
             if wanted:
                 with self._opened(file) as h:
                     for name in wanted:
-                        yield name, h.get_tensor(name)
+                        yield name, h.get_tensor(self._key(name))
 
     def file_of(self, name: str) -> Path:
         return self.where[self.file_name(name)]  # type: ignore[index]

@@ -38,9 +38,9 @@ from torch.export import ExportedProgram
 from precast.errors import PrecastError
 from precast.io import safetensors_header
 from precast.ir.program import constant_sources
-from precast.ir.weight_formats import quantized_part
 from precast.passes.fold import cast_constant
 from precast.progress import ProgressBar
+from precast.quant.formats import quantized_part
 from precast.weights.files import INDEX, WeightFiles, streamed_targets, tensor_bytes
 
 

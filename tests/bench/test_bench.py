@@ -123,3 +123,34 @@ def test_cast_kernels_and_memory_of_packages(converted_a, compiled_a, compiled_a
     rss = bench.load_rss_mb(compiled_a_in_so.package_path, inputs, tmp_path)  # loads it without precast
     print(f"\nRSS after load of the small precast package: {rss} MB")
     assert rss is not None and rss > 0
+
+
+def test_variants_come_from_the_engine_registry(monkeypatch):
+    """Every engine of precast.backends.registry has its variants (its own baselines, or precast_<name>); a
+    variant's engine missing its extra is that row's one line naming the pip install, the others still run; the
+    generic row is precast's conversion on that engine, computing what the converted program computes."""
+    import sys
+
+    import precast
+    from precast.backends.registry import NAMES
+    from precast.bench import variants
+
+    assert set(variants.ENGINE_VARIANTS) == set(NAMES)
+    assert variants.ENGINE_VARIANTS["executorch"] == ("precast_executorch",)
+    assert set(variants.VARIANTS) == {"eager_fp32", "eager_autocast", *variants.ENGINE_OF}
+    model, inputs = models.small_mlp(2)
+    want = precast.convert(model, inputs).program.module()(*inputs)
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # ONNX Runtime "not installed"
+    fns, facts = variants.build_variants(
+        model, inputs, ("eager_fp32", "ort_precast", "precast_executorch"), cache_dir=None
+    )
+    assert set(fns) == {"eager_fp32", "precast_executorch"}
+    error = facts["ort_precast"].error
+    assert error.startswith("PrecastError: bench ort_precast: onnxruntime is not installed; ") and (
+        "pip install 'precast[onnx]'" in error
+    )
+    got = fns["precast_executorch"]()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # outputs up to 0.14: measured 1.95e-3 apart (bf16 matmuls, another engine's kernels: a few bf16 steps)
+    torch.testing.assert_close(got, want, rtol=0, atol=4e-3)
+    assert facts["precast_executorch"].compile_s is not None and facts["precast_executorch"].error is None

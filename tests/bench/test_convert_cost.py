@@ -103,7 +103,7 @@ def test_linearity_ratio():
 
 
 def test_missing_library_is_skipped_with_reason(monkeypatch):
-    from precast.bench import convert_models
+    from precast.bench.convert import models as convert_models
 
     monkeypatch.setitem(convert_models.CONVERT_MODELS, "fake", ("no_such_library_precast", lambda: None))
     said = []

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from precast.bench.convert_gb import RssClock, rss_bytes
+from precast.bench.convert.gb import RssClock, rss_bytes
 
 
 def test_rss_clock_sees_a_stage_allocation():

@@ -75,7 +75,7 @@ def test_interleaved_samples_every_form_in_turn_and_reports_failures():
 
 
 def test_read_bytes_counts_weights_whole_one_embedding_row_and_the_cache():
-    from precast.bench import decode_model
+    from precast.bench.decode import model as decode_model
 
     state = {
         "model.embed_tokens.weight": torch.zeros(100, 8),  # one row per token: 32 bytes
@@ -95,7 +95,7 @@ def test_anchor_environment_pins_the_running_torch_and_fails_fast():
     index."""
     import sys
 
-    from precast.bench import decode_anchor
+    from benchmarks.harness import decode_anchor
 
     cmds = decode_anchor.anchor_env_commands("/tmp/env", None, torch_version="2.13.0+cpu")
     assert cmds[0] == [sys.executable, "-m", "venv", "/tmp/env"]
@@ -119,10 +119,12 @@ def test_anchor_environment_pins_the_running_torch_and_fails_fast():
 
 
 def test_build_anchor_env_stops_at_the_first_failure_in_one_line(monkeypatch, capsys, tmp_path):
+    """The anchor's environment is the source checkout's (benchmarks/harness): its decode script builds it, and
+    the first failing command is one line (pip's own reason), exit status 2."""
     import subprocess
 
-    from precast.bench import decode_anchor
-    from precast.cli import main
+    from benchmarks import llm_decode
+    from benchmarks.harness import decode_anchor
 
     ran = []
 
@@ -133,16 +135,40 @@ def test_build_anchor_env_stops_at_the_first_failure_in_one_line(monkeypatch, ca
         return subprocess.CompletedProcess(cmd, 1 if fails else 0, "", err if fails else "")
 
     monkeypatch.setattr(decode_anchor.subprocess, "run", fake_run)
-    assert main(["bench", "--llm", "--build-anchor-env", str(tmp_path / "env")]) == 2
+    assert llm_decode.main(["--build-anchor-env", str(tmp_path / "env")]) == 2
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("precast bench: error: bench --llm --build-anchor-env: ")
+    assert last.startswith("llm_decode: --build-anchor-env: ")
     assert "ERROR: Could not find a version" in last and "is partial" in last and "Traceback" not in err
     assert len(ran) == 3  # venv, constraints, torch: nothing after the failure
 
 
+def test_precast_bench_llm_builds_no_anchor(monkeypatch, capsys):
+    """The package's ``precast bench --llm`` has no anchor flags and no anchor form (the optimum-intel
+    environment is the source checkout's); an anchor form no harness registered is a row error saying so."""
+    from precast.bench import decode
+    from precast.bench.decode import forms as decode_forms
+    from precast.cli import main
+
+    assert not any(f.startswith("openvino_anchor") for f in decode.FORMS)
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--llm", "--build-anchor-env", "/tmp/x"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --build-anchor-env" in capsys.readouterr().err
+    monkeypatch.setattr(
+        decode_forms, "BUILDERS", {k: v for k, v in decode_forms.BUILDERS.items() if k != "openvino_anchor"}
+    )
+    with pytest.raises(RuntimeError, match="openvino_anchor: the source checkout's anchor harness builds it"):
+        decode_forms.builder("openvino_anchor")
+    with pytest.raises(RuntimeError, match="nosuch: no such form"):
+        decode_forms.builder("nosuch")
+    with pytest.raises(ValueError, match="have builders already"):
+        decode_forms.register({"eager_fp32": decode_forms.build_eager})
+
+
 def test_bench_llm_quick_eager_rows_and_a_missing_anchor_is_a_row_error(tmp_path, monkeypatch):
-    from precast.bench import decode, decode_anchor, decode_model
+    from benchmarks.harness import decode_anchor  # registers the anchor forms
+    from precast.bench import decode
+    from precast.bench.decode import model as decode_model
 
     monkeypatch.setattr(decode_anchor, "ANCHOR_ENV", str(tmp_path / "no-env"))
     monkeypatch.delenv("PRECAST_OV_ANCHOR_PYTHON", raising=False)
@@ -229,3 +255,35 @@ def test_bench_llm_bad_option_is_one_line(capsys):
     assert main(["bench", "--llm", "--repeats", "0"]) == 2
     err = capsys.readouterr().err
     assert "--repeats" in err and "Traceback" not in err
+
+
+def test_the_anchor_ir_is_fed_as_optimum_intel_feeds_it():
+    """The anchor's IR run in this process (decode and whole-window accuracy alike): input ids at their positions,
+    an all-ones mask up to the last one, beam 0; a window starts from an empty state."""
+    import numpy as np
+
+    from benchmarks.harness.decode_anchor import infer_logits, window_runner
+
+    class Request:
+        def __init__(self):
+            self.fed, self.resets = [], 0
+
+        def infer(self, feed):
+            self.fed.append(feed)
+
+        def reset_state(self):
+            self.resets += 1
+
+        def get_output_tensor(self, i):
+            return type("T", (), {"data": np.arange(15, dtype=np.float32).reshape(1, 3, 5)})()
+
+    r = Request()
+    out = window_runner(r)(torch.tensor([[5, 6, 7]]))
+    assert r.resets == 1 and torch.equal(out, torch.arange(15.0).reshape(3, 5))
+    feed = r.fed[0]
+    assert feed["input_ids"].tolist() == [[5, 6, 7]] and feed["position_ids"].tolist() == [[0, 1, 2]]
+    assert feed["attention_mask"].tolist() == [[1, 1, 1]] and feed["position_ids"].dtype == np.int64
+    assert feed["beam_idx"].tolist() == [0] and feed["beam_idx"].dtype == np.int32
+    infer_logits(r, torch.tensor([[9]]), torch.tensor([4]))
+    assert r.fed[1]["attention_mask"].shape == (1, 5) and r.fed[1]["position_ids"].tolist() == [[4]]
+    assert r.resets == 1  # a decode step keeps the state

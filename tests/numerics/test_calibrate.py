@@ -12,8 +12,8 @@ import torch.nn as nn
 import precast
 from precast.errors import PrecastError
 from precast.ir.program import Program
-from precast.numerics.calibrate import calibrate
-from precast.numerics.calibration import TOLERANCE_BATCHES
+from precast.numerics.calibration.checks import TOLERANCE_BATCHES
+from precast.numerics.calibration.stage import calibrate
 from precast.passes.regions import inline_regions
 from precast.policy.measurements import NodeStats
 

@@ -16,7 +16,7 @@ import pytest
 
 import precast
 from precast.errors import PrecastError
-from precast.numerics.calibration import measured_nodes
+from precast.numerics.calibration.checks import measured_nodes
 from tests.numerics.dist_worker import CONVERT, case
 
 

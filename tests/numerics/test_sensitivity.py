@@ -266,8 +266,8 @@ def test_measured_errors_are_the_exported_programs_bitwise(dtype):
     from precast.ir.diagnostics import DiagnosticLog
     from precast.ir.program import private_state
     from precast.numerics.sensitivity import estimate
-    from precast.numerics.sensitivity_estimator import run_lowered
-    from precast.numerics.tolerance import check_program
+    from precast.numerics.sensitivity.estimator import run_lowered
+    from precast.numerics.tolerance.stage import check_program
     from precast.pipeline.conversion import begin
     from precast.pipeline.options import CheckedOptions
     from precast.pipeline.prepare import prepare

@@ -18,9 +18,9 @@ import precast
 from precast.errors import PrecastError
 from precast.ir.program import Program, private_state
 from precast.metrics import WorstError
-from precast.numerics.calibrate import calibrate
-from precast.numerics.tolerance import tolerance_stage
-from precast.numerics.tolerance_search import Source, meet_tolerance, parse_tolerance, rank
+from precast.numerics.calibration.stage import calibrate
+from precast.numerics.tolerance.search import Source, meet_tolerance, parse_tolerance, rank
+from precast.numerics.tolerance.stage import tolerance_stage
 from precast.passes.regions import inline_regions
 from precast.policy.rules.policy import RulesDecider, RulesPolicy
 from precast.report.model import Report
@@ -358,7 +358,7 @@ def test_minilm_search_is_fast():
 def test_ranking_without_gradients_falls_back_and_says_so(monkeypatch):
     """A program autograd cannot run through: the ranking uses each tensor's own rounding error, the search
     still meets the tolerance, and the tolerance diagnostic names the reason."""
-    import precast.numerics.tolerance as stage
+    import precast.numerics.tolerance.stage as stage
 
     def no_grad(*_a, **_k):
         raise RuntimeError("element 0 of tensors does not require grad")

@@ -1,5 +1,5 @@
-"""One options record (issue 35): ``precast.convert``'s keywords, ``ConvertOptions``' fields and the rules keywords
-are the same names; every refusal comes from ``ConvertOptions.check`` before anything is captured; the CLI builds
+"""One options record (issue 35): ``ConvertOptions``' fields are ``precast.convert``'s parameters and its records'
+fields (issue 51), the rules keywords ``RulesPolicy``'s; every refusal comes from ``ConvertOptions.check`` before anything is captured; the CLI builds
 the same record."""
 
 from __future__ import annotations
@@ -13,51 +13,21 @@ import torch
 import precast
 from precast.errors import PrecastError
 from precast.pipeline.options import ConvertOptions
+from precast.pipeline.records import RECORDS, SHORTCUTS
 from precast.policy.resolve import RULE_OPTIONS
 
-# convert's public signature as it was before the record (4cd42e5): names, order, defaults
-PUBLIC = [
-    "program_or_module",
-    "example_inputs",
-    "dtype",
-    "device_type",
-    "policy",
-    "exclude_nodes",
-    "exclude_ops",
-    "include_nodes",
-    "include_ops",
-    "data_max",
-    "init_max",
-    "max_reduction_depth",
-    "calibration",
-    "tolerance",
-    "keep_io_types",
-    "dynamic_shapes",
-    "custom_rules",
-    "patterns",
-    "verify",
-    "allow",
-    "plan",
-    "cache_dtype",
-    "weights",
-    "weights_out",
-    "weight_format",
-]
 
-
-def test_the_public_signature_stays():
-    params = inspect.signature(precast.convert).parameters
-    assert list(params) == PUBLIC
-    assert params["verify"].default is True and params["exclude_nodes"].default == ()
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(params.values())[2:])
-
-
-def test_every_keyword_is_a_field_or_a_rules_keyword_and_back():
-    """A keyword renamed in one place and not the other fails here, never silently drops a value."""
+def test_every_option_has_one_place():
+    """Each field of the flat record is ``convert``'s own parameter or a field of one of its records (the
+    keyword of the release before naming it, ``SHORTCUTS``); the rules' options are only ``RulesPolicy``'s. A
+    name renamed in one place and not the other fails here, never silently drops a value."""
     fields = {f.name for f in dataclasses.fields(ConvertOptions)} - {"rules"}
-    keywords = set(PUBLIC[2:])
-    assert keywords == fields | set(RULE_OPTIONS)
-    assert not fields & set(RULE_OPTIONS)
+    params = set(inspect.signature(precast.convert).parameters)
+    own = {"policy", "dtype", "device_type", "verify", "allow", "plan", "weights"}  # weights=PATH: the files
+    assert own <= params and fields == own | set(SHORTCUTS)
+    assert not fields & set(RULE_OPTIONS) and not params & set(RULE_OPTIONS)
+    for old, (record, field) in SHORTCUTS.items():
+        assert field in {f.name for f in dataclasses.fields(RECORDS[record])}, old
 
 
 def test_keywords_are_picked_by_name():
@@ -99,7 +69,7 @@ def test_every_refusal_comes_before_capture(keywords, message, monkeypatch):
 
 def test_the_cli_builds_the_same_record(tmp_path):
     from precast.cli import build_parser
-    from precast.cli.convert import options_of
+    from precast.cli.common import options_of
 
     ep = torch.export.export(torch.nn.Linear(2, 2).eval(), (torch.zeros(1, 2),))
     torch.export.save(ep, tmp_path / "p.pt2")

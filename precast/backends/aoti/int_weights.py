@@ -46,11 +46,12 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
+from precast.quant.forms import VIEWS, Dequantized, cast_dtype, is_call, recognise, value_of
+
 aten = torch.ops.aten
 VERSION = 2  # of the rewrite: in the cache key with the plan
 INT4_GROUPS = (32, 64, 128, 256)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 PACK_SUFFIX = ".int4pack"
 SZ_SUFFIX = ".int4sz"
 INT8S_SUFFIX = ".int8s"  # int8-asym's q - 128 (int8), the int8 kernel's weight
@@ -133,9 +134,7 @@ def plan_int_weights(ep: ExportedProgram, device: str = "cpu") -> IntPlan:
         if device != "cpu":
             break
         if node.op == "call_function" and node.target is aten.linear.default:
-            found = None
-            for match in (_match_int8, _match_int8_asym, _match_int4):
-                found = found or match(node, consts)
+            found = _match(node, consts)
             if isinstance(found, IntLinear):
                 rewrites.append(found)
             elif isinstance(found, tuple):
@@ -186,29 +185,6 @@ def _constant_names(ep: ExportedProgram) -> dict[Node, str]:
     return {n: by_input[n.name] for n in ep.graph.nodes if n.op == "placeholder" and n.name in by_input}
 
 
-def value_of(node: Any) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def _is(node: Any, *targets: Any) -> bool:
-    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
-
-
-def _to_dtype(node: Any) -> torch.dtype | None:
-    """The dtype of a plain ``_to_copy(t, dtype=...)`` (no other change), else None."""
-    if not _is(node, aten._to_copy.default) or len(node.args) != 1:
-        return None
-    extra = {k: v for k, v in node.kwargs.items() if k != "dtype"}
-    if extra.get("layout", torch.strided) != torch.strided or extra.get("memory_format") not in (
-        None,
-        torch.preserve_format,
-        torch.contiguous_format,
-    ):
-        return None
-    return node.kwargs.get("dtype")
-
-
 def _sizes(node: Node) -> tuple[int, ...] | None:
     val = value_of(node)
     if val is None or not all(isinstance(s, int) for s in val.shape):
@@ -219,16 +195,6 @@ def _sizes(node: Node) -> tuple[int, ...] | None:
 def linear_args(linear: Node) -> tuple[Node, Node, Any]:
     args = list(linear.args) + [None] * (3 - len(linear.args))
     return args[0], args[1], linear.kwargs.get("bias", args[2])
-
-
-def _sub_of_casts(sub: Any) -> tuple[Node, Node, torch.dtype] | None:
-    """``(a_cast, b_cast, dt)`` of ``sub(_to_copy(a, dtype=dt), _to_copy(b, dtype=dt))`` (alpha 1), the zero point's
-    subtraction of int8-asym and int4; else None."""
-    if not _is(sub, aten.sub.Tensor) or len(sub.args) != 2 or sub.kwargs.get("alpha", 1) != 1:
-        return None
-    a, b = sub.args
-    dt = _to_dtype(a)
-    return (a, b, dt) if dt is not None and _to_dtype(b) == dt else None
 
 
 def _scale_bad(kind: str, s: Node, dt: torch.dtype, shape: tuple[int, ...]) -> str | None:
@@ -254,107 +220,54 @@ def _kernel_bad(x: Any, bias: Any, dt: torch.dtype, k: int) -> str | None:
     return None if bv is not None and bv.dtype == dt and bv.dim() == 1 else "a bias of another dtype"
 
 
-def _match_int8(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str, str] | None:
+def _match(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str, ...] | None:
+    """The linear's weight as the stored form (``precast.quant.forms.recognise``: the one recogniser) a kernel
+    takes: an ``IntLinear``; a tuple ``(q's name, why not[, zero's name])`` where the form is there but no kernel
+    takes it; None for a float weight."""
     x, w, bias = linear_args(linear)
-    if not _is(w, aten.mul.Tensor) or len(w.args) != 2:
+    d = recognise(w)
+    if (
+        d is None
+        or d.q not in consts
+        or d.scale not in consts
+        or (d.zero is not None and d.zero not in consts)
+    ):
         return None
-    for deq, s in (w.args, w.args[::-1]):
-        dt = _to_dtype(deq)
-        q = deq.args[0] if dt is not None else None
-        if q not in consts or s not in consts:
-            continue
-        qv, sv = value_of(q), value_of(s)
-        if qv is None or sv is None or qv.dtype != torch.int8 or qv.dim() != 2:
-            continue
-        name = consts[q]
-        n, k = _sizes(q) or (None, None)
-        if bad := _scale_bad("int8", s, dt, (n, 1)) or _kernel_bad(x, bias, dt, k):
-            return name, bad
-        return IntLinear("int8", linear.name, name, consts[s], None, None, dt, (deq.name, w.name))
-    return None
+    kind, name, dt = d.format.kind, consts[d.q], d.dtype
+    zero = consts[d.zero] if d.zero is not None else None
+    partner = (zero,) if zero else ()
+    n, k = _sizes(d.q) or (None, None)
+    chain = tuple(node.name for node in d.chain)
+    if kind == "int4":
+        return _int4(d, x, bias, (name, consts[d.scale], zero), chain, linear)
+    if zero is not None and (value_of(d.zero).dtype != torch.uint8 or _sizes(d.zero) != (n, 1)):
+        zv = value_of(d.zero)
+        return name, f"int8-asym zero point {zv.dtype} {list(zv.shape)}".replace("torch.", ""), zero
+    if bad := _scale_bad(kind, d.scale, dt, (n, 1)) or _kernel_bad(x, bias, dt, k):
+        return (name, bad, *partner)
+    return IntLinear(kind, linear.name, name, consts[d.scale], zero, None, dt, chain)
 
 
-def _match_int8_asym(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str, ...] | None:
-    """``linear(x, mul(sub(_to_copy(q), _to_copy(zero)), scale), bias)`` with ``q`` uint8 [N, K] (either operand
-    order of the ``mul``); a tuple ``(q's name, why not, zero's name)`` where the form is there but no kernel
-    takes it."""
-    x, w, bias = linear_args(linear)
-    if not _is(w, aten.mul.Tensor) or len(w.args) != 2:
-        return None
-    for sub, s in (w.args, w.args[::-1]):
-        casts = _sub_of_casts(sub)
-        if casts is None or s not in consts:
-            continue
-        qf, zf, dt = casts
-        q, z = qf.args[0], zf.args[0]
-        qv, zv, sv = value_of(q), value_of(z), value_of(s)
-        ok = q in consts and z in consts and zv is not None and sv is not None
-        if not ok or qv is None or qv.dtype != torch.uint8 or qv.dim() != 2:
-            continue
-        name, zero = consts[q], consts[z]
-        n, k = _sizes(q) or (None, None)
-        if zv.dtype != torch.uint8 or _sizes(z) != (n, 1):
-            return name, f"int8-asym zero point {zv.dtype} {list(zv.shape)}".replace("torch.", ""), zero
-        if bad := _scale_bad("int8-asym", s, dt, (n, 1)) or _kernel_bad(x, bias, dt, k):
-            return name, bad, zero
-        chain = (qf.name, zf.name, sub.name, w.name)
-        return IntLinear("int8-asym", linear.name, name, consts[s], zero, None, dt, chain)
-    return None
-
-
-def _match_int4(linear: Node, consts: dict[Node, str]) -> IntLinear | tuple[str, str] | None:
-    x, w, bias = linear_args(linear)
-    if not _is(w, *VIEWS):
-        return None
-    mul = w.args[0]
-    if not _is(mul, aten.mul.Tensor):
-        return None
-    for sub, s in (mul.args, mul.args[::-1]):
-        casts = _sub_of_casts(sub)
-        if casts is None or not _is(casts[0].args[0], *VIEWS) or s not in consts:
-            continue
-        qf, zf, dt = casts
-        z = zf.args[0]
-        stack = qf.args[0].args[0]
-        if z not in consts or not _is(stack, aten.stack.default):
-            continue
-        parts = stack.args[0]
-        dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
-        if len(parts) != 2 or dim not in (-1, 2):
-            continue
-        lo, hi = parts
-        if not (_is(lo, aten.bitwise_and.Scalar) and lo.args[1] == 15):
-            continue
-        if not (_is(hi, aten.bitwise_right_shift.Tensor_Scalar) and hi.args[1] == 4):
-            continue
-        p = lo.args[0]
-        if p is not hi.args[0] or p not in consts:
-            continue
-        name = consts[p]
-        pv, zv, sv = value_of(p), value_of(z), value_of(s)
-        ps, zs, ss, qs = _sizes(p), _sizes(z), _sizes(s), _sizes(qf.args[0])
-        if None in (pv, zv, sv, ps, zs, ss, qs) or pv.dtype != torch.uint8 or len(ps) != 2:
-            continue
-        n, k = ps[0], 2 * ps[1]
-        g = qs[-1] if len(qs) == 3 else 0
-        if (
-            qs != (n, k // max(g, 1), g)
-            or zs != (n, k // g, 1)
-            or zv.dtype != torch.uint8
-            or _sizes(w) != (n, k)
-        ):
-            return name, "int4 shapes outside the documented form", consts[z]
-        if bad := _scale_bad("int4", s, dt, (n, k // g, 1)):
-            return name, bad, consts[z]
-        if g not in INT4_GROUPS:
-            return name, f"int4 group {g}: torch's CPU kernel takes 32, 64, 128, 256", consts[z]
-        if n % 16:
-            return name, f"int4 N={n} not a multiple of 16 (torch's CPU packing)", consts[z]
-        if bad := _kernel_bad(x, bias, dt, k):
-            return name, bad, consts[z]
-        chain = (lo.name, hi.name, stack.name, qf.args[0].name, qf.name, zf.name, sub.name, mul.name, w.name)
-        return IntLinear("int4", linear.name, name, consts[s], consts[z], g, dt, chain)
-    return None
+def _int4(d: Dequantized, x: Any, bias: Any, names: tuple[str, str, str], chain: tuple, linear: Node) -> Any:
+    """An int4 linear the kernel takes (``IntLinear``), or ``(name, why not, zero)``; ``names``: the stored names
+    of its packed bytes, scale and zero point."""
+    name, scale, zero = names
+    ps, zs, qs, w = _sizes(d.q), _sizes(d.zero), _sizes(d.chain[3]), d.chain[-1]
+    zv, dt = value_of(d.zero), d.dtype
+    if None in (ps, zs, qs, zv, _sizes(d.scale)) or len(ps) != 2:
+        return name, "int4 shapes outside the documented form", zero
+    n, k, g = ps[0], 2 * ps[1], d.format.group
+    if qs != (n, k // g, g) or zs != (n, k // g, 1) or zv.dtype != torch.uint8 or _sizes(w) != (n, k):
+        return name, "int4 shapes outside the documented form", zero
+    if bad := _scale_bad("int4", d.scale, dt, (n, k // g, 1)):
+        return name, bad, zero
+    if g not in INT4_GROUPS:
+        return name, f"int4 group {g}: torch's CPU kernel takes 32, 64, 128, 256", zero
+    if n % 16:
+        return name, f"int4 N={n} not a multiple of 16 (torch's CPU packing)", zero
+    if bad := _kernel_bad(x, bias, dt, k):
+        return name, bad, zero
+    return IntLinear("int4", linear.name, name, scale, zero, g, dt, chain)
 
 
 def _live_reader(node: Node, dead: set[str]) -> Node | None:
@@ -372,9 +285,13 @@ def _live_reader(node: Node, dead: set[str]) -> Node | None:
                 if user.op == "call_function" and user.target is not aten.linear.default:
                     todo.append((user, False))
                 continue
-            if table and _is(user, aten.embedding.default) and user.args[0] is n:
+            if table and is_call(user, aten.embedding.default) and user.args[0] is n:
                 continue
-            if table and _is(user, *VIEWS, aten.unsqueeze.default, aten.squeeze.dim) and user.args[0] is n:
+            if (
+                table
+                and is_call(user, *VIEWS, aten.unsqueeze.default, aten.squeeze.dim)
+                and user.args[0] is n
+            ):
                 todo.append((user, True))
                 continue
             return user
@@ -393,7 +310,7 @@ def _float_of(node: Node) -> torch.dtype | None:
         if user in seen:
             continue
         seen.add(user)
-        dt = _to_dtype(user)
+        dt = cast_dtype(user)
         if dt in FLOATS:
             return dt
         todo.extend(user.users)

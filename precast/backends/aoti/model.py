@@ -107,6 +107,12 @@ class CompiledModel:
         """True when the compiled code writes constants (a KV cache) that carry from one call to the next."""
         return bool(self._state)
 
+    @property
+    def self_contained(self) -> bool:
+        """True when the package holds its weights (compiled with them in the .so): ``precast.save`` can write it
+        alone (``backends/aoti/saved.py``)."""
+        return self._constants is None
+
     @holds_state
     def reset(self) -> None:
         """Restore every constant the code writes (a KV cache) to the program's initial value: a new sequence.

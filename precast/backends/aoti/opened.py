@@ -35,6 +35,7 @@ from precast.backends.aoti.package_cache import (
 )
 from precast.dtypes import dtype_of_name, long_name
 from precast.ir.program import ConstantSource, written_targets
+from precast.runtime.records import record_mismatch
 from precast.runtime.signature import ProgramSignature
 from precast.threads import TORCH_LOCK
 
@@ -109,13 +110,9 @@ def open_entry(
 
 def mismatch(record: dict[str, Any], threads: int) -> str:
     """Why an entry built under ``record`` cannot serve this machine at ``threads`` ("" when it can)."""
-    needed = ("key", "toolchain", "threads", "written", "stored")
-    if (
-        not isinstance(record, dict)
-        or record.get("version") != RECORD_VERSION
-        or not all(k in record for k in needed)
-    ):
-        return "its record is from another precast version"
+    stale = record_mismatch(record, RECORD_VERSION, ("key", "toolchain", "threads", "written", "stored"))
+    if stale:
+        return stale
     if record["threads"] != threads:
         return f"its package was compiled for {record['threads']} thread(s), not {threads}"
     made, here = record["toolchain"], toolchain()

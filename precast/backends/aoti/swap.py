@@ -52,12 +52,93 @@ def plan_swap(
     by_original: dict[str, list[StoredConstant]] = {}
     for st in stored.values():
         by_original.setdefault(st.source.original, []).append(st)
+    source = aligned_names(source, set(by_original))  # a tied model's two names, the recipe's prefix
     live = {n: r for n, r in folded.items() if n in swappable}
     recomputed = set().union(*(recipe_sources(r) for r in live.values())) if live else set()
     kept = sorted(
         n for n, sts in by_original.items() if n not in source and not any(st.persistent for st in sts)
     )
     return Swap(what, source, by_original, swappable, live, recomputed, kept)
+
+
+def aligned_names(source: Source, expected: set[str]) -> Source:
+    """``source`` keyed by the program's original names where the only differences are (a) a tied model's second
+    name of one shared table (``lm_head.weight`` beside ``model.embed_tokens.weight``: the same tensor, or an equal
+    one, under both names; the name the program reads is kept) and (b) one prefix a wrapper adds or removes (the
+    export-llm recipe's ``model.``: the checkpoint's own names), taken only when exactly one prefix maps every
+    other name onto a distinct original the source lacks. Anything else is left for ``check_swap`` to refuse."""
+    given = list(source)
+    unexpected = [n for n in given if n not in expected]
+    if not unexpected:
+        return source
+    missing = expected - set(given)
+    found = []
+    # a prefix only when it is the one difference: no given name is an original as it is
+    renames = _prefix_renames(unexpected, missing) if len(unexpected) == len(given) else []
+    for rename in renames + [{}]:
+        named = {n: rename.get(n, n) for n in given}
+        if len(set(named.values())) < len(named):
+            continue
+        if all(v in expected or _tied_to(source, n, named, expected) for n, v in named.items()):
+            found.append(named)
+    if len(found) == 1:  # every name an original, or the second name of a tied one (dropped)
+        named = {n: v for n, v in found[0].items() if v in expected}
+    else:  # none, or two prefixes that fit (ambiguous): refused below, in the program's names where one prefix
+        # explains most of them (the rest stay unexpected, so nothing loads), the tied second names set aside
+        most = [r for r in renames if sum(v in expected for v in r.values()) * 2 > len(given)]
+        same = {g: (most[0].get(g, g) if len(most) == 1 else g) for g in given}
+        named = {n: v for n, v in same.items() if v in expected or not _tied_to(source, n, same, expected)}
+        if named == {g: g for g in given}:
+            return source
+    if isinstance(source, SafetensorsSource):
+        return _RenamedFiles(source, {v: n for n, v in named.items()})
+    return {v: source[n] for n, v in named.items()}
+
+
+def _prefix_renames(unexpected: list[str], missing: set[str]) -> list[dict[str, str]]:
+    """Each prefix added to (or removed from) the first unexpected name that makes it a missing original, as a
+    renaming of every unexpected name it applies to."""
+    first, renames = unexpected[0], []
+    for m in sorted(missing):
+        if m.endswith("." + first):
+            p = m[: -len(first)]
+            renames.append({n: p + n for n in unexpected})
+        if first.endswith("." + m):
+            p = first[: -len(m)]
+            renames.append({n: n[len(p) :] for n in unexpected if n.startswith(p)})
+    return renames
+
+
+def _tied_to(source: Source, name: str, named: dict[str, str], expected: set[str]) -> bool:
+    """Whether ``name`` is a tied model's second name: its tensor is (or equals) one given under a name that maps
+    onto an original the program reads (files: compared after their headers agree, one pair read at a time)."""
+    meta = source_meta(source, name)
+    if meta is None:
+        return False
+    for other, v in named.items():
+        if other == name or v not in expected or source_meta(source, other) != meta:
+            continue
+        value, twin = source[name], source[other]
+        if no_data(value) or no_data(twin) or twin.device != value.device:
+            continue
+        same = twin.data_ptr() == value.data_ptr() and twin.stride() == value.stride()
+        if same or torch.equal(twin, value):
+            return True
+    return False
+
+
+class _RenamedFiles(SafetensorsSource):
+    """Safetensors files read under the program's names (``aligned_names``): ``old`` maps each to the files'."""
+
+    def __init__(self, files: SafetensorsSource, old: dict[str, str]):
+        self.__dict__.update(files.__dict__)
+        self.prefix = ""
+        self._old = old
+        self.where = {new: files.where[o] for new, o in old.items()}
+        self.headers = {new: files.headers[o] for new, o in old.items()}
+
+    def _key(self, name: str) -> str:
+        return self._old[name]
 
 
 def check_swap(swap: Swap, stored: dict[str, StoredConstant], unmatched: list[str]) -> None:

@@ -97,7 +97,7 @@ def export_onnx(
     refuse_written_state(ep, "an ONNX Runtime session", "export_onnx")
     started = time.perf_counter()
     if dynamic_batch:
-        ep = _dynamic(ep)
+        ep = dynamic_if_possible(ep)
     proto = _exported(ep, opset, optimize)
     if dynamic_batch and len(batch_symbols(ep)) == 1:
         _rename_dims(proto, batch_symbols(ep))
@@ -121,7 +121,13 @@ def _exported(ep: ExportedProgram, opset: int | None, optimize: bool) -> Any:
     with torch.no_grad(), _quiet():
         try:
             onnx_program = torch.onnx.export(
-                ep, args, kwargs=kwargs or None, dynamo=True, optimize=False, opset_version=opset
+                ep,
+                args,
+                kwargs=kwargs or None,
+                dynamo=True,
+                optimize=False,
+                opset_version=opset,
+                custom_translation_table=_translations(),
             )
         except Exception as exc:
             raise PrecastError(
@@ -132,6 +138,39 @@ def _exported(ep: ExportedProgram, opset: int | None, optimize: bool) -> Any:
         if optimize:
             _optimize(onnx_program.model)
     return onnx_program.model_proto
+
+
+def _translations() -> dict[Any, Any]:
+    """Ops whose translation by onnxscript's torch library is wrong for precast's programs, translated here.
+
+    ``bitwise_right_shift`` on uint8 (how an int4 weight's high nibble is read: ``packed >> 4``): onnxscript
+    emulates an arithmetic shift and casts the result to the *signed* type (int8 for uint8), an invalid model
+    (``Where`` yields int8 where the graph declares uint8). An unsigned right shift is ONNX's logical
+    ``BitShift`` itself; signed types keep onnxscript's translation."""
+    from onnxscript import ir
+    from onnxscript.function_libs.torch_lib.ops import core
+    from onnxscript.onnx_opset import opset18 as op
+
+    unsigned = {ir.DataType.UINT8, ir.DataType.UINT16, ir.DataType.UINT32, ir.DataType.UINT64}
+
+    def right_shift(self: Any, other: Any) -> Any:
+        if self.dtype in unsigned:
+            return op.BitShift(self, op.CastLike(other, self), direction="RIGHT")
+        return core.aten_bitwise_right_shift(self, other)
+
+    def right_shift_scalar(self: Any, other: int) -> Any:
+        if self.dtype in unsigned:
+            return op.BitShift(self, op.Constant(value=ir.tensor(other, dtype=self.dtype)), direction="RIGHT")
+        return core.aten_bitwise_right_shift_tensor_scalar(self, other)
+
+    # ``>>`` is ``__rshift__`` (its Tensor overload onnxscript does not register at all)
+    aten = torch.ops.aten
+    return {
+        aten.bitwise_right_shift.Tensor: right_shift,
+        aten.bitwise_right_shift.Tensor_Scalar: right_shift_scalar,
+        aten.__rshift__.Tensor: right_shift,
+        aten.__rshift__.Scalar: right_shift_scalar,
+    }
 
 
 def _check_valid(proto: Any) -> None:
@@ -148,7 +187,7 @@ def _check_valid(proto: Any) -> None:
             route = (
                 "convert with dtype=torch.float16 for ONNX"
                 if dtype == "bfloat16"
-                else "keep that op in float32 (precast.convert(..., exclude_ops=[...]))"
+                else "keep that op in float32 (precast.convert(..., policy=precast.RulesPolicy(exclude_ops=[...])))"
             )
             raise PrecastError(
                 f"export_onnx: ONNX opset {_opset(proto)} has no {dtype} {op}; {route}"
@@ -174,7 +213,7 @@ def _opset(proto: Any) -> int:
     return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
-def _dynamic(ep: ExportedProgram) -> ExportedProgram:
+def dynamic_if_possible(ep: ExportedProgram) -> ExportedProgram:
     """The program with a dynamic dim 0: itself when it has one, else ``precast.runtime.exported.dynamic_batch``'s re-export.
 
     A program converted with static shapes may have the batch size baked into its graph (an attention layer's

@@ -63,8 +63,8 @@ def _ort_message(path: str | os.PathLike, exc: Exception) -> str:
         )
     else:
         route = (
-            "keep that op in float32 (precast.convert(..., exclude_ops=[...])), or serve the program with "
-            "torch.compile or precast.compile (AOTInductor)"
+            "keep that op in float32 (precast.convert(..., policy=precast.RulesPolicy(exclude_ops=[...]))), "
+            "or serve the program with torch.compile or precast.compile (AOTInductor)"
         )
     return (
         f"{path}: ONNX Runtime's CPU provider has no {'/'.join(dtypes)} kernel for {op}({version}) "

@@ -36,7 +36,9 @@ from typing import Any
 
 import torch
 
-from precast.backends.openvino.weight_forms import UNPACK, call, nibbles, val
+from precast.backends.openvino.weight_forms import call, val
+from precast.quant.formats import INT8, INT8_ASYM, WeightFormat
+from precast.quant.forms import Q_DTYPE, recognise
 
 aten = torch.ops.aten
 
@@ -45,10 +47,11 @@ aten = torch.ops.aten
 # tensors (a mask table) as u8: such a Gather can only raise the count of compressed layers, never name a weight
 FC_COMPRESSED = frozenset({"i8", "u8", "i4", "u4", "nf4", "f4e2m1"})
 GATHER_COMPRESSED = frozenset({"i8", "u8", "i4", "u4"})
-_BINARY = {aten.mul.Tensor, aten.sub.Tensor}
 # reader op -> the argument that is its weight
 _READERS = {aten.linear.default: (1, "linear"), aten.embedding.default: (0, "embedding")}
-_FORMS = {torch.int8: ("int8", "i8"), torch.uint8: ("int8-asym", "u8")}
+# a format -> the element type OpenVINO holds it in; an embedding's table dtype -> the format of its rows
+_PRECISION = {"int8": "i8", "int8-asym": "u8", "int4": "u4"}
+_ROWS = {Q_DTYPE[f.kind]: f for f in (INT8, INT8_ASYM)}
 
 
 class CompressedWeightWarning(UserWarning):
@@ -72,7 +75,9 @@ class StoredWeight:
 
 def stored_weights(gm: torch.fx.GraphModule) -> list[StoredWeight]:
     """Every linear / embedding of ``gm`` whose weight is an int8 (or nibble-packed uint8) constant, dequantized on
-    the way (the forms in the module docstring)."""
+    the way: the weight formats' graph form, recognised by ``precast.quant.forms.recognise`` (OpenVINO's
+    decomposed program keeps it, ``weight_forms`` puts int4's stack back), or an embedding's int8 / int8-asym rows
+    (``q`` gathered as it is stored, dequantized after)."""
     out = []
     originals = original_names(gm)
     for node in gm.graph.nodes:
@@ -80,20 +85,19 @@ def stored_weights(gm: torch.fx.GraphModule) -> list[StoredWeight]:
             continue
         index, kind = _READERS[node.target]
         w = node.args[index] if len(node.args) > index else None
-        found = _trace(w, node if kind == "embedding" else None)
+        found = _stored(w, node if kind == "embedding" else None)
         if found is None:
             continue
-        leaf, path, packed, value = found
-        form, precision = ("int4", "u4") if packed else _FORMS[value.dtype]
-        shape = val(w).shape if path else value.shape
+        leaf, path, fmt = found
+        shape = val(w).shape if path else val(leaf).shape
         out.append(
             StoredWeight(
                 weight=_recorded(node) or originals.get(str(leaf.target), str(leaf.target)),
                 constant=str(leaf.target),
                 reader=node.name,
                 kind=kind,
-                form=form,
-                precision=precision,
+                form=fmt.kind,
+                precision=_PRECISION[fmt.kind],
                 shape=tuple(int(s) for s in shape),
                 path=tuple(n.name for n in path),
             )
@@ -131,56 +135,29 @@ def _dequantized_rows(gather: torch.fx.Node) -> bool:
     )
 
 
-def _trace(
+def _stored(
     w: Any, gather: torch.fx.Node | None = None
-) -> tuple[torch.fx.Node, list[torch.fx.Node], bool, torch.Tensor] | None:
-    """From a reader's weight back to the integer constant it dequantizes: (the constant, the nodes in between,
-    whether a nibble unpack is among them, the constant's value or fake value), or None (a float weight, or a
-    computation that is not a dequantization). ``gather``: the embedding reading ``w`` as its table, where a uint8
-    table counts only when its rows are dequantized (``_dequantized_rows``). A multiply / subtract follows its
-    larger operand (the weight; the other is its scale or zero point)."""
-    path: list[torch.fx.Node] = []
-    packed = False
-    node = w
-    while isinstance(node, torch.fx.Node) and node.op == "call_function":
-        if node.target not in UNPACK:
+) -> tuple[torch.fx.Node, list[torch.fx.Node], WeightFormat] | None:
+    """The integer constant behind a reader's weight ``w``: (the constant, the nodes from it to ``w`` that unpack
+    and dequantize it, its format), or None (a float weight, or another computation). ``gather``: the embedding
+    reading ``w`` as its table, where an int8 table counts as int8's rows and a uint8 one as int8-asym's only when
+    its rows are dequantized (``_dequantized_rows``; otherwise a mask)."""
+    found = recognise(w)
+    if found is not None:
+        if not isinstance(found.q, torch.fx.Node) or found.q.op != "get_attr":
             return None
-        path.append(node)
-        if node.target in (aten.stack.default, aten.cat.default):
-            parts = node.args[0]
-            if len(parts) != 2:
-                return None
-            lo = parts[0].args[0] if call(parts[0], aten.unsqueeze.default) else parts[0]
-            hi = parts[1].args[0] if call(parts[1], aten.unsqueeze.default) else parts[1]
-            if not nibbles(lo, hi):
-                return None
-            path += [p for p in parts if p is not lo and p is not hi] + [lo, hi]
-            packed = True
-            node = lo.args[0]
-            continue
-        if node.target in _BINARY:
-            operands = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
-            if not operands:
-                return None
-            node = max(operands, key=lambda a: val(a).numel() if val(a) is not None else -1)
-            continue
-        node = node.args[0]
-    leaf = node if isinstance(node, torch.fx.Node) and node.op == "get_attr" else None
-    value = val(leaf) if leaf is not None else None
-    if value is None:  # an unlifted module's constant: its tensor
-        value = _attr(leaf) if leaf is not None else None
-    if value is None or value.dtype not in _FORMS:
+        path: list[torch.fx.Node] = []  # the chain's nodes computed from q (not the zero point's cast)
+        for node in found.chain:
+            if found.q in node.all_input_nodes or set(path) & set(node.all_input_nodes):
+                path.append(node)
+        return found.q, path, found.format
+    if gather is None or not isinstance(w, torch.fx.Node) or w.op != "get_attr":
         return None
-    if (
-        value.dtype == torch.uint8
-        and not packed
-        and not path
-        and (gather is None or not _dequantized_rows(gather))
-    ):
-        return None  # a uint8 table gathered as it is (a mask), not int8-asym's rows
-    if value.dtype == torch.uint8 and not packed and path and not any(call(n, aten.sub.Tensor) for n in path):
+    value = val(w) if val(w) is not None else _attr(w)  # an unlifted module's constant: its tensor
+    fmt = _ROWS.get(value.dtype) if value is not None else None
+    if fmt is None or (fmt == INT8_ASYM and not _dequantized_rows(gather)):
         return None
-    return leaf, list(reversed(path)), packed, value
+    return w, [], fmt
 
 
 def _attr(node: torch.fx.Node) -> torch.Tensor | None:

@@ -31,6 +31,7 @@ from precast.backends.openvino.ir_files import save_ir
 from precast.backends.openvino.plan_check import LayerPrecision, PlanCheck
 from precast.backends.openvino.precision import native_bf16, native_fp16, restore_marks
 from precast.errors import PrecastError
+from precast.runtime.records import record_mismatch
 from precast.runtime.signature import ProgramSignature
 
 RECORD_VERSION = 1
@@ -69,13 +70,9 @@ def save_form(model: Any, path: str | os.PathLike) -> dict[str, Any]:
 
 def stale_reason(record: dict[str, Any], core: Any) -> str:
     """Why the form ``record`` describes is not valid on this machine ("" when it is)."""
-    needed = ("config", "plan", "weights", "signature", "made_on")
-    if (
-        not isinstance(record, dict)
-        or record.get("version") != RECORD_VERSION
-        or not all(k in record for k in needed)
-    ):
-        return "its record is from another precast version"
+    stale = record_mismatch(record, RECORD_VERSION, ("config", "plan", "weights", "signature", "made_on"))
+    if stale:
+        return stale
     made, here = record.get("made_on") or {}, cpu_facts(core)
     if made.get("openvino") != here["openvino"]:
         return f"made with OpenVINO {made.get('openvino')}, this is {here['openvino']}"
@@ -154,3 +151,27 @@ def _weight_check(data: dict[str, Any]) -> WeightCheck:
 def bin_of(xml: str | os.PathLike) -> Path:
     """The ``.bin`` beside an IR's ``.xml``."""
     return Path(xml).with_suffix(".bin")
+
+
+def save(model: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """``precast.save`` of an ``OpenVINOModel``: ``save_form``, with a line saying what was written."""
+    record = save_form(model, path)
+    shapes = [i.get_partial_shape() for i in model.ov_model.inputs]
+    dynamic = all(s.rank.get_length() == 0 or s[0].is_dynamic for s in shapes)
+    batch = "dynamic batch" if dynamic else "static shapes"
+    if model.state_names:  # a KV cache held as OpenVINO variables
+        batch += f", {len(model.state_names)} cache(s) held as state between calls ({model.cache_form})"
+    summary = f"{bin_of(path).name} beside it, {record['bin_bytes'] / 2**20:.2f} MB, {batch}; plan: {model.plan.summary()}"
+    return {**record, "facts": {"summary": summary}}
+
+
+def load(xml: str | os.PathLike, record: dict[str, Any], *, threads: int | None = None) -> Any:
+    """``precast.load`` of a form ``save`` wrote: ``open_form`` where it is valid here, else one line saying why
+    (``stale_reason``) and what to do."""
+    ov = require_openvino()
+    why = stale_reason(record, ov.Core())
+    if why:
+        raise PrecastError(
+            f"{xml}: its OpenVINO form is not valid here ({why}); compile the program again here"
+        )
+    return open_form(xml, record, threads=threads)

@@ -27,24 +27,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-aten = torch.ops.aten
+from precast.quant.formats import INT4_GROUPS, Int4
+from precast.quant.forms import FORM_OPS, NIBBLES, packed_of, write_weight
 
-# ops between a stored weight and its reader that only unpack, convert, reshape or dequantize it
-UNPACK = {
-    aten._to_copy.default,
-    aten.to.dtype,
-    aten.view.default,
-    aten.reshape.default,
-    aten._unsafe_view.default,
-    aten.clone.default,
-    aten.unsqueeze.default,
-    aten.stack.default,
-    aten.cat.default,
-    aten.bitwise_and.Scalar,
-    aten.bitwise_right_shift.Tensor_Scalar,
-    aten.mul.Tensor,
-    aten.sub.Tensor,
-}
+aten = torch.ops.aten
 
 
 def call(node: Any, *targets: Any) -> bool:
@@ -57,17 +43,9 @@ def val(node: Any) -> torch.Tensor | None:
 
 
 def nibbles(lo: Any, hi: Any) -> bool:
-    """``lo`` is ``c & 15`` and ``hi`` is ``c >> 4`` of one uint8 tensor ``c``."""
-    if not (call(lo, aten.bitwise_and.Scalar) and call(hi, aten.bitwise_right_shift.Tensor_Scalar)):
-        return False
-    packed = val(lo.args[0])
-    return (
-        lo.args[0] is hi.args[0]
-        and packed is not None
-        and packed.dtype == torch.uint8
-        and lo.args[1] == 15
-        and hi.args[1] == 4
-    )
+    """``lo`` is ``c & 15`` and ``hi`` is ``c >> 4`` of one uint8 tensor ``c`` (int4's unpacking, as the weight
+    formats' home recognises it: ``precast.quant.forms.packed_of``)."""
+    return packed_of(lo, hi) is not None
 
 
 # ---- the rewrites -------------------------------------------------------------------------------------------------
@@ -127,7 +105,7 @@ def int4_rows_from_table(gm: torch.fx.GraphModule) -> int:
         if packed is None or packed.dtype != torch.uint8 or packed.dim() != 2 or table.op != "get_attr":
             continue
         readers = {u.target: u for u in rows.users}
-        lo, hi = readers.get(aten.bitwise_and.Scalar), readers.get(aten.bitwise_right_shift.Tensor_Scalar)
+        lo, hi = (readers.get(target) for target, _ in NIBBLES)
         if lo is None or hi is None or len(rows.users) != 2 or not nibbles(lo, hi):
             continue
         end = _dequantized_rows(rows, 2 * packed.shape[1])
@@ -137,17 +115,17 @@ def int4_rows_from_table(gm: torch.fx.GraphModule) -> int:
         n, k = packed.shape[0], 2 * packed.shape[1]
         groups = val(scale).numel() // n
         dt = val(out).dtype
-        with graph.inserting_before(out):
+        if k // groups not in INT4_GROUPS:
+            continue  # not a group precast writes
+        with graph.inserting_before(out):  # the table dequantized in the linear's form (precast.quant.forms)
             make = _Maker(graph)
-            lo = make(aten.bitwise_and.Scalar, table, 15)
-            hi = make(aten.bitwise_right_shift.Tensor_Scalar, table, 4)
-            q = make(aten.view.default, make(aten.stack.default, [lo, hi], -1), [n, groups, k // groups])
-            q = make(aten._to_copy.default, q, dtype=dt)
-            z = make(aten._to_copy.default, make(aten.view.default, zero, [n, groups, 1]), dtype=dt)
-            w = make(
-                aten.mul.Tensor, make(aten.sub.Tensor, q, z), make(aten.view.default, scale, [n, groups, 1])
-            )
-            new = make(aten.embedding.default, make(aten.view.default, w, [n, k]), rows.args[1])
+            parts = {
+                "q": table,
+                "zero": make(aten.view.default, zero, [n, groups, 1]),
+                "scale": make(aten.view.default, scale, [n, groups, 1]),
+            }
+            w = write_weight(make, Int4(k // groups), parts, dt, (n, k))
+            new = make(aten.embedding.default, w, rows.args[1])
         new.meta = {**out.meta, "val": new.meta["val"]}
         out.replace_all_uses_with(new)
         found += 1
@@ -158,8 +136,15 @@ def int4_rows_from_table(gm: torch.fx.GraphModule) -> int:
     return found
 
 
-# the ops between an int4 embedding's gathered rows and their dequantized value
-_ROWS = UNPACK | {aten.embedding.default, aten.flatten.using_ints, aten.unflatten.int}
+# the ops between an int4 embedding's gathered rows and their dequantized value: the form's own
+# (``precast.quant.forms``), and those OpenVINO's decompositions may turn its reshapes, casts and stack into
+_ROWS = FORM_OPS | {
+    aten.to.dtype,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.clone.default,
+    aten.cat.default,
+}
 
 
 def _dequantized_rows(

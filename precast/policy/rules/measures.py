@@ -1,6 +1,6 @@
 """What the rules measure on an op: reduction depth (how many values an output sums), scalars beyond the low
 dtype's range; the per-op value statistics calibration collects (``NodeStats``, ``Calibration``) are in
-``precast.policy.measurements`` (measured by ``precast.numerics.calibrate``).
+``precast.policy.measurements`` (measured by ``precast.numerics.calibration.stage``).
 
 Input: an op node with its (fake) arguments, or observed tensors. Output: numbers a rule compares with a limit.
 """

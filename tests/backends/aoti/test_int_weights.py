@@ -9,7 +9,7 @@ kernels (``_weight_int8pack_mm``; for int8-asym on ``q - 128`` with a rank-1 cor
 warning line, those it cannot.
 
 The programs here are built by hand (a module whose forward does exactly the documented ops, exported), with the
-parts computed by ``precast.ir.weight_formats.quantize`` and their ``derive`` tags recorded as a conversion records
+parts computed by ``precast.quant.formats.quantize`` and their ``derive`` tags recorded as a conversion records
 them, so ``load_weights`` re-quantizes through the real ``stored_value``. One compile for the file: fp32 and bf16
 activations, int8, int8-asym (rows not centred on zero: the correction matters) and int4 (both unpack spellings),
 and an int4 weight no kernel takes (N=8). int8-asym's per-layer accuracy and a scale no kernel takes are checked on
@@ -37,7 +37,7 @@ from precast.backends.aoti.int_weights import int_kernel_configs, plan_int_weigh
 from precast.backends.aoti.package_cache import MANIFEST
 from precast.backends.aoti.packed import replay
 from precast.ir.program import META_KEY, constant_sources
-from precast.ir.weight_formats import WeightFormat, dequantize, derive_tag, quantize
+from precast.quant.formats import WeightFormat, dequantize, derive_tag, quantize
 
 aten = torch.ops.aten
 F32, BF16 = torch.float32, torch.bfloat16

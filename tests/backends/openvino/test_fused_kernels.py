@@ -121,7 +121,7 @@ NATIVE = native_bf16(ov.Core())
 def decoder():
     """The harness's tiny Llama decoder (seeded), its fp32 program, and its bf16 plans (policy torch, KV cache
     bf16) with bf16 and int8-asym weights."""
-    from precast.bench import decode_model
+    from precast.bench.decode import model as decode_model
 
     shape = decode_model.QUICK
     module = decode_model.llama(shape)

@@ -377,7 +377,7 @@ def test_cli_refuses_an_ir_whose_bin_is_the_input(tmp_path, capsys):
             capsys, str(tmp_path / source), "--backend", "openvino", "-o", str(tmp_path / out)
         )
         assert code == 2, err
-        assert "the IR's weights (the .bin beside -o) is also the input" in one_line_error(err)
+        assert "the IR's weights (the .bin beside it) is also the input" in one_line_error(err)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["hard.bin", "link.bin", "prog.bin"]
         assert program.read_bytes() == before
 
@@ -446,7 +446,7 @@ def test_cli_writes_the_ir_pair(saved, tmp_path, capsys):
     assert "exported for openvino" in err and "dynamic batch" in err
     # every layer as decided, but where OpenVINO has no native bf16 (its bf16 layers then run in fp32)
     assert "overridden: 0" in err or not native("bf16")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cnn.bin", "cnn.xml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cnn.bin", "cnn.xml", "cnn.xml.json"]
     model = ov.Core().read_model(str(tmp_path / "cnn.xml"))
     # the bf16 convolution and head weights once; batch norm's fp32 statistics folded into them by OpenVINO
     assert weight_bytes(model) == {"bf16": read_constants(torch.export.load(saved / "cnn.pt2"))["bf16"]}
@@ -457,7 +457,7 @@ def test_cli_writes_the_ir_pair(saved, tmp_path, capsys):
     "argv, message",
     [
         (["--backend", "openvino"], "--backend openvino needs -o FILE (e.g. -o model.xml)"),
-        (["--backend", "openvino", "-o", "{tmp}/m.onnx"], "OpenVINO IR is an .xml file"),
+        (["--backend", "openvino", "-o", "{tmp}/m.onnx"], "OpenVINO's artifact is an .xml file"),
         (
             ["--backend", "openvino", "--mode", "max-autotune", "-o", "{tmp}/m.xml"],
             "--mode applies to --backend aoti",
