@@ -123,11 +123,16 @@ def test_subclass_of_torch_policy_keeps_its_override():
 
 
 def test_rules_options_are_defined_once():
-    """RulesPolicy's fields are the rules keywords: convert takes each, the CLI's flags are derived from them."""
+    """RulesPolicy's fields are the rules keywords, defined once: convert's signature repeats none of them (each is
+    a shortcut of the release before that warns, tests/pipeline/test_records.py), the CLI's flags are derived."""
+    import dataclasses
     import inspect
 
     from precast.cli.common import FLAGS
+    from precast.pipeline.records import SHORTCUTS
     from precast.policy.resolve import RULE_OPTIONS
 
-    assert set(RULE_OPTIONS) <= set(inspect.signature(precast.convert).parameters)
+    assert set(RULE_OPTIONS) <= {f.name for f in dataclasses.fields(precast.RulesPolicy)}
+    assert not set(RULE_OPTIONS) & set(inspect.signature(precast.convert).parameters)
+    assert not set(RULE_OPTIONS) & set(SHORTCUTS)  # read from RULE_OPTIONS itself, not listed again
     assert set(FLAGS) == set(RULE_OPTIONS) - {"calibration", "tolerance", "custom_rules"}
