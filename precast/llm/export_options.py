@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from precast.errors import PrecastError
+from precast.llm.folder import HELD
 from precast.paths import check_input_file
 
-BACKENDS = ("openvino", "aoti")  # the engines (precast.backends.registry) an LLM folder holds: folder_engines
+BACKENDS = HELD  # the engines (precast.backends.registry) an LLM folder holds: folder_engines
 DEFAULT_CACHE = 1024  # positions, or the model's max_position_embeddings when smaller
 DEFAULT_WINDOW = 256  # tokens per calibration window, or the cache's room when smaller
 DEFAULT_TOKENS = 1024  # the calibration text's first tokens a budget measures on

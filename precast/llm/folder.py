@@ -37,7 +37,10 @@ OPENVINO = "model.xml"
 AOTI = "aoti"  # an AOTInductor cache root: aoti/<key>/ (model.pt2 + manifest.json)
 AOTI_V1 = "model.aoti.pt2"  # version 1: a self-contained package
 MANIFEST_LIMIT = 1 << 22  # export.json is tens of KiB (the weight index); a larger one is not ours
-BACKENDS = ("openvino", "aoti", "eager")
+# the engines of precast.backends.registry whose artifact a folder holds (written by folder_engines, preferred in
+# this order), and what precast.load(DIR) can run: those, or the program eagerly
+HELD = ("openvino", "aoti")
+BACKENDS = (*HELD, "eager")
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:

@@ -187,3 +187,14 @@ def test_the_command_and_the_call_share_their_defaults():
         "cache_dtype",
     ):
         assert getattr(args, name) == sig[name].default, name
+
+
+def test_the_engines_a_folder_holds_are_the_registrys_stateful_ones():
+    """One module lists the engines (precast.backends.registry): a folder holds an artifact of engines that run a
+    KV cache there, and export-llm's choices are exactly those."""
+    from precast.backends.registry import stateful_names
+    from precast.llm.export_options import BACKENDS
+    from precast.llm.folder import HELD
+
+    assert BACKENDS == HELD
+    assert set(HELD) <= set(stateful_names())
