@@ -23,6 +23,7 @@ What it does, in one run (the CPU and load printed with the table):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pickle
@@ -66,6 +67,51 @@ def plan_total(costs, formats: dict[str, str]) -> tuple[int, float]:
         numel = torch.Size(w.shape).numel()
         total += w.bytes[f] if f in w.bytes else parse_format(f).bits(w.shape, torch.bfloat16) * numel / 8
     return int(total), float("nan")
+
+
+def as_stored_costs(costs, names: list[str]):
+    """The costs with each format's bytes as the conversion stores them (``precast.quant.budget.as_stored``): the
+    tied table (the weight outside the layers) read in fp32 by the embedding and in bf16 by the head keeps a scale
+    copy per dtype; what a ``precast.Budget`` allocates on."""
+    from precast.quant.budget import as_stored
+
+    table = {n: {torch.float32, torch.bfloat16} for n in names if "layers." not in n}
+    return as_stored(costs, table)
+
+
+def _fitted_plans(args, ep, calib, names, elements, result) -> dict[str, tuple[dict, object, object]]:
+    """The data-aware rows: int4 fitted on ``calib`` (``precast.quant.fit``), the estimate over the fitted rounding
+    (a tied table measured both ways, the better kept: as a budget does), all-int4 and each ``--bits`` plan
+    allocated on it: label -> (formats, the fitted parts, the costs)."""
+    from precast.quant.estimate import allocate, estimate_costs
+    from precast.quant.fit import fit_int4
+
+    cache = args.costs_cache.with_suffix(".fitted.pkl") if args.costs_cache is not None else None
+    if cache is not None and cache.exists():
+        fitted, costs, result["fit"] = pickle.loads(cache.read_bytes())
+        fit_s = result["fit"]["seconds"]
+    else:
+        started = time.perf_counter()
+        fitted = fit_int4(ep, calib, ["int4-g64"], torch.bfloat16)
+        fit_s = time.perf_counter() - started
+        costs = estimate_costs(
+            ep, calib, ("int4-g64", "int8"), float_dtype=torch.bfloat16, probes=args.probes, fitted=fitted
+        )
+        result["fit"] = {
+            "seconds": fit_s,
+            "estimate_seconds": time.perf_counter() - started - fit_s,
+            "roundings": dict(Counter(v.split(" ")[0] for v in fitted.rounding.values())),
+            "load": os.getloadavg()[0],
+        }
+        if cache is not None:
+            cache.write_bytes(pickle.dumps((fitted, costs, result["fit"])))
+    print(f"fitted int4 on {len(calib)} windows: {fit_s:.0f} s; {result['fit']}", file=sys.stderr)
+    costs = as_stored_costs(costs, names)
+    plans = {"int4-g64 fitted": (dict.fromkeys(names, "int4-g64"), fitted, costs)}
+    for bits in args.bits:
+        chosen = allocate(costs, max_bytes=bits * elements / 8)
+        plans[f"measured {bits} bits fitted"] = (chosen.formats, fitted, costs)
+    return plans
 
 
 def random_plan(costs, target_bytes: int, seed: int = 0) -> dict[str, str]:
@@ -124,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="BITS",
         help="only time what a user runs: precast.convert(..., weight_format=WeightBudget(bits=BITS, data=the "
         "calibration windows)), the estimate included, and print its seconds",
+    )
+    ap.add_argument(
+        "--fit",
+        action="store_true",
+        help="also the data-aware int4 rows: int4 fitted on the calibration windows (precast.quant.fit, what "
+        "Budget(rounding='data') and WeightOptions(data=) store), the estimate measuring the fitted rounding, each "
+        "--bits plan allocated on it",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -200,11 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     elements = sum(torch.Size(c.shape).numel() for c in costs.weights.values())
     result["elements"] = elements
+    stored = as_stored_costs(costs, names)
     for bits in args.bits:
-        chosen = allocate(costs, max_bytes=bits * elements / 8)
+        chosen = allocate(stored, max_bytes=bits * elements / 8)
         plans[f"measured {bits} bits"] = chosen.formats
         plans[f"random int8, same bytes ({bits})"] = random_plan(costs, chosen.bytes)
     plans["Q4_K_M rule"] = q4_k_m_rule(names, layers)
+    fitted_plans = _fitted_plans(args, ep, calib, names, elements, result) if args.fit else {}
+    plans.update({label: formats for label, (formats, _, _) in fitted_plans.items()})
     if args.only:
         plans = {k: v for k, v in plans.items() if k in args.only}
     evaluation = ids[args.calibration :]
@@ -216,7 +272,12 @@ def main(argv: list[str] | None = None) -> int:
             references.append((window[:-1][None], window[1:], reference_run(window[:-1][None])))
     rows = {}
     for label, formats in plans.items():
-        rules = {re.sub(r"([*?\[])", r"[\1]", n): f for n, f in formats.items()}
+        from precast.quant.rules import WeightRules
+
+        # one rule per weight, the tied table's two reads as one weight (as a plan's and a budget's rules)
+        rules = WeightRules.exact(formats, label) if formats else None
+        if label in fitted_plans:  # the fitted parts stored, as a budget's rules store them
+            rules = dataclasses.replace(WeightRules.exact(formats, label), fitted=fitted_plans[label][1])
         t = time.perf_counter()
         res = convert(ep, rules or None)
         convert_s = time.perf_counter() - t
@@ -230,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 for inputs, targets, ref in references:
                     for k, v in compare(ref, run(inputs), targets).items():
                         sums[k] += v
-            est_bytes, est = plan_total(costs, formats)
+            est_bytes, est = plan_total(fitted_plans[label][2] if label in fitted_plans else costs, formats)
             rows[f"{label} [{where}]"] = {
                 "kld": sums["kld"] / sums["n"],
                 "top1": sums["top1"] / sums["n"],

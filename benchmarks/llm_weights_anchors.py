@@ -5,6 +5,7 @@ text and the same measure as ``benchmarks/llm_weights.py``, at the same stored b
         [--bits 4.62 5.0] [--metric HESSIAN_INPUT_ACTIVATION] [--modes f32] [--int8-modes f32 default bf16]
         [--precast-plans bf16 "int8 (table bf16)" int8 int4-g64 "measured 4.62 bits" "measured 5.0 bits"]
         [--precast-eager | --no-precast]
+        [--recipes all | none awq+se awq+se+gptq awq+se+lora ... [--table-int8 6.0]] [--cached-only]
         [--fresh] [--out docs/benchmarks/llm_weights_anchors.json]
 
 Model: SmolLM2-135M-Instruct, real weights (``llm_accuracy.load_fp32``; its fp32 ``save_pretrained`` folder under
@@ -26,6 +27,14 @@ every OpenVINO model is then run by this process's OpenVINO, teacher-forced like
    the saved model. Also NNCF's int4 with ``ratio=1``: its default ``all_layers=False`` (the table int8) and
    ``all_layers=True`` (every weight int4, the counterpart of precast's ``int4-g64``). Cached per target under
    ``--work``/anchors (``--fresh`` redoes them);
+   ``--recipes``: NNCF's data-aware *rounding* on top of that selection, in place of the int8 export and the ratio=1
+   rows: for every ``--bits`` (``all_layers=True``) and every ``--table-int8`` budget (``all_layers=False``), each
+   recipe (``awq``, ``se`` = scale_estimation, ``gptq``, ``lora`` = lora_correction, joined by ``+``; ``none``: the
+   selection alone; ``all``: the 12 combinations NNCF accepts, gptq with lora being refused) passed to the same
+   call at the same solved R (LoRA: R solved again with its int8 adapters' bytes). NNCF 3.4's LoRA correction dies
+   on an int4 embedding (statistics exist for MatMuls only): the child gives adapters to MatMuls only (recorded as
+   ``patched``). A refusal or failure is recorded and tabled, and the next recipe runs. Scores are cached beside
+   each model; ``--cached-only`` compresses nothing (docs/benchmarks/llm_weights_nncf_data_aware.md);
 3. precast's own rows (``llm_weights.main --only ... --openvino --no-eager``; ``--precast-eager``: the eager rows
    too; its weight-sensitivity estimate cached under ``--work``/anchors), in this process: ``bf16`` is precast's
    compute floor (policy torch, bf16 weights and cache), the others add the weight formats to it.
@@ -40,7 +49,8 @@ Bytes: for every MatMul / Gather reading a weight (a constant of >= 65536 elemen
 decompression chain: Convert / Subtract / Multiply / Reshape), the constants of that chain (the weight's integers,
 its scales, its zero points), each counted once (the tied table is one constant read by the embedding and the
 head), ``Constant.get_byte_size()`` (u4: two per byte); bits per weight = 8 * bytes / the elements of those weights
-(134,479,872 for SmolLM2-135M, the same count as precast's). precast counts its stored parts (integers, bf16
+(134,479,872 for SmolLM2-135M, the same count as precast's); an NNCF model also pays for every constant it holds
+beyond the fp32 export's (LoRA adapters, AWQ's unfolded activation scales). precast counts its stored parts (integers, bf16
 scales, int4 zero points) of the same weights.
 """
 
@@ -76,9 +86,85 @@ PROPERTIES = (
     "DYNAMIC_QUANTIZATION_GROUP_SIZE",
     "EXECUTION_MODE_HINT",
 )
+# NNCF's data-aware rounding algorithms (``nncf.compress_weights`` flags), by their short names in a recipe
+RECIPE_PARTS = {"awq": "awq", "se": "scale_estimation", "gptq": "gptq", "lora": "lora_correction"}
 _CHAIN_ALL = {"Convert", "Subtract", "Multiply"}
 _CHAIN_DATA = {"Reshape", "Transpose", "Unsqueeze", "Squeeze"}
 _MIN_WEIGHT = 65536
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NNCF's data-aware recipes (stdlib only: runs in both environments)
+
+
+def recipe_flags(name: str) -> dict[str, bool]:
+    """``"awq+se+gptq"`` -> the ``nncf.compress_weights`` flags it sets (``"none"``: the data-aware selection alone,
+    plain rounding). Refuses, in one line, an unknown part and what NNCF 3.4 refuses (GPTQ with LoRA correction:
+    ``compress_weights`` raises "Simultaneous use of Lora correction and GPTQ algorithms is not supported")."""
+    parts = [] if name == "none" else name.split("+")
+    unknown = [p for p in parts if p not in RECIPE_PARTS]
+    if unknown or len(set(parts)) != len(parts) or not parts and name != "none":
+        raise ValueError(
+            f"recipe {name!r}: write 'none' or parts joined by '+' from {', '.join(RECIPE_PARTS)}, each once"
+        )
+    if "gptq" in parts and "lora" in parts:
+        raise ValueError(f"recipe {name!r}: NNCF 3.4 refuses gptq with lora_correction; choose one of them")
+    return {flag: short in parts for short, flag in RECIPE_PARTS.items()}
+
+
+def recipe_name(flags: dict[str, bool]) -> str:
+    """The canonical name of a set of flags (parts in ``RECIPE_PARTS`` order): the inverse of ``recipe_flags``."""
+    parts = [short for short, flag in RECIPE_PARTS.items() if flags.get(flag)]
+    return "+".join(parts) or "none"
+
+
+def allowed_recipes() -> list[str]:
+    """Every combination of NNCF's four data-aware algorithms that ``compress_weights`` accepts: 12 of the 16
+    (the 4 with both GPTQ and LoRA correction are refused), in ``RECIPE_PARTS`` bit order, ``none`` first."""
+    names = []
+    for mask in range(1 << len(RECIPE_PARTS)):
+        flags = {flag: bool(mask >> i & 1) for i, flag in enumerate(RECIPE_PARTS.values())}
+        if not (flags["gptq"] and flags["lora_correction"]):
+            names.append(recipe_name(flags))
+    return names
+
+
+def lora_adapter_bytes(shape: list[int], reduction_axes: list[int], rank: int) -> int:
+    """Stored bytes of the LoRA correction adapters NNCF adds beside one int4 weight of ``shape``: A [rank, in] and
+    B [out, rank], each INT8_ASYM per row (its ``use_int8_adapters`` default): u8 integers, an f16 scale and a u8
+    zero point per row."""
+    (axis,) = reduction_axes
+    inner, outer = shape[axis], math.prod(shape) // shape[axis]
+    return rank * inner + 3 * rank + outer * rank + 3 * outer
+
+
+def best_per_budget(rows: list[dict]) -> dict[float, dict]:
+    """For each budget (``bits``), the evaluated row of least KLD; refused rows (no ``kld``) never win."""
+    best: dict[float, dict] = {}
+    for r in rows:
+        if r.get("kld") is not None and (r["bits"] not in best or r["kld"] < best[r["bits"]]["kld"]):
+            best[r["bits"]] = r
+    return best
+
+
+def recipe_table(rows: list[dict]) -> str:
+    """Markdown: per budget, each recipe's stored bits, KLD, top-1, perplexity and NNCF's seconds, the best (least
+    KLD) in bold; a refused or failed recipe says what NNCF said."""
+    best = best_per_budget(rows)
+    lines = [
+        "| budget | recipe | R | bits as stored | KLD vs fp32 | top-1 | ppl | NNCF seconds |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["bits"], r.get("kld") is None, r.get("kld") or 0)):
+        if r.get("kld") is None:
+            lines.append(f"| {r['bits']} | {r['recipe']} | | | {r['error']} | | | |")
+            continue
+        mark = "**" if best[r["bits"]] is r else ""
+        lines.append(
+            f"| {r['bits']} | {mark}{r['recipe']}{mark} | {r['ratio']:.4f} | {r['bits_per_weight']:.3f} | "
+            f"{mark}{r['kld']:.4f}{mark} | {100 * r['top1']:.1f}% | {r['ppl']:.2f} | {r['seconds']:.0f} |"
+        )
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -102,6 +188,8 @@ def weight_users(model) -> list[tuple[object, list[object]]]:
                 stack += [node.input_value(i).get_node() for i in range(node.get_input_size())]
             elif t in _CHAIN_DATA:
                 stack.append(node.input_value(0).get_node())
+        if any("_lora_" in c.get_friendly_name() for c in consts):
+            continue  # a LoRA correction adapter (NNCF): stored beside a weight, not a weight (weight_storage)
         if any(math.prod(c.get_output_shape(0)) >= _MIN_WEIGHT for c in consts):
             users.append((op, consts))
     return users
@@ -137,6 +225,13 @@ def weight_storage(xml: str) -> dict:
             seen.setdefault(c.get_friendly_name(), c)
     stored = sum(c.get_byte_size() for c in seen.values())
     elements = sum(math.prod(s) for s in weights.values())
+    # every other constant (norms, rotary tables; NNCF's LoRA adapters and AWQ's inserted activation scales): the
+    # caller charges what a compressed model holds beyond its float export's (``added_bytes``)
+    other = {
+        op.get_friendly_name(): op.get_byte_size()
+        for op in model.get_ordered_ops()
+        if op.get_type_name() == "Constant" and op.get_friendly_name() not in seen
+    }
     counts: dict[str, int] = {}
     for fmt in layers.values():
         counts[fmt] = counts.get(fmt, 0) + 1
@@ -144,6 +239,8 @@ def weight_storage(xml: str) -> dict:
         "bytes": stored,
         "elements": elements,
         "bits_per_weight": 8 * stored / elements,
+        "other_bytes": sum(other.values()),
+        "lora_bytes": sum(b for n, b in other.items() if "_lora_" in n),
         "readers": len(layers),
         "formats": counts,
         "layers": layers,
@@ -194,6 +291,7 @@ def _nncf_child(spec_path: str) -> int:
                     "weight": wp.weight_name,
                     "shape": list(wp.weight_shape),
                     "reduction_axes": list(wp.reduction_axes),
+                    "node_type": wp.node_with_weight.node_type,
                     "num_weights": int(wp.num_weights),
                     "score": float(s),
                 }
@@ -210,7 +308,7 @@ def _nncf_child(spec_path: str) -> int:
     base = weight_storage(spec["fp32_xml"])
     elements = base["elements"]
 
-    def compress(ratio: float, all_layers: bool):
+    def compress(ratio: float, all_layers: bool, flags: dict | None = None):
         model = core.read_model(spec["fp32_xml"])
         started = time.perf_counter()
         out = nncf.compress_weights(
@@ -222,8 +320,22 @@ def _nncf_child(spec_path: str) -> int:
             sensitivity_metric=metric,
             dataset=dataset,
             subset_size=len(items),
+            **(flags or {}),
         )
         return out, time.perf_counter() - started
+
+    rank = nncf.AdvancedCompressionParameters().lora_correction_params.adapter_rank
+    # NNCF 3.4's LoRA correction reads activation statistics that it collects for MatMuls only: with the tied table
+    # in int4 (all_layers) it dies on the embedding (KeyError on its Gather). Patched: adapters where statistics
+    # exist (every int4 MatMul, the head included); the table's Gather keeps the recipe's rounding, no adapter.
+    from nncf.quantization.algorithms.weight_compression.lora_correction import LoraCorrectionAlgorithm
+
+    lora_applicable = LoraCorrectionAlgorithm.is_applicable
+
+    def applicable_with_statistics(self, wc_params) -> bool:
+        return lora_applicable(self, wc_params) and wc_params.node_with_weight.node_name in self._statistics
+
+    LoraCorrectionAlgorithm.is_applicable = applicable_with_statistics
 
     # INT8_ASYM per output channel: u8 integers, an f16 scale and a u8 zero point per row
     def int8_bytes(shape):
@@ -238,6 +350,8 @@ def _nncf_child(spec_path: str) -> int:
     order = None
     for target in spec["targets"]:
         entry = dict(target)
+        flags = recipe_flags(target.get("recipe", "none"))
+        adapters = rank if flags["lora_correction"] else 0  # LoRA: adapters beside every int4 weight
         ratio = target.get("ratio")
         if ratio is None:  # solve R for the bits
             if order is None:
@@ -263,6 +377,8 @@ def _nncf_child(spec_path: str) -> int:
             while stored > budget and k < len(ranked):
                 o = order[ranked[k]]
                 stored += int4_bytes(o["shape"]) - int8_bytes(o["shape"])
+                if adapters and o["node_type"] == "MatMul":
+                    stored += lora_adapter_bytes(o["shape"], o["reduction_axes"], adapters)
                 k += 1
             prefix = k
             ratio = 1.0 if prefix == len(ranked) else (cum[prefix] + cum[prefix + 1]) / 2 / total
@@ -275,7 +391,21 @@ def _nncf_child(spec_path: str) -> int:
                 outside_ratio=sorted(n for n in base["weights"] if n not in defining),
             )
             first_order = [o["weight"] for o in order]
-        model, seconds = compress(ratio, target["all_layers"])
+        entry["flags"] = flags
+        if adapters:
+            entry["patched"] = (
+                "LoRA adapters on int4 MatMuls only (NNCF 3.4 dies on the int4 embedding's Gather)"
+            )
+        try:
+            model, seconds = compress(ratio, target["all_layers"], flags)
+        except Exception as e:  # NNCF refused or failed: recorded in the result and the table; the next runs
+            refused = isinstance(
+                e, (nncf.ParameterNotSupportedError, nncf.ValidationError, nncf.UnsupportedModelError)
+            )
+            entry["refused" if refused else "failed"] = f"{type(e).__name__}: {e}"
+            Path(target["result"]).write_text(json.dumps(entry, indent=1))
+            print(f"{target['name']}: NNCF {'refused' if refused else 'failed'}: {e}", file=sys.stderr)
+            continue
         out = Path(target["out"])
         out.mkdir(parents=True, exist_ok=True)
         ov.save_model(model, str(out / "openvino_model.xml"), compress_to_fp16=False)
@@ -294,6 +424,20 @@ def _nncf_child(spec_path: str) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------
 # This process: exports, NNCF (both through the anchor's environment), evaluation, precast's rows
+
+
+def _brief(target: dict) -> dict:
+    """A target's result without its per-weight lists (kept in its cache file)."""
+    out = {k: v for k, v in target.items() if k not in ("sensitivity", "outside_ratio", "storage")}
+    if "storage" in target:
+        out["storage"] = {k: v for k, v in target["storage"].items() if k not in ("layers", "weights")}
+    return out
+
+
+def _recipe_label(target: dict) -> str:
+    return target.get("recipe", "none") + (
+        "" if target["all_layers"] else " (all_layers=False: the table int8)"
+    )
 
 
 def vnni() -> list[str]:
@@ -381,7 +525,29 @@ def main(argv: list[str] | None = None) -> int:
         default=["int8", "int4-g64"],
         help="formats for precast with policy=None (fp32 compute) on OpenVINO: the rounding alone, like the anchors",
     )
+    ap.add_argument(
+        "--recipes",
+        nargs="*",
+        default=None,
+        help="NNCF's data-aware rounding: for each --bits, each recipe ('none', or parts joined by '+' from "
+        f"{', '.join(RECIPE_PARTS)}; 'all': every combination NNCF accepts) at the same stored bytes, in place of "
+        "the int8 export and the ratio=1 rows",
+    )
+    ap.add_argument(
+        "--table-int8",
+        type=float,
+        nargs="*",
+        default=[],
+        help="with --recipes: budgets at which each recipe also runs with all_layers=False (NNCF's default: the "
+        "embedding and the head, here one tied table, in int8); --bits run all_layers=True, as precast's plans may "
+        "put every weight in int4",
+    )
     ap.add_argument("--fresh", action="store_true", help="redo the NNCF compressions (exports are reused)")
+    ap.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="run no NNCF compression: targets not compressed before are listed as not run",
+    )
     ap.add_argument(
         "--no-nncf",
         action="store_true",
@@ -392,6 +558,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=None, help="JSON file")
     args = ap.parse_args(argv)
+    recipes = allowed_recipes() if args.recipes == ["all"] else args.recipes
+    for name in recipes or []:
+        try:
+            recipe_flags(name)
+        except ValueError as e:
+            ap.error(str(e))
 
     import openvino as ov
     import torch
@@ -426,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. optimum-intel's exports
     exports = {}
-    for fmt in ("fp32", "int8"):
+    for fmt in ("fp32",) if recipes else ("fp32", "int8"):
         out = work / f"smollm2-ov-{fmt}"
         seconds = _anchor_export(python, model_dir, out, fmt, work / f"export_{fmt}.log")
         exports[fmt] = {"xml": str(out / "openvino_model.xml"), "export_seconds": seconds}
@@ -493,11 +665,24 @@ def main(argv: list[str] | None = None) -> int:
         {"name": f"nncf mixed {b} bits", "bits": b, "all_layers": True, "out": str(work / f"nncf-{b}bits")}
         for b in budgets
     ]
+    if recipes:  # the selection-only recipe ('none') keeps the name (and the cache) of the rows above
+        targets = [
+            {
+                "name": (f"nncf mixed {b} bits" if r == "none" else f"nncf {r} {b} bits") + t8,
+                "bits": b,
+                "all_layers": not t8,
+                "out": str(work / ((f"nncf-{b}bits" if r == "none" else f"nncf-{r}-{b}bits") + t8)),
+                **({} if r == "none" else {"recipe": r}),
+            }
+            for t8, bits in (("", budgets), ("-table8", args.table_int8))
+            for b in bits
+            for r in recipes
+        ]
     if args.no_nncf:
         targets = []
     targets += (
         []
-        if args.no_nncf
+        if args.no_nncf or recipes
         else [
             {"name": "nncf int4 defaults", "ratio": 1.0, "all_layers": False, "out": str(work / "nncf-int4")},
             {
@@ -520,6 +705,10 @@ def main(argv: list[str] | None = None) -> int:
         key = hashlib.sha256(json.dumps([shared, t], sort_keys=True).encode()).hexdigest()[:12]
         t["result"] = str(work / f"nncf-{key}.json")
     pending = [t for t in targets if args.fresh or not Path(t["result"]).exists()]
+    if args.cached_only:
+        for t in pending:
+            t["skipped"] = "not run (--cached-only)"
+        pending = []
     if pending:
         spec_path = work / "nncf-spec.json"
         spec_path.write_text(json.dumps({**spec, "targets": pending}))
@@ -528,15 +717,24 @@ def main(argv: list[str] | None = None) -> int:
                 [python, "-P", str(Path(__file__).resolve()), "--nncf-child", str(spec_path)],
                 check=True, stderr=subprocess.STDOUT, stdout=log,
             )  # fmt: skip
-    nncf_result = {"targets": [json.loads(Path(t["result"]).read_text()) for t in targets]}
+    nncf_result = {
+        "targets": [t if "skipped" in t else json.loads(Path(t["result"]).read_text()) for t in targets]
+    }
 
     # 4. evaluate every OpenVINO model under each mode
     models = {
-        "OpenVINO fp32 export (optimum-cli --weight-format fp32)": (exports["fp32"]["xml"], None),
-        "OpenVINO int8 export (optimum-cli --weight-format int8)": (exports["int8"]["xml"], None),
+        f"OpenVINO {fmt} export (optimum-cli --weight-format {fmt})": (e["xml"], None)
+        for fmt, e in exports.items()
     }
+    refused = [t for t in nncf_result["targets"] if {"refused", "failed", "skipped"} & t.keys()]
+    for t in refused:
+        print(f"{t['name']}: NNCF {t.get('refused') or t.get('failed') or t['skipped']}", file=sys.stderr)
     for t in nncf_result["targets"]:
-        if "bits" in t:
+        if t in refused:
+            continue
+        if recipes:
+            label = f"NNCF {_recipe_label(t)} at {t['bits']} bits (R={t['ratio']:.4f})"
+        elif "bits" in t:
             label = (
                 f"NNCF int4-g{args.group_size}/int8 at {t['bits']} bits ({budgets.get(t['bits'], '')}; {args.metric}, "
                 f"all_layers, R={t['ratio']:.4f})"
@@ -550,15 +748,32 @@ def main(argv: list[str] | None = None) -> int:
         models[label] = (str(Path(t["out"]) / "openvino_model.xml"), t)
     rows: dict[str, dict] = {}
     storage: dict[str, dict] = {}
-    for label, (xml, _) in models.items():
+    float_other = weight_storage(exports["fp32"]["xml"])["other_bytes"]
+    for label, (xml, target) in models.items():
         storage[label] = weight_storage(xml)
+        # an NNCF model of the fp32 export: what it holds beyond the export's other constants (LoRA adapters, AWQ's
+        # activation scales) is stored for its weights too
+        added = storage[label]["other_bytes"] - float_other if target else 0
+        storage[label]["added_bytes"] = added
         for mode in args.int8_modes if "int8 export" in label else args.modes:
-            run, resolved = ov_runner(xml, MODES[mode])
-            r = _evaluate(run, references)
-            del run
+            # an NNCF model's scores are kept beside it (redone when the model is newer: --fresh)
+            cached = Path(xml).with_name(f"eval-{mode}-t{args.tokens}-c{args.calibration}-w{w}.json")
+            if target and cached.exists() and cached.stat().st_mtime > Path(xml).stat().st_mtime:
+                r, resolved = json.loads(cached.read_text())
+            else:
+                run, resolved = ov_runner(xml, MODES[mode])
+                r = _evaluate(run, references)
+                del run
+                if target:
+                    cached.write_text(json.dumps([r, resolved]))
             r.update(
-                bits_per_weight=storage[label]["bits_per_weight"],
-                stored_bytes=storage[label]["bytes"],
+                bits_per_weight=8 * (storage[label]["bytes"] + added) / storage[label]["elements"],
+                stored_bytes=storage[label]["bytes"] + added,
+                added_bytes=added,
+                compress_seconds=target.get("compress_seconds") if target else None,
+                recipe=_recipe_label(target) if recipes and target else None,
+                budget=target.get("bits") if target else None,
+                ratio=target.get("ratio") if target else None,
                 how=f"OpenVINO {ov.__version__.split('-')[0]} {mode}"
                 + (f" ({', '.join(f'{k} {v}' for k, v in MODES[mode].items())})" if MODES[mode] else "")
                 + f": runs {resolved.get('INFERENCE_PRECISION_HINT')}, KV cache {resolved.get('KV_CACHE_PRECISION')}, "
@@ -590,6 +805,17 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {label} | {r['kld']:.5f} | {100 * r['top1']:.1f}% | {r['ppl']:.2f} | {bits(r)} | {r['how']} |"
         )
+    recipe_rows = [
+        {"bits": r["budget"], "recipe": r["recipe"], "ratio": r["ratio"], "bits_per_weight": r["bits_per_weight"],
+         "kld": r["kld"], "top1": r["top1"], "ppl": r["ppl"], "seconds": r["compress_seconds"], "row": label}
+        for label, r in rows.items() if r.get("recipe")
+    ] + [
+        {"bits": t["bits"], "recipe": _recipe_label(t), "error": next(f"{k}: {t[k]}" for k in ("refused", "failed", "skipped") if k in t)}
+        for t in refused if recipes
+    ]  # fmt: skip
+    if recipes:
+        print(f"\nNNCF's data-aware recipes (INT4_ASYM group {args.group_size}, {args.metric}, R solved "
+              f"for the stored bytes; best per budget in bold):\n{recipe_table(recipe_rows)}")  # fmt: skip
     same = [
         label
         for label in models
@@ -620,10 +846,24 @@ def main(argv: list[str] | None = None) -> int:
             "window": w,
             "modes": {m: MODES[m] for m in {*args.modes, *args.int8_modes}},
             "exports": exports,
-            "nncf": nncf_result,
-            "storage": storage,
+            # per-layer detail (formats, NNCF's sensitivity scores) stays in the caches under --work: one order here
+            "nncf": {"targets": [_brief(t) for t in nncf_result["targets"]]},
+            "sensitivity_order": next(
+                (
+                    [o["weight"] for o in t["sensitivity"]]
+                    for t in nncf_result["targets"]
+                    if "sensitivity" in t
+                ),
+                None,
+            ),
+            "storage": {
+                k: {f: v for f, v in st.items() if f not in ("layers", "weights")}
+                for k, st in storage.items()
+            },
             "precast": precast_result,
             "rows": rows,
+            "recipes": recipe_rows,
+            "best": {str(b): r["row"] for b, r in best_per_budget(recipe_rows).items()},
         }
         args.out.write_text(json.dumps(result, indent=1))
     return 0

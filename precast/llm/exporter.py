@@ -116,6 +116,7 @@ class _Export:
     about: dict = field(default_factory=dict)
     cache: int = 0  # positions of the static KV cache
     calibration: dict | None = None  # the calibration's record for export.json
+    fit_data: list | None = None  # the calibration windows int4 weights are fitted on (no budget)
     accuracy: dict | None = None  # the result against the fp32 model on held-out text (precast.llm.accuracy)
 
 
@@ -207,10 +208,12 @@ def _read_and_convert(job: _Export, timer: _Steps) -> Any:
     weight_format = _weight_choice(job)
     if job.checked.budget is not None:  # each of the budget's backward passes on the bar, with the time left
         progress = timer.bar.counter("measuring the weights", "backward passes")
-        weight_format = dataclasses.replace(weight_format, progress=progress)
+        fitting = timer.bar.counter("fitting the int4 weights on the calibration text", "weights")
+        weight_format = dataclasses.replace(weight_format, progress=progress, rounding_progress=fitting)
     with timer.step("export", f"exporting (static cache of {job.cache} positions)"):
         if (
-            job.calibration
+            job.checked.budget is not None
+            and job.calibration
             and (window := max(job.calibration["window"], ckpt.EXAMPLE_LENGTH) + 1) < job.cache
         ):
             # the budget measured on one window's cache: no backward pass through the unused positions (the
@@ -220,9 +223,18 @@ def _read_and_convert(job: _Export, timer: _Steps) -> Any:
             )
         ep = ckpt.export_decoder(job.model.model, job.cache)
         give_back()  # glibc keeps freed heap resident (precast.memory)
-    what = "measuring the weights and converting" if job.checked.budget is not None else "converting"
+    what = (
+        "measuring the weights and converting"
+        if job.checked.budget is not None
+        else "fitting the int4 weights on the calibration text and converting"
+        if job.fit_data is not None
+        else "converting"
+    )
     with timer.step("convert", what):
-        res = convert_with(ep, None, dataclasses.replace(job.checked.convert, weight_format=weight_format))
+        options = dataclasses.replace(
+            job.checked.convert, weight_format=weight_format, weight_data=job.fit_data
+        )
+        res = convert_with(ep, None, options)
     if o.eval_tokens:
         with timer.step("measure", f"measuring against fp32 on {o.eval_tokens} tokens of held-out text"):
             job.accuracy = _accuracy(job, res)
@@ -277,7 +289,7 @@ def _weight_choice(job: _Export) -> Any:
     from precast.llm.checkpoint import calibration_windows
 
     o, budget = job.options, job.checked.budget
-    if not job.checked.measured_on_text:
+    if not job.checked.measured_on_text and not job.checked.fitted_on_text:
         return budget if budget is not None else job.checked.convert.weight_format
     if job.model.tokenizer is None:
         raise PrecastError(
@@ -296,6 +308,9 @@ def _weight_choice(job: _Export) -> Any:
         job.model.tokenizer, job.text or "", window, tokens, where, o.said("calibration_window")
     )
     job.calibration = {"file": str(o.calibration_text), "window": window, "windows": len(data)}
+    if job.checked.fitted_on_text:  # int4 fitted on the windows (WeightOptions(data=))
+        job.fit_data = data
+        return job.checked.convert.weight_format
     return dataclasses.replace(budget, data=data)
 
 
@@ -370,11 +385,12 @@ def _weights_record(job: _Export) -> dict[str, Any]:
             k: getattr(budget, k) for k in ("kld", "mse", "bytes", "bits") if getattr(budget, k) is not None
         }
         return {"budget": limit, "calibration": job.calibration}
+    fit = {"calibration": job.calibration, "rounding": "int4 fitted on the text"} if job.fit_data else {}
     if o.plan is not None:
-        return {"plan": str(o.plan)}
+        return {"plan": str(o.plan), **fit}
     given = o.weight_format
     if given is None:
         return {"format": None}
     if isinstance(given, Mapping):
-        return {"format": [str(v) if k == "*" else f"{k}={v}" for k, v in given.items()]}
-    return {"format": [str(given)]}
+        return {"format": [str(v) if k == "*" else f"{k}={v}" for k, v in given.items()], **fit}
+    return {"format": [str(given)], **fit}

@@ -56,6 +56,7 @@ class ConvertOptions:
     weights: str | os.PathLike | None = None
     weights_out: str | os.PathLike | None = None
     weight_format: Any = None
+    weight_data: Any = None  # WeightOptions(data=): the batches int4 weights are fitted on
 
     @classmethod
     def from_keywords(cls, given: Mapping[str, Any]) -> ConvertOptions:
@@ -106,6 +107,10 @@ class ConvertOptions:
             self.weight_format.check()
             if planned:
                 raise PrecastError("plan= carries weight formats and weight_format= is a budget: give one")
+            if self.weight_data is not None:
+                raise PrecastError(
+                    "WeightOptions(data=) and a Budget: give the calibration batches once, as Budget(data=...)"
+                )
             if self.weights is not None:
                 raise PrecastError(
                     "weight_format=WeightBudget(...) measures the weights, which streamed weights cannot give (no "
@@ -118,7 +123,37 @@ class ConvertOptions:
                 "plan= carries weight formats and weight_format= is given: give one (the plan's are in its "
                 '"weights")'
             )
-        return WeightRules.exact(planned, "the plan") if planned else rules
+        chosen = WeightRules.exact(planned, "the plan") if planned else rules
+        self.check_weight_data(chosen)
+        return chosen
+
+    def check_weight_data(self, rules: WeightRules | None) -> None:
+        """``WeightOptions(data=)``: calibration batches, for rules naming an int4 format, with weights in memory;
+        and a plan whose int4 weights were fitted on data is given data to fit them again (one line each)."""
+        data = self.weight_data
+        planned = load_plan(self.plan).roundings if self.plan is not None else {}
+        if data is None:
+            if planned:
+                raise PrecastError(
+                    f"plan= fitted {len(planned)} int4 weight(s) on calibration data ({next(iter(planned))}: "
+                    f"{next(iter(planned.values()))}): give the data to fit them again "
+                    "(weights=precast.WeightOptions(data=...), export-llm's --calibration-text)"
+                )
+            return
+        if isinstance(data, (torch.Tensor, str, bytes, dict)) or not isinstance(data, Iterable):
+            raise PrecastError(
+                "WeightOptions(data=): give the calibration batches int4 weights are fitted on (a list of input tuples)"
+            )
+        if rules is None or not rules.int4:
+            raise PrecastError(
+                "WeightOptions(data=) fits int4 weights on data, and no int4 format is given: name one "
+                "(format='int4'), or drop data="
+            )
+        if self.weights is not None:
+            raise PrecastError(
+                "WeightOptions(data=) runs the program to fit int4 weights, which streamed weights cannot (no values "
+                "in memory); convert in memory, or drop data="
+            )
 
     def streamed_files(self, source: Any) -> WeightFiles | None:
         """``weights=``: the files, once the options they cannot serve are refused (one line each)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,11 +33,15 @@ class WeightOptions:
     ``{"lm_head*": "int8", "*": "int4"}``, or a ``precast.WeightBudget``; docs/weight_formats.md), passed to the
     conversion as given. ``files``: safetensors files (a file or a folder) of a program exported without its
     weights, streamed one tensor at a time; ``out``: the folder the converted weights are written to (needed
-    with ``files``; docs/streaming.md)."""
+    with ``files``; docs/streaming.md). ``data``: calibration batches (a list of input tuples) the int4 weights are
+    fitted on (data-aware int4: GPTQ with each group's step and zero point searched against its inputs'
+    importance, ``precast.quant.fit``; None: round-to-nearest, data-free). A ``precast.Budget`` takes its data
+    itself (``Budget(data=...)``, fitted the same way by default)."""
 
     format: Any = None
     files: str | os.PathLike | None = None
     out: str | os.PathLike | None = None
+    data: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("files", "out"):
@@ -145,6 +149,7 @@ def options_of(given: Mapping[str, Any], shortcuts: Mapping[str, Any]) -> Conver
             "weights": weights.files,
             "weights_out": weights.out,
             "weight_format": weights.format,
+            "weight_data": weights.data,
         }
     )
 

@@ -33,6 +33,7 @@ from precast.errors import PrecastError, module_path, name_list
 from precast.ir.graph import CAST_META
 from precast.paths import check_input_file
 from precast.policy.rules.taxonomy import op_name
+from precast.quant.rounding import GPTQ, SEARCH
 
 FORMAT = "precast-plan"
 VERSION = 1
@@ -79,6 +80,9 @@ class Plan:
     # weight name (the program's FQN: module path + attribute, stable across exports) -> storage format
     # (``precast.quant.formats``: "int8", "int8-asym", "int4-g64", "float"), applied as ``weight_format=``
     weights: dict[str, str] = field(default_factory=dict)
+    # weight name -> how its int4 values were fitted on calibration data ("gptq+search"): a conversion applying
+    # the plan needs the data to fit them again (``WeightOptions(data=)``); weights not named: round-to-nearest
+    roundings: dict[str, str] = field(default_factory=dict)
 
     # ---- making one ------------------------------------------------------------------------------------
     @classmethod
@@ -104,13 +108,18 @@ class Plan:
         """The ops a conversion (``ConvertResult``) kept in fp32 by the policy's rules or the user's."""
         rep = result.report
         weights = {r["weight"]: r["format"] for r in rep.weight_formats}
+        roundings = {
+            r["weight"]: r["rounding"]
+            for r in rep.weight_formats
+            if r.get("rounding", "").startswith((GPTQ, SEARCH))
+        }
         if rep.policy not in ("rules", "auto") and not weights:
             raise PrecastError(
                 f"plan: a plan records a rules/auto conversion's fp32 ops or a conversion's weight formats; this "
                 f"one ran policy {rep.policy!r} without weight_format="
             )
         if rep.policy not in ("rules", "auto"):
-            return cls(rep.dtype or "bf16", [], rep.policy or "regions", source, weights)
+            return cls(rep.dtype or "bf16", [], rep.policy or "regions", source, weights, roundings)
         # scalar_range / no_low_kernel: facts about the op or the device, found again by any conversion there
         kept = [
             r
@@ -126,7 +135,7 @@ class Plan:
             why={r.name: r.rule for r in kept},
             source=source,
         )
-        return dataclasses.replace(plan, policy=rep.policy, weights=weights)
+        return dataclasses.replace(plan, policy=rep.policy, weights=weights, roundings=roundings)
 
     # ---- files -----------------------------------------------------------------------------------------
     def to_dict(self, program: Any = None) -> dict:
@@ -140,6 +149,8 @@ class Plan:
         }
         if self.weights:
             d["weights"] = dict(self.weights)
+        if self.roundings:
+            d["roundings"] = dict(self.roundings)
         if program is not None:
             d["exports"] = {
                 "modelopt_nodes_to_exclude": self.modelopt_nodes_to_exclude(program),
@@ -162,11 +173,12 @@ class Plan:
                 f"{where}: plan version {d.get('version')!r}; this precast reads versions {VERSION} and "
                 f"{WEIGHTS_VERSION}"
             )
-        weights = d.get("weights", {})
-        if not isinstance(weights, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weights.items()
-        ):
-            raise PrecastError(f'{where}: "weights" must map weight names to formats')
+        weights, roundings = d.get("weights", {}), d.get("roundings", {})
+        for key, value in (("weights", weights), ("roundings", roundings)):
+            if not isinstance(value, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+            ):
+                raise PrecastError(f'{where}: "{key}" must map weight names to strings (formats, roundings)')
         try:
             entries = [
                 PlanEntry(str(e["module"]), str(e["op"]), int(e["occurrence"]), str(e.get("why", "")))
@@ -178,6 +190,7 @@ class Plan:
                 str(d.get("policy", "rules")),
                 str(d.get("source", "")),
                 dict(weights),
+                dict(roundings),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PrecastError(f"{where}: malformed plan entry ({type(exc).__name__}: {exc})") from exc

@@ -25,13 +25,18 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind
 
 from precast.errors import PrecastError
 from precast.memory import give_back
 from precast.passes.runner import timed
 from precast.quant.estimate import Allocation, WeightCosts, allocate, estimate_costs
+from precast.quant.fit import Fitted, fit_int4
 from precast.quant.formats import parse_format
 from precast.quant.rules import WeightRules
+
+ROUNDINGS = ("data", "rtn")  # Budget.rounding: int4 fitted on the data, or round-to-nearest
+METRICS = ("kld", "mse")  # Budget.metric (None: kld for logits over a vocabulary, else asked for)
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,14 @@ class Budget:
     program over the same weights (the same tensors, or equal values, under the same names), such as a decoder
     exported with a static cache of one calibration window instead of the deployed cache (``precast export-llm``
     does this: the backward passes then hold no gradients of the unused cache positions); None: the converted
-    program itself."""
+    program itself. ``rounding``: how an int4 weight's values are chosen: ``"data"`` (the default: fitted on
+    ``data``, GPTQ with each group's step and zero point searched against its inputs' importance,
+    ``precast.quant.fit``; the estimate measures and the program stores those values) or ``"rtn"``
+    (round-to-nearest, data-free); ``rounding_progress(done, total)``: called as the int4 weights are fitted.
+    ``metric``: what a ``bits``/``bytes`` budget minimizes: ``"kld"`` (the first output is logits), ``"mse"`` (any
+    output; on unit-norm embeddings it is 2 (1 - cosine) / dim) or None: ``"kld"`` when the first output's last
+    dimension is the row count of an embedding table the program reads (logits over its vocabulary), else one line
+    asking for it (``metric_for``); a ``kld``/``mse`` budget is its own metric."""
 
     kld: float | None = None
     mse: float | None = None
@@ -60,6 +72,9 @@ class Budget:
     probes: int = 8
     progress: Callable[[int, int], None] | None = field(default=None, compare=False, repr=False)
     program: Any = field(default=None, compare=False, repr=False)
+    rounding: str = "data"
+    rounding_progress: Callable[[int, int], None] | None = field(default=None, compare=False, repr=False)
+    metric: str | None = None
 
     def check_choice(self, said: Callable[[str, Any], str] | None = None) -> None:
         """The fields that say what is chosen (one finite budget > 0, the 8/4-bit formats, probes >= 1), checked
@@ -88,8 +103,18 @@ class Budget:
                 raise PrecastError(
                     f"{said('formats', f)}: name the 8/4-bit formats to choose among; float is always one"
                 )
+        if self.metric not in (None, *METRICS) or (self.metric or name) != name and name in METRICS:
+            raise PrecastError(
+                f"{said('metric', self.metric)}: choose 'kld' (logits) or 'mse' (any output), or None"
+                + (f"; a {name}= budget is measured in {name}" if name in METRICS else "")
+            )
         if not isinstance(self.probes, int) or isinstance(self.probes, bool) or self.probes < 1:
             raise PrecastError(f"{said('probes', self.probes)}: give a number of backward passes >= 1")
+        if self.rounding not in ROUNDINGS:
+            raise PrecastError(
+                f"{said('rounding', self.rounding)}: choose 'data' (int4 fitted on the calibration data) or 'rtn' "
+                "(round-to-nearest)"
+            )
 
     def check(self, said: Callable[[str, Any], str] | None = None) -> None:
         """Every field checked, one line each; ``said(field, value)`` names a field as the caller's user wrote it
@@ -108,26 +133,65 @@ class Budget:
                 f"WeightBudget: program={type(self.program).__name__}: give the torch.export program the weights "
                 "are measured on (the same weights as the converted one), or None"
             )
-        if self.progress is not None and not callable(self.progress):
-            raise PrecastError(
-                f"WeightBudget: progress={self.progress!r}: give a function progress(done, total), or None"
-            )
+        for name in ("progress", "rounding_progress"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise PrecastError(
+                    f"WeightBudget: {name}={getattr(self, name)!r}: give a function {name}(done, total), or None"
+                )
 
-    @property
-    def metric(self) -> str:
-        return "mse" if self.mse is not None else "kld"
+    def metric_for(self, ep: ExportedProgram) -> str:
+        """The metric the budget is measured in on ``ep``: its ``kld=``/``mse=``, else ``metric=``, else ``"kld"``
+        when ``ep``'s first output is logits over a vocabulary (``first_output``); one line when it is not."""
+        if self.kld is not None or self.mse is not None:
+            return "kld" if self.kld is not None else "mse"
+        if self.metric is not None:
+            return self.metric
+        shape, vocabularies = first_output(ep)
+        if shape and shape[-1] in vocabularies:
+            return "kld"
+        name, value = ("bits", self.bits) if self.bits is not None else ("bytes", self.bytes)
+        raise PrecastError(
+            f"WeightBudget: {name}={value!r}: the program's first output (shape {shape}) is not logits over a "
+            f"vocabulary (no embedding table it reads has {shape[-1] if shape else '?'} rows), so a KL estimate "
+            "would misread it: give metric='mse' (squared output error: embeddings, features, regression) or "
+            "metric='kld' (the output is a classifier's logits)"
+        )
+
+
+def first_output(ep: ExportedProgram) -> tuple[tuple[int, ...] | None, set[int]]:
+    """The shape of ``ep``'s first user output (None: not a tensor) and the row counts of the embedding tables it
+    reads (in its regions too)."""
+    (out,) = [n for n in ep.graph.nodes if n.op == "output"]
+    kinds = [s.kind for s in ep.graph_signature.output_specs]
+    first = out.args[0][kinds.index(OutputKind.USER_OUTPUT)] if OutputKind.USER_OUTPUT in kinds else None
+    val = first.meta.get("val") if isinstance(first, torch.fx.Node) else None
+    shape = tuple(int(d) for d in val.shape) if isinstance(val, torch.Tensor) and val.dim() else None
+    rows = set()
+    for gm in ep.graph_module.modules():
+        for node in gm.graph.nodes if isinstance(gm, torch.fx.GraphModule) else ():
+            if node.op == "call_function" and node.target is torch.ops.aten.embedding.default:
+                table = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+                if isinstance(table, torch.Tensor) and table.dim() == 2:
+                    rows.add(int(table.shape[0]))
+    return shape, rows
 
 
 WeightBudget = Budget  # its name before precast.quant: kept one release
+NOT_MEASURED = (
+    "not measured by the budget (it estimates linear and embedding weights only): kept float; name them in "
+    "weight_format= rules to store them in 8 bits"
+)
 
 
 @dataclass
 class BudgetChoice:
-    """What a budget chose: the allocation, and the costs it was made from."""
+    """What a budget chose: the allocation, the costs it was made from, the int4 parts fitted on data (None:
+    round-to-nearest)."""
 
     allocation: Allocation
     costs: WeightCosts
     record: dict = field(default_factory=dict)  # the last to_json, updated in place when restated as stored
+    fitted: Fitted | None = None
 
     def to_json(self, budget: Budget) -> dict:
         counts: dict[str, int] = {}
@@ -149,6 +213,8 @@ class BudgetChoice:
                 "probes": self.costs.probes,
                 "positions": self.costs.positions,
                 "seconds": self.costs.seconds,
+                "rounding": budget.rounding,
+                "rounding_seconds": self.fitted.seconds if self.fitted is not None else 0.0,
             }
         )
         return self.record
@@ -157,18 +223,24 @@ class BudgetChoice:
 def choose(ep: Any, budget: Budget, float_dtype: torch.dtype, formats_only: bool = False) -> BudgetChoice:
     """Estimate the costs on ``ep`` (its fp32 weights) and allocate under the budget; one line when nothing fits."""
     budget.check()
+    metric = budget.metric_for(ep)  # before minutes of fitting and measuring
+    fitted = None
+    if budget.rounding == "data":
+        fitted = fit_int4(ep, budget.data, budget.formats, float_dtype, progress=budget.rounding_progress)
+        give_back()  # the statistics' sums (400 MB for SmolLM2-135M) before the backward passes
     costs = estimate_costs(
         ep,
         budget.data,
         budget.formats,
         float_dtype=float_dtype,
-        metric=budget.metric,
+        metric=metric,
         probes=budget.probes,
         progress=budget.progress,
+        fitted=fitted,
     )
-    if budget.metric != costs.metric:
-        raise PrecastError(f"WeightBudget: {budget.metric} budget on a {costs.metric} estimate")
-    return BudgetChoice(allocated(costs, budget), costs)
+    if metric != costs.metric:
+        raise PrecastError(f"WeightBudget: {metric} budget on a {costs.metric} estimate")
+    return BudgetChoice(allocated(costs, budget), costs, fitted=fitted)
 
 
 def allocated(costs: WeightCosts, budget: Budget) -> Allocation:
@@ -219,7 +291,13 @@ class BudgetRules(WeightRules):
         costs = as_stored(self.choice.costs, read_dtypes)
         self.choice.allocation, self.choice.costs = allocated(costs, self.budget), costs
         self.choice.to_json(self.budget)  # the report's record (the dict to_json returned before), updated
-        return WeightRules.exact(self.choice.allocation.formats, self.source)
+        formats = dict(self.choice.allocation.formats)
+        unmeasured = sorted(set(read_dtypes) - set(costs.weights))  # convolution weights: estimate reads none
+        if unmeasured:
+            formats.update(dict.fromkeys(unmeasured, "float"))
+            self.choice.record["not_measured"] = {"weights": unmeasured, "why": NOT_MEASURED}
+        exact = WeightRules.exact(formats, self.source)
+        return dataclasses.replace(exact, fitted=self.fitted)
 
 
 def choose_weights(state: Any, budget: Budget) -> BudgetChoice:
@@ -232,9 +310,24 @@ def choose_weights(state: Any, budget: Budget) -> BudgetChoice:
         choice = choose(budget.program if budget.program is not None else state.captured, budget, low)
         give_back()  # the measuring freed ~1 GB the heap would keep (precast.memory)
     plain = WeightRules.exact(choice.allocation.formats, "the weight budget")
-    rules = BudgetRules(plain.rules, plain.source, literal=True, choice=choice, budget=budget)
+    rules = BudgetRules(
+        plain.rules, plain.source, literal=True, fitted=choice.fitted, choice=choice, budget=budget
+    )
     state.weight_rules = state.program.weight_rules = rules
     return choice
+
+
+def fit_weights(state: Any, data: Any, names: Iterable[str] | None = None) -> Any:
+    """``WeightOptions(data=)``: the int4 formats the conversion's rules name, fitted on ``data`` (measured on the
+    captured program's fp32 weights, scales in the policy's dtype) and stored in place of round-to-nearest's;
+    ``names``: those weights only (a plan's fitted ones: the others it rounded to nearest)."""
+    low = state.low if state.policy is not None and state.low is not None else torch.float32
+    rules = state.weight_rules
+    with timed("weight_fit"):
+        fitted = fit_int4(state.captured, data, rules.int4, low, names=names)
+        give_back()
+    state.weight_rules = state.program.weight_rules = dataclasses.replace(rules, fitted=fitted)
+    return fitted
 
 
 def same_weights(measured: ExportedProgram, converted: ExportedProgram) -> None:

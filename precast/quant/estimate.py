@@ -94,7 +94,9 @@ class WeightCosts:
 
 def weight_reads(program: Program) -> dict[str, tuple[int, ...]]:
     """FQN -> shape of each 2-d float parameter/buffer a linear reads as its weight or an embedding as its table
-    (the weights ``weight_format=`` can store in 8/4 bits), in a program whose regions are inlined."""
+    (the weights ``weight_format=`` can store in 8/4 bits), in a program whose regions are inlined. A convolution's
+    weight (stored per output channel by ``weight_format=`` rules) is not measured: a budget keeps it float and its
+    record says so (``precast.quant.budget.NOT_MEASURED``)."""
     targets = {n.name: s.target for n, s in program.input_spec.items() if s.kind != InputKind.USER_INPUT}
     out = {}
     for node in program.graph.nodes:
@@ -114,7 +116,7 @@ def weight_reads(program: Program) -> dict[str, tuple[int, ...]]:
     return out
 
 
-class _Runner:
+class ProgramRunner:
     """The fp32 program (a private copy) run with some weights given as tensors of the caller's choosing."""
 
     def __init__(self, ep: ExportedProgram):
@@ -177,18 +179,20 @@ def estimate_costs(
     weights: Iterable[str] | None = None,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    fitted: Any = None,
 ) -> WeightCosts:
     """Every eligible weight's estimated error for every format, from ``probes`` backward passes per batch of the
     fp32 program (the module docstring), taken where each weight is read (``precast.quant.probes``).
     ``weights``: a subset (default: all ``weight_reads``). ``progress(done, total)``: called before the first
-    backward pass and after each (``total``: batches x probes)."""
+    backward pass and after each (``total``: batches x probes). ``fitted`` (``precast.quant.fit.Fitted``): int4
+    parts fitted on data, measured in place of round-to-nearest's."""
     if metric not in METRICS:
         raise PrecastError(f"metric={metric!r}: choose {', '.join(METRICS)}")
     if not isinstance(probes, int) or probes < 1:
         raise PrecastError(f"probes={probes!r}: give a number of backward passes >= 1")
     fmts = [parse_format(f, "formats") for f in formats]
     start = time.perf_counter()
-    runner = _Runner(ep)
+    runner = ProgramRunner(ep)
     shapes = weight_reads(runner.program)
     names = list(shapes) if weights is None else [n for n in weights if n in shapes]
     if not names:
@@ -200,7 +204,7 @@ def estimate_costs(
         raise PrecastError("weight sensitivity: no calibration batches (give a list of input tuples)")
     for index, batch in enumerate(batches):  # before the taps take the embeddings' reads over
         runner.check_ids(runner.user_inputs(batch, index), index)
-    roundings = Roundings({n: _value(ep, n) for n in names}, fmts, float_dtype)
+    roundings = Roundings({n: weight_value(ep, n) for n in names}, fmts, float_dtype, fitted)
     taps = Taps(runner.program.gm, runner.program.input_spec, roundings)
     acc = {n: dict.fromkeys(roundings.formats(n), 0.0) for n in names}
     probing = _Probing(taps, acc, metric, probes, torch.Generator().manual_seed(seed))
@@ -209,10 +213,13 @@ def estimate_costs(
         _probe_batch(probing, runner, batch, index)
     scale = (0.5 if metric == "kld" else 1.0) / (probes * probing.positions)
     costs = {
-        n: WeightCost(n, shapes[n], roundings.bytes[n], {f: v * scale for f, v in acc[n].items()})
+        n: WeightCost(n, shapes[n], dict(roundings.bytes[n]), {f: v * scale for f, v in acc[n].items()})
         for n in names
     }
-    return WeightCosts(metric, float_dtype, costs, probing.positions, probes, time.perf_counter() - start)
+    out = WeightCosts(metric, float_dtype, costs, probing.positions, probes, time.perf_counter() - start)
+    if fitted is not None:  # a tied weight measured both ways: the better rounding kept
+        fitted.keep_better(out)
+    return out
 
 
 @dataclass
@@ -230,7 +237,7 @@ class _Probing:
     progress: PassCount = field(default_factory=lambda: PassCount(None, 0))
 
 
-def _probe_batch(p: _Probing, runner: _Runner, batch: Any, index: int) -> None:
+def _probe_batch(p: _Probing, runner: ProgramRunner, batch: Any, index: int) -> None:
     """One batch's ``probes`` backward passes: each weight's gradient projected on its rounding in each format
     (at its reads, or whole for the weights read otherwise), squared, added to ``p.acc``."""
     user = runner.user_inputs(batch, index)
@@ -269,7 +276,7 @@ def _probe_batch(p: _Probing, runner: _Runner, batch: Any, index: int) -> None:
             p.progress()
 
 
-def _value(ep: ExportedProgram, name: str) -> torch.Tensor:
+def weight_value(ep: ExportedProgram, name: str) -> torch.Tensor:
     value = ep.state_dict.get(name, ep.constants.get(name))
     if not isinstance(value, torch.Tensor) or value.device.type == "meta":
         raise PrecastError(
@@ -279,21 +286,28 @@ def _value(ep: ExportedProgram, name: str) -> torch.Tensor:
 
 
 def ablate(
-    ep: ExportedProgram, data: Iterable[Any], costs: WeightCosts, fmt: str, names: Iterable[str] | None = None
+    ep: ExportedProgram,
+    data: Iterable[Any],
+    costs: WeightCosts,
+    fmt: str,
+    names: Iterable[str] | None = None,
+    fitted: Any = None,
 ) -> None:
     """The truth for each weight (``costs.weights[n].truth[fmt]``): the fp32 program with that weight alone stored
-    in ``fmt``, against the fp32 program, on ``data`` (mean KL per position, or mean squared error)."""
-    runner = _Runner(ep)
+    in ``fmt`` (its parts fitted on data where ``fitted`` has them, ``precast.quant.fit``), against the fp32
+    program, on ``data`` (mean KL per position, or mean squared error)."""
+    runner = ProgramRunner(ep)
     batches = [runner.user_inputs(b, i) for i, b in enumerate(data)]
     with torch.no_grad():
         refs = [runner.run(u, {}).float() for u in batches]
         f = parse_format(fmt, "fmt")
         for n in names if names is not None else list(costs.weights):
-            w = _value(ep, n).detach().float()
+            w = weight_value(ep, n).detach().float()
             if f.quantized and fits(f, tuple(w.shape)):
                 continue
+            given = fitted.get(n, f, costs.float_dtype) if fitted is not None and f.quantized else None
             rounded = (
-                dequantize(quantize(w, f, scale_grid(costs.float_dtype)), f, torch.float32)
+                dequantize(given or quantize(w, f, scale_grid(costs.float_dtype)), f, torch.float32)
                 if f.quantized
                 else w.to(costs.float_dtype).float()
             )

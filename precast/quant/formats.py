@@ -396,4 +396,7 @@ def quantized_part(original: torch.Tensor, tag: str) -> torch.Tensor:
         )
     if role not in fmt.parts():
         raise PrecastError(f"unknown stored weight part {tag!r}")
+    # a convolution's weight is stored as its [out, in*kh*kw] matrix (precast.quant.graph)
+    if original.dim() > 2:
+        original = original.reshape(original.shape[0], -1)
     return quantize(original, fmt, scale_dtype)[role]

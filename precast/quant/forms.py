@@ -10,6 +10,11 @@ For a linear weight W [N, K] read in ``dt`` (``precast.quant.formats`` holds the
   _to_copy(zero, dtype=dt)), scale), [N, K])``, ``packed`` uint8 [N, K/2] (low nibble the even index), ``zero``
   uint8 and ``scale`` [N, K/g, 1].
 
+A convolution's weight [O, I, kh, kw] (int8 / int8-asym, per output channel) is stored as the matrix
+[O, I*kh*kw] and written as that matrix's form viewed back to the weight's shape (``write_conv_weight``):
+``view(mul(_to_copy(q, dtype=dt), scale), [O, I, kh, kw])``. ``recognise`` reads linear weights only, so every
+engine runs a convolution's weight as the float dequantization the graph states (the same values).
+
 An embedding gathers the rows of each part first and dequantizes only those (``write_rows``). The casts that
 decompress a weight carry a custom-meta mark (``is_dequant``): the report does not count them as activation casts.
 
@@ -18,6 +23,7 @@ Input: graph nodes. Output: the dequantizing nodes (writer), or a ``Dequantized`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +96,15 @@ def write_weight(
     g = fmt.group
     q = op(aten.view.default, _nibbles(op, parts["q"]), [n, k // g, g])
     return op(aten.view.default, _dequantized(op, q, parts["zero"], parts["scale"], dt), [n, k])
+
+
+def write_conv_weight(
+    op: Op, fmt: WeightFormat, parts: dict[str, Node], dt: torch.dtype, shape: tuple[int, ...]
+) -> Node:
+    """A convolution's dequantized weight of ``shape`` ([O, I, kh, ...]): the [O, I*kh*...] matrix's form
+    (``write_weight``), viewed to ``shape``."""
+    matrix = (shape[0], math.prod(shape[1:]))
+    return op(aten.view.default, write_weight(op, fmt, parts, dt, matrix), list(shape))
 
 
 def write_rows(

@@ -1,4 +1,5 @@
-"""Store the weights of linears and embeddings in 8 or 4 bits (``weight_format=``), dequantized in the graph.
+"""Store the weights of linears and embeddings in 8 or 4 bits, of convolutions in 8 (``weight_format=``),
+dequantized in the graph.
 
 Runs after the casts are folded and simplified, so a weight is read as the constant its op computes with (the
 policy's low dtype, or fp32). For each such read the rules (``WeightRules``: a format for every weight, or glob
@@ -11,7 +12,11 @@ copy), stored as its parts (int8 ``q`` + ``scale``; int8-asym ``q`` + ``scale`` 
   or the int4 unpack, ``(q - zero).to(dt) * scale``,
   reshaped to [out, in]: the weight-side decompression OpenVINO fuses into its compressed FullyConnected and
   the AOTInductor backend turns into torch's int8/int4 kernels (``precast.backends``);
-- embedding ``embedding(w, ids)``: the rows are gathered first, then dequantized (the whole table never is).
+- embedding ``embedding(w, ids)``: the rows are gathered first, then dequantized (the whole table never is);
+- convolution ``conv2d(x, w, ...)`` (``aten.convolution`` / ``conv1d`` / ``conv2d`` / ``conv3d``): ``w`` [O, I, kh, kw]
+  is quantized as the matrix [O, I*kh*kw], per output channel (int8 / int8-asym only: int4 goes to int8 and says
+  why), dequantized as a linear's weight and viewed back to [O, I, kh, kw] (``forms.write_conv_weight``); a
+  transposed convolution's weight ([in, out, ...]) stays float and is listed.
 
 The value is ``precast.quant.formats.dequantize``, op for op: an eager run of the converted program gives it
 bitwise. Each part is a persistent buffer recording where it came from (``ConstantSource.derive``), so a compiled
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -45,17 +51,26 @@ from precast.quant.formats import (
     WeightFormat,
     derive_tag,
     fits,
+    is_data_aware,
     quantize,
     quantized_part,
     scale_grid,
 )
-from precast.quant.forms import META_KEY, mark_dequant, write_rows, write_weight
+from precast.quant.forms import META_KEY, mark_dequant, write_conv_weight, write_rows, write_weight
+from precast.quant.rounding import GPTQ, RTN
 from precast.quant.rules import WeightRules
 
 aten = torch.ops.aten
 LINEAR = aten.linear.default
 EMBEDDING = aten.embedding.default
 MATMULS = {aten.mm.default, aten.matmul.default, aten.addmm.default, aten.bmm.default}
+# convolutions whose weight (args[1]) is [out, in/groups, *kernel]: stored per output channel
+CONVS = {
+    aten.convolution.default,
+    *(getattr(aten, f"conv{d}d").default for d in (1, 2, 3)),
+    *(getattr(aten, f"conv{d}d").padding for d in (1, 2, 3)),
+}
+TRANSPOSED = {aten.conv_transpose1d.default, aten.conv_transpose2d.input, aten.conv_transpose3d.input}
 
 
 @dataclass
@@ -72,6 +87,7 @@ class WeightRecord:
     bytes_after: int
     reads: list[str] = field(default_factory=list)
     stored: list[str] = field(default_factory=list)
+    rounding: str = ""  # how its 8/4-bit values were chosen: "rtn", or "gptq+search" (fitted on data)
 
 
 @dataclass
@@ -102,13 +118,31 @@ def _names(program: Program, const: torch.fx.Node, reader: torch.fx.Node, origin
     """The names a weight is matched by: its original FQN, its stored one, and the reading module's path +
     ``.weight`` (a tied head is ``lm_head.weight`` to its linear, ``model.embed_tokens.weight`` in the program)."""
     names = [original]
-    stack = reader.meta.get("nn_module_stack") or {}
-    if stack:
-        path = list(stack.values())[-1][0]
-        alias = f"{path}.weight" if path else ""
-        if alias and alias not in names:
-            names.append(alias)
+    alias = _alias(reader)
+    if alias and alias not in names:
+        names.append(alias)
     return names
+
+
+def _alias(reader: torch.fx.Node) -> str:
+    """The reading module's path + ``.weight`` (from ``nn_module_stack``), or "" for a read outside any module."""
+    stack = reader.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    return f"{path}.weight" if path else ""
+
+
+def _own_names(
+    build: _Builder, rules: WeightRules, weight: str, names: list[str], reader: torch.fx.Node
+) -> list[str]:
+    """The names a read is chosen by: under patterns, less the names the weight's **other** reads' modules give it.
+    A tied table is one tensor that ``torch.export`` names after one of its modules (``model.embed_tokens.weight``
+    strict, ``lm_head.weight`` non-strict): the embedding's read is not ``lm_head.weight``, the head's is not
+    ``model.embed_tokens.weight``, whichever name the program kept. A plan (literal rules) names the weight as a
+    whole: all its names."""
+    if rules.literal:
+        return names
+    others = build.aliases.get(weight, set()) - {_alias(reader)}
+    return [n for n in names if n not in others] or names
 
 
 def _original(program: Program, const: torch.fx.Node) -> tuple[str, torch.Tensor]:
@@ -135,6 +169,8 @@ def _reads(program: Program) -> tuple[list[tuple[torch.fx.Node, torch.fx.Node, s
             const, kind = node.args[1], "linear"
         elif node.target is EMBEDDING and node.args:
             const, kind = node.args[0], "embedding"
+        elif _conv_weight(node, program, other):
+            const, kind = node.args[1], "conv"
         else:
             if node.target in MATMULS:
                 for arg in node.args:
@@ -148,9 +184,26 @@ def _reads(program: Program) -> tuple[list[tuple[torch.fx.Node, torch.fx.Node, s
             continue
         if isinstance(const, torch.fx.Node) and program.constant_target(const) is not None:
             value = program.constant_value(const)
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 2:
+            matrix = kind == "conv" or (isinstance(value, torch.Tensor) and value.dim() == 2)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and matrix:
                 reads.append((node, const, kind))
     return reads, other
+
+
+def _conv_weight(node: torch.fx.Node, program: Program, other: dict[str, str]) -> bool:
+    """Whether ``node`` is a convolution whose weight (``args[1]``) can be stored per output channel; a transposed
+    convolution's constant weight ([in, out, ...]) is put in ``other`` (left float, and said why)."""
+    transposed = node.target in TRANSPOSED or (
+        node.target is aten.convolution.default and len(node.args) > 6 and bool(node.args[6])
+    )
+    if not transposed:
+        return node.target in CONVS and len(node.args) > 1
+    target = program.constant_target(node.args[1]) if isinstance(node.args[1], torch.fx.Node) else None
+    if target is not None:
+        other[target] = (
+            "read by a transposed convolution (its weight is [in, out, ...]; not stored in 8/4 bits)"
+        )
+    return False
 
 
 class _Builder:
@@ -160,6 +213,9 @@ class _Builder:
         self.program = program
         # each read constant's original (name, value), found once; weight -> the dtypes its reads compute in
         self.originals = {const: _original(program, const) for _, const, _ in reads}
+        self.aliases: dict[str, set[str]] = {}  # weight -> its reads' module names (``_own_names``)
+        for reader, const, _ in reads:
+            self.aliases.setdefault(self.originals[const][0], set()).add(_alias(reader))
         self.read_dtypes: dict[str, set[torch.dtype]] = {}
         for const, (name, _) in self.originals.items():
             self.read_dtypes.setdefault(name, set()).add(program.constant_value(const).dtype)
@@ -169,6 +225,8 @@ class _Builder:
         self.scales: dict[tuple[str, WeightFormat, torch.dtype], torch.Tensor] = {}
         self.scale_nodes: dict[tuple[str, WeightFormat, torch.dtype], torch.fx.Node] = {}
         self.stored: dict[str, list[str]] = {}  # weight -> its stored parts' names
+        self.fitted = None  # int4 parts fitted on data (``precast.quant.fit.Fitted``), from the rules
+        self.rounding: dict[str, str] = {}  # weight -> how its stored values were chosen
 
     def parts_of(
         self, const: torch.fx.Node, name: str, value: torch.Tensor, fmt: WeightFormat, dt: torch.dtype
@@ -176,9 +234,11 @@ class _Builder:
         grid = scale_grid(dt, self.read_dtypes.get(name, set()))
         key = (name, fmt, grid)
         if key not in self.parts:  # the integers: one copy per weight and grid, whatever dtypes read it
-            values = quantize(value, fmt, grid)
+            fitted = self.fitted.get(name, fmt, grid) if self.fitted is not None else None
+            values = fitted if fitted is not None else quantize(value, fmt, grid)
+            self._rounded(name, fitted is not None)
             self.parts[key] = {
-                role: self._add(const, name, part, fmt, grid, role)
+                role: self._add(const, name, part, fmt, grid, role, fitted is not None)
                 for role, part in values.items()
                 if role != "scale"
             }
@@ -187,8 +247,22 @@ class _Builder:
         if (
             skey not in self.scale_nodes
         ):  # the scales in the dtype of this read (exact: the grid's values are its)
-            self.scale_nodes[skey] = self._add(const, name, self.scales[key].to(dt), fmt, grid, "scale")
+            q = self.program.constant_target(self.parts[key]["q"])
+            tagged = is_data_aware(self.program.sources[q].derive)
+            self.scale_nodes[skey] = self._add(
+                const, name, self.scales[key].to(dt), fmt, grid, "scale", tagged
+            )
         return {**self.parts[key], "scale": self.scale_nodes[skey]}
+
+    def _rounded(self, name: str, fitted: bool) -> None:
+        """Say how the weight's stored values were chosen (fitted on data, or round-to-nearest and why)."""
+        how = (
+            (self.fitted.rounding.get(name, GPTQ) if fitted else self.fitted.rounding.get(name, RTN))
+            if self.fitted is not None
+            else RTN
+        )
+        held = self.rounding.get(name)
+        self.rounding[name] = how if held in (None, how) else f"{held}; {how}"
 
     def _add(
         self,
@@ -198,6 +272,7 @@ class _Builder:
         fmt: WeightFormat,
         grid: torch.dtype,
         role: str,
+        data_aware: bool = False,
     ) -> torch.fx.Node:
         suffix = f"_{fmt.suffix}" if role == "q" else f"_{fmt.suffix}_{role}"
         with self.state.mode:
@@ -207,7 +282,7 @@ class _Builder:
         original = self.program.source.state_dict.get(name, self.program.source.constants.get(name))
         odt = original.dtype if isinstance(original, torch.Tensor) else torch.float32
         self.program.sources[stored] = ConstantSource(
-            stored, name, odt, part.dtype, derive_tag(fmt, grid, role)
+            stored, name, odt, part.dtype, derive_tag(fmt, grid, role, data_aware)
         )
         self.stored.setdefault(name, []).append(stored)
         return node
@@ -228,6 +303,13 @@ class _Builder:
         with self.program.graph.inserting_before(reader):
             return write_weight(functools.partial(self.op, reader), fmt, parts, dt, shape)
 
+    def conv_weight(
+        self, reader: torch.fx.Node, parts: dict, fmt: WeightFormat, dt: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.fx.Node:
+        """A convolution's dequantized weight of ``shape`` ([out, in, kh, ...]), inserted before ``reader``."""
+        with self.program.graph.inserting_before(reader):
+            return write_conv_weight(functools.partial(self.op, reader), fmt, parts, dt, shape)
+
     def rows(
         self, reader: torch.fx.Node, parts: dict, fmt: WeightFormat, dt: torch.dtype, k: int
     ) -> torch.fx.Node:
@@ -237,8 +319,17 @@ class _Builder:
             return write_rows(functools.partial(self.op, reader), fmt, parts, dt, reader.args[1], n, k)
 
 
-def _choose(rules: WeightRules, names: list[str], shape: tuple[int, ...]) -> tuple[WeightFormat, str]:
+def _choose(
+    rules: WeightRules, names: list[str], shape: tuple[int, ...], conv: bool = False
+) -> tuple[WeightFormat, str]:
+    """The rules' format for a weight ([out, in]; a convolution's as its [out, in*kh*...] matrix), one step up
+    (or float) where the format cannot store it, with why."""
     fmt, why = rules.choose(names)
+    if conv and fmt.kind == "int4":
+        return (
+            INT8,
+            f"{why}; int8: a convolution's weight is stored per output channel (int4 stores linears only)",
+        )
     if fmt.quantized:
         no = fits(fmt, shape)
         if no and fmt.kind == "int4" and not fits(INT8, shape):
@@ -255,6 +346,7 @@ def quantize_weights(program: Program, rules: WeightRules) -> QuantizeResult:
     reads, other = _reads(program)
     build = _Builder(program, reads)
     rules = rules.for_reads(build.read_dtypes)  # a budget's choice, costed as its weights will be stored
+    build.fitted = rules.fitted
     touched: set[torch.fx.Node] = set()
     for reader, const, kind in reads:
         if alias.written(const):
@@ -263,10 +355,14 @@ def quantize_weights(program: Program, rules: WeightRules) -> QuantizeResult:
             touched.add(const)
     for name, stored in build.stored.items():
         result.weights[name].stored.extend(stored)
+    for name, how in build.rounding.items():
+        result.weights[name].rounding = how
     result.skipped = {k: v for k, v in other.items() if k not in result.weights}
     weights = {name: record.names for name, record in result.weights.items()}
     rules.check_used(weights, [*program.source.state_dict, *program.source.constants])
-    rules.check_covers(weights)
+    # a plan covers the weights precast measures (linear, embedding): a conv weight it does not name stays float
+    measured = {build.originals[c][0] for _, c, kind in reads if kind != "conv"}
+    rules.check_covers({name: names for name, names in weights.items() if name in measured})
     _drop_unread(program, touched, result)
     _count_bytes(program, result)
     return result
@@ -280,14 +376,16 @@ def _store_read(
     const: torch.fx.Node,
     kind: str,
 ) -> bool:
-    """One read of a weight (``kind``: "linear" or "embedding"): its format chosen and put on the weight's
+    """One read of a weight (``kind``: "linear", "embedding" or "conv"): its format chosen and put on the weight's
     record; a quantized read replaced by the dequantized parts. Returns whether it was."""
     program = build.program
     name, original = build.originals[const]
     value = program.constant_value(const)
     shape = tuple(value.shape)
     names = _names(program, const, reader, name)
-    fmt, why = _choose(rules, names, shape)
+    conv = kind == "conv"  # its weight quantized as the matrix [out, in*kh*...]
+    own = _own_names(build, rules, name, names, reader)
+    fmt, why = _choose(rules, own, (shape[0], math.prod(shape[1:])) if conv else shape, conv)
     record = result.weights.get(name)
     if record is None:
         record = result.weights[name] = WeightRecord(
@@ -305,14 +403,16 @@ def _store_read(
             f"{list(value.shape)}"
         )
     dt = value.dtype
-    parts = build.parts_of(const, name, original, fmt, dt)
+    parts = build.parts_of(const, name, original.reshape(shape[0], -1) if conv else original, fmt, dt)
     if kind == "linear":
         reader.replace_input_with(const, build.weight(reader, parts, fmt, dt, shape))
+    elif conv:
+        reader.replace_input_with(const, build.conv_weight(reader, parts, fmt, dt, shape))
     else:
         rows = build.rows(reader, parts, fmt, dt, shape[1])
         reader.replace_all_uses_with(rows)
         program.graph.erase_node(reader)
-    _mark(reader if kind == "linear" else rows, name, fmt, why)
+    _mark(rows if kind == "embedding" else reader, name, fmt, why)
     return True
 
 

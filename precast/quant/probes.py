@@ -31,6 +31,7 @@ import torch
 from precast.quant.formats import FLOAT, WeightFormat, dequantize, fits, quantize, scale_grid
 
 aten = torch.ops.aten
+RTN_MARK = "~rtn"  # a fitted weight's round-to-nearest parts, measured beside the fit's (``Fitted.tied``)
 # values of a weight rounded, or of its dW made, at a time: 1 MiB in fp32, within a core's L2 cache (at 1 thread
 # on SmolLM2's 49152 x 576 table: 3 formats' P in 0.61 s CPU, against 0.65 s by blocks of 2**16 and 2**20)
 BLOCK = 1 << 18
@@ -51,10 +52,16 @@ class PassCount:
 
 
 class Roundings:
-    """Each weight's rounding per format: the stored parts (or the float dtype), its bytes, ``dW`` on demand."""
+    """Each weight's rounding per format: the stored parts (or the float dtype), its bytes, ``dW`` on demand.
+    ``fitted`` (``precast.quant.fit.Fitted``): int4 parts fitted on data, used where given (the estimate then
+    measures the rounding the conversion stores)."""
 
     def __init__(
-        self, values: dict[str, torch.Tensor], formats: Sequence[WeightFormat], float_dtype: torch.dtype
+        self,
+        values: dict[str, torch.Tensor],
+        formats: Sequence[WeightFormat],
+        float_dtype: torch.dtype,
+        fitted: Any = None,
     ) -> None:
         self.values = {n: v.detach().float() for n, v in values.items()}
         self.float_dtype = float_dtype
@@ -67,9 +74,18 @@ class Roundings:
                     self.parts[name][fmt.name] = (fmt, {})
                     self.bytes[name][fmt.name] = w.numel() * torch.finfo(float_dtype).bits // 8
                 elif not fits(fmt, tuple(w.shape)):
-                    parts = _quantize_by_blocks(w, fmt, float_dtype)
+                    given = fitted.get(name, fmt, float_dtype) if fitted is not None else None
+                    parts = given if given is not None else _quantize_by_blocks(w, fmt, float_dtype)
                     self.parts[name][fmt.name] = (fmt, parts)
                     self.bytes[name][fmt.name] = sum(p.numel() * p.element_size() for p in parts.values())
+                    if (
+                        given is not None and name in fitted.tied
+                    ):  # measured both ways (``precast.quant.fit``)
+                        self.parts[name][fmt.name + RTN_MARK] = (
+                            fmt,
+                            _quantize_by_blocks(w, fmt, float_dtype),
+                        )
+                        self.bytes[name][fmt.name + RTN_MARK] = self.bytes[name][fmt.name]
 
     def formats(self, name: str) -> list[str]:
         """The formats that can store the weight, in the order asked, "float" last."""

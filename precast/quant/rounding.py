@@ -38,6 +38,9 @@ import torch
 from precast.errors import PrecastError
 from precast.quant.formats import Int4, fits, scale_of
 
+GPTQ = "gptq+search"  # how a weight fitted here was rounded (the report's ``rounding``)
+SEARCH = "search"  # each group's step and zero point searched against the importance alone (no GPTQ update)
+RTN = "rtn"  # round-to-nearest: ``Int4.quantize``'s, the data-free default
 # range shrink factors tried per group (1.0 first: RTN's candidate)
 SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 _LEVELS = 15

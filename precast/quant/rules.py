@@ -19,7 +19,8 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from precast.errors import PrecastError
 from precast.quant.formats import FLOAT, WeightFormat, parse_format
@@ -37,11 +38,18 @@ class WeightRules:
     """Which format each weight gets: ``rules`` (glob pattern over weight names -> format), first match wins; a
     weight no pattern matches keeps the float the policy gives it. ``source``: how the user said it (the report's
     "why"). ``literal``: one rule per weight name (a plan's, a budget's): the full names matched exactly. Built by
-    ``weight_rules`` from ``weight_format=``."""
+    ``weight_rules`` from ``weight_format=``. ``fitted`` (``precast.quant.fit.Fitted``): int4 parts fitted on
+    calibration data, stored in place of round-to-nearest's where they cover a weight and format."""
 
     rules: tuple[tuple[str, WeightFormat], ...]
     source: str
     literal: bool = False
+    fitted: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def int4(self) -> list[WeightFormat]:
+        """The int4 formats the rules name (those data-aware rounding fits)."""
+        return list(dict.fromkeys(f for _, f in self.rules if f.kind == "int4"))
 
     @classmethod
     def exact(cls, formats: Mapping[str, str | WeightFormat], source: str) -> WeightRules:

@@ -46,8 +46,11 @@ from precast.quant.estimate import (
     estimate_costs,
     spearman,
 )
+from precast.quant.fit import fit_int4
 from precast.quant.formats import FLOAT, WeightFormat, parse_format
 from precast.quant.rules import WeightRules
+
+ROUNDINGS = ("data", "rtn")  # how int4 weights are rounded (precast.quant.budget's)
 
 
 @dataclass
@@ -131,11 +134,13 @@ def measure_plan(
     formats: dict[str, str],
     batches: Sequence[tuple[tuple, dict]],
     reference: list,
+    fitted: Any = None,
 ) -> dict:
     """A real conversion with ``formats`` (one rule per weight), run on ``batches`` ((args, kwargs), bound to the
     program's inputs) against the fp32 ``reference`` outputs (their first floating output): the next-token
-    metrics, perplexity when the first integer input holds the token ids."""
-    rules = WeightRules.exact(formats, "the measured plan")
+    metrics, perplexity when the first integer input holds the token ids. ``fitted``: int4 parts fitted on data,
+    stored where they cover a weight (``precast.quant.fit``)."""
+    rules = dataclasses.replace(WeightRules.exact(formats, "the measured plan"), fitted=fitted)
     opts = dataclasses.replace(options, weight_format=rules, verify=False)
     res = convert_with(source, inputs, opts)
     module = res.program.module()
@@ -189,26 +194,26 @@ def weight_sensitivity(
     measure_bits: Sequence[float] = (),
     ablation: bool = False,
     ablation_format: str | WeightFormat | None = None,
+    rounding: str = "data",
 ) -> WeightSensitivity:
     """Estimate every weight's cost per format on ``data`` (calibration batches); measure real conversions at the
     all-cheapest plan, at ``measure_bits`` (bits per weight budgets) and all-float on ``evaluate`` batches (default:
     ``[inputs]``); with ``ablation``, each weight alone in ``ablation_format`` (default: the first format) on the
     evaluation batches, and the Spearman correlation of estimate and truth. ``policy``, ``dtype``,
     ``device_type``, ``dynamic_shapes``: as ``precast.convert``'s, for the capture and every measured conversion;
-    ``metric``: "kld" (a program whose first output is logits) or "mse"."""
-    fmts, ablated = _checked(formats, metric, device_type, ablation, ablation_format)
+    ``metric``: "kld" (a program whose first output is logits) or "mse"; ``rounding``: int4 weights fitted on
+    ``data`` ("data", as a ``precast.Budget`` does: the estimate, the measured plans and the ablation all use the
+    fitted parts) or round-to-nearest ("rtn")."""
+    fmts, ablated = _checked(formats, metric, device_type, ablation, ablation_format, rounding)
     low = parse_low_dtype(dtype) or torch.bfloat16
     ep = program_or_module
     if isinstance(program_or_module, torch.nn.Module):
         ep = capture(program_or_module, inputs, dynamic_shapes).program
     batches = list(data)
+    scale_dtype = low if policy is not None else torch.float32
+    fitted = fit_int4(ep, batches, fmts, scale_dtype) if rounding == "data" else None
     costs = estimate_costs(
-        ep,
-        batches,
-        fmts,
-        float_dtype=low if policy is not None else torch.float32,
-        metric=metric,
-        probes=probes,
+        ep, batches, fmts, float_dtype=scale_dtype, metric=metric, probes=probes, fitted=fitted
     )
     result = WeightSensitivity(costs, policy, dtype_name(low))
     evaluation = [
@@ -225,10 +230,12 @@ def weight_sensitivity(
     plans += [result.allocation(bits=bits) for bits in measure_bits]
     plans.append(allocate(costs, formats=(FLOAT.name,), error=0.0))
     for alloc in plans:
-        measured = measure_plan(program_or_module, inputs, options, alloc.formats, evaluation, reference)
+        measured = measure_plan(
+            program_or_module, inputs, options, alloc.formats, evaluation, reference, fitted
+        )
         result.curve.append(_point(alloc, result.elements, metric, measured))
     if ablation:
-        _ablation(result, ep, evaluation, ablated)
+        _ablation(result, ep, evaluation, ablated, fitted)
     return result
 
 
@@ -244,11 +251,11 @@ def _point(alloc: Allocation, elements: int, metric: str, measured: dict) -> Cur
     )
 
 
-def _ablation(result: WeightSensitivity, ep: Any, evaluation: list, fmt: str) -> None:
-    """Each weight alone in ``fmt`` on the evaluation batches ((args, kwargs) pairs), and the rank correlation
-    of estimate and truth."""
+def _ablation(result: WeightSensitivity, ep: Any, evaluation: list, fmt: str, fitted: Any = None) -> None:
+    """Each weight alone in ``fmt`` (its fitted parts where given) on the evaluation batches ((args, kwargs)
+    pairs), and the rank correlation of estimate and truth."""
     costs = result.costs
-    ablate(ep, evaluation, costs, fmt)
+    ablate(ep, evaluation, costs, fmt, fitted=fitted)
     names = [n for n, w in costs.weights.items() if fmt in w.truth]
     result.spearman = spearman(
         [costs.weights[n].estimate[fmt] for n in names], [costs.weights[n].truth[fmt] for n in names]
@@ -257,9 +264,18 @@ def _ablation(result: WeightSensitivity, ep: Any, evaluation: list, fmt: str) ->
 
 
 def _checked(
-    formats: Sequence[Any], metric: str, device_type: str | None, ablation: bool, ablation_format: Any
+    formats: Sequence[Any],
+    metric: str,
+    device_type: str | None,
+    ablation: bool,
+    ablation_format: Any,
+    rounding: str = "data",
 ) -> tuple[list[str], str]:
     """The options checked before anything runs, one line each: (format names, the ablation's format)."""
+    if rounding not in ROUNDINGS:
+        raise PrecastError(
+            f"rounding={rounding!r}: choose 'data' (int4 fitted on data=) or 'rtn' (round-to-nearest)"
+        )
     if metric not in METRICS:
         raise PrecastError(
             f"weight sensitivity: metric={metric!r}: choose {' or '.join(map(repr, METRICS))} (the estimate's "

@@ -66,6 +66,7 @@ QUANT = {
     "graph": "passes",
     "probes": "numerics",
     "estimate": "numerics",
+    "fit": "numerics",
     "budget": "pipeline",
     "sensitivity": "api",
 }

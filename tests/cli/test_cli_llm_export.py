@@ -415,7 +415,7 @@ REFUSALS = [
     (["{model}", "--kld", "0", "--calibration-text", "{text}"], "--kld 0: give a number > 0"),
     (
         ["{model}", "--calibration-text", "{text}"],
-        "--calibration-text applies to a budget (--bits or --kld) only",
+        "--calibration-text applies to a budget (--bits or --kld), or to int4 formats (fitted on the text)",
     ),
     (["{model}", "--probes", "2"], "--probes applies to a budget"),
     (["{model}", "--bits", "5", "--weight-format", "int8"], "not allowed with argument"),

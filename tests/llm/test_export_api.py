@@ -114,6 +114,28 @@ def test_a_budget_from_python_is_measured_on_the_text(checkpoint, exports, tmp_p
     assert folder.report.weight_budget["bits_per_weight"] <= 6.0
 
 
+def test_int4_with_text_is_fitted_on_it(checkpoint, exports, tmp_path):  # noqa: F811
+    """``weight_format="int4"`` with ``calibration_text``: the int4 weights fitted on the text's windows
+    (data-aware int4, as ``--weight-format int4 --calibration-text`` does); before, the text was refused."""
+    from precast.quant.rounding import GPTQ, SEARCH
+
+    text = checkpoint.parent / "calibration.txt"
+    common = dict(max_cache_len=CACHE, calibration_window=16, calibration_tokens=32, eval_tokens=0)
+    folder = precast.llm.export(
+        checkpoint, tmp_path / "api", weight_format="int4", calibration_text=text, **common
+    )
+    roundings = {r["rounding"].split(" ")[0] for r in folder.report.weight_formats}
+    assert roundings & {GPTQ, SEARCH} and roundings <= {
+        GPTQ,
+        SEARCH,
+        "rtn",
+    }  # 32 rows: the search (fit.GPTQ_ROWS)
+    weights = folder.manifest["weights"]
+    assert weights["format"] == ["int4"] and weights["calibration"]["windows"] == 2
+    plan = json.loads((folder.path / "plan.json").read_text())
+    assert {v.split(" ")[0] for v in plan["roundings"].values()} <= {GPTQ, SEARCH} and plan["roundings"]
+
+
 REFUSALS = [
     (dict(backend="tflite"), "backend='tflite': an LLM folder holds openvino or aoti"),
     (
@@ -126,7 +148,12 @@ REFUSALS = [
     (dict(max_cache_len=4096), "max_cache_len=4096: the model's config allows 128 positions"),
     (dict(calibration_window=0), "calibration_window=0: give a number >= 1"),
     (dict(threads=0), "threads=0: give a thread count >= 1"),
-    (dict(calibration_text="{text}"), "calibration_text= applies to a weight budget measured on text"),
+    (
+        dict(calibration_text="{text}"),
+        "calibration_text= applies to a weight budget measured on text (weight_format=precast.WeightBudget(...) "
+        "without data=), or to int4 formats (fitted on the text)",
+    ),
+    (dict(calibration_text="{text}", weight_format="int8"), "calibration_text= applies to a weight budget"),
     (
         dict(weight_format=precast.WeightBudget(bits=5)),
         "a weight budget (weight_format=) measures each weight's cost on text: give calibration_text=",

@@ -24,9 +24,10 @@ def test_every_option_has_one_place():
     fields = {f.name for f in dataclasses.fields(ConvertOptions)} - {"rules"}
     params = set(inspect.signature(precast.convert).parameters)
     own = {"policy", "dtype", "device_type", "verify", "allow", "plan", "weights"}  # weights=PATH: the files
-    assert own <= params and fields == own | set(SHORTCUTS)
+    new = {"weight_data": ("weights", "data")}  # record fields with no keyword of the release before
+    assert own <= params and fields == own | set(SHORTCUTS) | set(new)
     assert not fields & set(RULE_OPTIONS) and not params & set(RULE_OPTIONS)
-    for old, (record, field) in SHORTCUTS.items():
+    for old, (record, field) in {**SHORTCUTS, **new}.items():
         assert field in {f.name for f in dataclasses.fields(RECORDS[record])}, old
 
 

@@ -124,7 +124,11 @@ def test_a_budget_converts_with_the_cheapest_formats_that_meet_it(llama, tmp_pat
     plan = precast.Plan.from_result(res)
     path = tmp_path / "weights.json"
     path.write_text(plan.to_json())
-    again = precast.convert(model, batches[3], policy="torch", plan=path)
+    # (its int4 weights were fitted on the budget's data: the plan says which, and is given the data again)
+    assert {v.split(" ")[0] for v in plan.roundings.values()} <= {"gptq+search", "search"} and plan.roundings
+    again = precast.convert(
+        model, batches[3], policy="torch", plan=path, weights=precast.WeightOptions(data=batches[:2])
+    )
     assert_bitwise(again.program.module()(*batches[3]), res.program.module()(*batches[3]))
     assert again.report.weight_budget == {}
 

@@ -278,16 +278,17 @@ def test_report_names_each_weight_its_format_why_and_bytes():
         model, inputs, policy="torch", weight_format={"head.weight": "int8", "down.*": "float", "*": "int4"}
     )
     records = {r["weight"]: r for r in res.report.weight_formats}
-    # the tied table: read by the embedding (fp32) and the head (bf16); the rule names it by the head's path
-    assert records["head.weight"]["format"] == "int8"
-    assert records["head.weight"]["why"] == "weight_format rules: 'head.weight'"
+    # the tied table: read by the embedding (fp32) and the head (bf16); the rule names the head's read by its path,
+    # the embedding's read is 'emb.weight' only (though the program names the tensor head.weight): '*' gives it int4
+    assert records["head.weight"]["format"] == "int4-g64+int8"
+    assert records["head.weight"]["why"] == "weight_format rules; weight_format rules: 'head.weight'"
     assert set(records["head.weight"]["names"]) >= {"head.weight", "emb.weight"}
     assert records["down.weight"]["format"] == "float" and records["up.weight"]["format"] == "int4-g64"
     up = records["up.weight"]
     assert up["bytes_before"] == 128 * 64 * 4
     assert up["bytes_after"] == 128 * 32 + 128 * 1 * 2 + 128 * 1  # packed + bf16 scales + zero points
     assert records["down.weight"]["bytes_after"] == 64 * 128 * 2  # its bf16 copy
-    assert "weight formats: 1 float, 1 int4-g64, 1 int8" in res.report.summary()
+    assert "weight formats: 1 float, 1 int4-g64, 1 int4-g64+int8" in res.report.summary()
     # saved and loaded, the report and the tags come back
     again = precast.report(_roundtrip(res.program))
     assert again.weight_formats == res.report.weight_formats
