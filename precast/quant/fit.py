@@ -114,6 +114,7 @@ class _Inputs:
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
     of: dict[str, list[str]] = field(default_factory=dict)
+    last: dict[str, int] = field(default_factory=dict)  # weight -> the graph position of its last linear read
 
 
 def _tap_linears(runner: ProgramRunner, names: set[str]) -> _Inputs:
@@ -131,6 +132,7 @@ def _tap_linears(runner: ProgramRunner, names: set[str]) -> _Inputs:
         if name not in names or not isinstance(node.args[0], torch.fx.Node):
             continue
         key = node.args[0].name
+        seen.last[name] = i
         inputs.setdefault(name, [])
         if key not in inputs[name]:
             inputs[name].append(key)
@@ -177,6 +179,9 @@ def fit_int4(
         and isinstance(n.args[0], torch.fx.Node)
     }
     seen = _tap_linears(runner, set(wanted))
+    # fitted in the order of their last linear read: the inputs' sums are let go as the fit goes, so the largest
+    # weight fitted last (a tied table, the head: read first by the embedding) runs beside the fewest sums
+    wanted.sort(key=lambda n: seen.last.get(n, -1))
     with torch.no_grad():
         for user in users:
             runner.program.gm(*placeholder_values(runner.program, user))
