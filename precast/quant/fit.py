@@ -6,9 +6,11 @@ The statistics are the program's own: a private copy of the fp32 program (``esti
 written state copied per forward, the caller's program never run) has each ``linear`` that reads a weight
 rewritten into a module that adds ``x^T x`` of its input to a sum kept per input (q/k/v of one layer read one
 input: one sum), then returns the linear's value; one no-grad forward per calibration batch fills the sums. A
-weight read by several linears gets the sum of their inputs' sums. Each weight is then fitted (``gptq_int4``, the
+weight read by several linears gets the sum of their inputs' sums. Each weight is then fitted (``gptq_int4``; the
+group search alone, ``search_int4``, where its inputs had fewer rows than it has input channels: ``GPTQ_ROWS``; the
 scales at ``scale_dtype``: the dtype the policy computes in, as ``Int4.quantize`` stores them) and its input's sum
-let go once every weight reading it is fitted (SmolLM2-135M's 121 sums are 400 MB in fp32).
+let go once every weight reading it is fitted (SmolLM2-135M's 121 sums are 400 MB in fp32; the weights are taken in
+the order of their last linear read, so a tied table, read first by the embedding, is fitted last).
 
 A table no linear reads (an embedding alone) has no inputs to fit against: it keeps round-to-nearest and says so
 (``Fitted.rounding``). A weight fitted here is not recomputable from its fp32 value: its parts carry the
