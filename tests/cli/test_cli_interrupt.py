@@ -41,7 +41,17 @@ def _commands() -> list[list[str]]:
 
 def _interrupt(cmd: list[str], when, cwd: Path) -> tuple[int, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT's default action in the child, whatever the runner left it: a non-interactive shell starts its
+    # background jobs with SIGINT ignored (POSIX), and Python then never raises KeyboardInterrupt
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509 - a signal disposition only
+    )
     when(proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)

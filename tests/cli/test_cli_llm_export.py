@@ -245,9 +245,13 @@ def test_a_budget_is_measured_on_the_text(budget, exports):
 
 def test_the_plan_reapplied_gives_the_same_program(budget, checkpoint, exports, tmp_path, capsys):
     out = tmp_path / "again"
-    code, _, err = _run(
-        capsys, checkpoint, "-o", out, "--plan", budget / "plan.json", "--max-cache-len", CACHE
-    )
+    text = checkpoint.parent / "calibration.txt"
+    plan = ["--plan", budget / "plan.json", "--max-cache-len", CACHE]
+    # its int4 weights were fitted on the text: without it, one line; with it, fitted the same way again
+    code, _, err = _run(capsys, checkpoint, "-o", out, *plan)
+    assert code == 2 and "--plan fitted" in err and "--calibration-text" in err, err
+    window = ["--calibration-window", "16", "--calibration-tokens", "32"]
+    code, _, err = _run(capsys, checkpoint, "-o", out, *plan, "--calibration-text", text, *window)
     assert code == 0, err
     report = json.loads((out / "report.json").read_text())
     assert not report["weight_budget"]  # nothing measured

@@ -31,6 +31,12 @@ def test_each_backward_pass_reaches_the_bar_with_the_time_left(checkpoint, expor
         map(str, range(7))
     )  # 3 windows x 2 probes, counted from 0
     assert all(re.search(r", about \d+ (s|min \d+ s) left$", t) for t in passes[1:-1])
-    # shown while the convert step runs: after its description, before the next step's
+    # shown while the convert step runs: after its description, the int4 fit's count first (one line per weight,
+    # counted from 0), then the backward passes, one line each
     first = shown.index("measuring the weights and converting")
-    assert first < shown.index(passes[0]) and shown.index(passes[-1]) == first + 7
+    fits = [t for t in shown if t.startswith("fitting the int4 weights on the calibration text: ")]
+    assert [re.match(r"fitting .*: (\d+)/(\d+) weights", t).group(1) for t in fits] == list(
+        map(str, range(len(fits)))
+    )
+    assert first < shown.index(fits[0]) < shown.index(fits[-1]) < shown.index(passes[0])
+    assert shown.index(passes[-1]) == shown.index(passes[0]) + 6
