@@ -18,6 +18,8 @@ import json
 import os
 import secrets
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,7 +61,8 @@ def check_output_dir(
         raise PrecastError(f"{said} {p}: folder {parent} does not exist; create it first")
     check_outputs({f"{said}'s {n}": p / n for n in names}, inputs)
     try:  # a real probe: a read-only file system passes os.access for root
-        _new_dir(p, said).rmdir()
+        with _interrupts_held():  # a Ctrl-C between the probe's mkdir and rmdir would leave it behind
+            _new_dir(p, said).rmdir()
     except OSError as exc:
         raise PrecastError(
             f"{said} {p}: cannot write in {parent} ({exc.strerror}); choose another folder"
@@ -87,12 +90,40 @@ def _new_dir(p: Path, said: str = "-o") -> Path:
     raise PrecastError(f"{said} {p}: cannot create a temporary folder beside it")
 
 
+def _hold_interrupts() -> object:
+    """SIGINT blocked in this (main) thread, delivered when released (``_release_interrupts``); the mask before,
+    or None where signals cannot be blocked (another thread, no ``pthread_sigmask``)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def _release_interrupts(held: object) -> None:
+    if held is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    held = _hold_interrupts()
+    try:
+        yield
+    finally:
+        _release_interrupts(held)
+
+
 @contextlib.contextmanager
 def staged(out: Path, said: str = "-o") -> Iterator[Path]:
     """Yields an empty temporary folder beside ``out``; renamed onto ``out`` (absent, or still empty) only when
     the block succeeds, removed with everything in it otherwise."""
-    tmp = _new_dir(out, said)
+    held = _hold_interrupts()  # a Ctrl-C between the mkdir and the try below would leave the folder behind
     try:
+        tmp = _new_dir(out, said)
+    except BaseException:
+        _release_interrupts(held)
+        raise
+    try:
+        _release_interrupts(held)  # a Ctrl-C held back is raised here, inside the try: the folder is removed
         yield tmp
         try:  # onto an empty folder too (rename(2)); one that is no longer empty is refused by the system
             os.rename(tmp, out)
