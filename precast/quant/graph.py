@@ -256,9 +256,12 @@ class _Builder:
 
     def _rounded(self, name: str, fitted: bool) -> None:
         """Say how the weight's stored values were chosen (fitted on data, or round-to-nearest and why)."""
+        said = self.fitted.rounding if self.fitted is not None else {}
         how = (
-            (self.fitted.rounding.get(name, GPTQ) if fitted else self.fitted.rounding.get(name, RTN))
-            if self.fitted is not None
+            said.get(name, GPTQ)
+            if fitted
+            else said.get(name, RTN)
+            if said.get(name, RTN).startswith(RTN)
             else RTN
         )
         held = self.rounding.get(name)
