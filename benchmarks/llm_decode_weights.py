@@ -45,6 +45,7 @@ FORMS = (
     "precast_openvino_q4km",
     "openvino_anchor",
     "openvino_anchor_int8",
+    "openvino_anchor_int4",
 )
 # (faster form, reference form, target): the ratio is reference ms / faster ms
 TARGETS = (
@@ -54,6 +55,7 @@ TARGETS = (
     ("precast_openvino_int8a", "precast_openvino", 1.4),
     ("precast_torch_int8", "precast_torch", 1.3),
     ("precast_torch_int8a", "precast_torch", 1.3),
+    ("precast_openvino_int4", "openvino_anchor_int4", 0.97),
     ("precast_openvino_int4", "precast_openvino", None),
     ("precast_torch_int4", "precast_torch", None),
     ("precast_openvino_q4km", "precast_openvino", None),

@@ -92,10 +92,11 @@ def _fitted_plans(args, ep, calib, names, elements, result) -> dict[str, tuple[d
         fit_s = result["fit"]["seconds"]
     else:
         started = time.perf_counter()
-        fitted = fit_int4(ep, calib, ["int4-g64"], torch.bfloat16)
+        int4 = [f for f in args.fit_formats if f.startswith("int4")]
+        fitted = fit_int4(ep, calib, int4, torch.bfloat16)
         fit_s = time.perf_counter() - started
         costs = estimate_costs(
-            ep, calib, ("int4-g64", "int8"), float_dtype=torch.bfloat16, probes=args.probes, fitted=fitted
+            ep, calib, tuple(args.fit_formats), float_dtype=torch.bfloat16, probes=args.probes, fitted=fitted
         )
         result["fit"] = {
             "seconds": fit_s,
@@ -177,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also the data-aware int4 rows: int4 fitted on the calibration windows (precast.quant.fit, what "
         "Budget(rounding='data') and WeightOptions(data=) store), the estimate measuring the fitted rounding, each "
         "--bits plan allocated on it",
+    )
+    ap.add_argument(
+        "--fit-formats",
+        nargs="+",
+        default=["int4-g64", "int8"],
+        help="with --fit: the formats the fitted rows' estimate measures and their plans choose among (int4 ones "
+        "fitted; e.g. int4-g128 int4-g64 int8 for budgets under int4-g64's 4.375 bits; key --costs-cache by them)",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)

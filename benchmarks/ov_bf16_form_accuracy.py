@@ -25,12 +25,12 @@ import torch
 from benchmarks.llm_accuracy import compare, cpu_line, export, load_fp32, program_runner, text_tokens
 
 
-def openvino_run(program: torch.export.ExportedProgram, hint: str) -> tuple[object, str]:
+def openvino_run(program: torch.export.ExportedProgram, hint: str, **options: object) -> tuple[object, str]:
     import precast
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ov = precast.compile(program, backend="openvino", precision_hint=hint)
+        ov = precast.compile(program, backend="openvino", precision_hint=hint, **options)
 
     def run(ids: torch.Tensor) -> torch.Tensor:
         ov.reset()
@@ -39,7 +39,7 @@ def openvino_run(program: torch.export.ExportedProgram, hint: str) -> tuple[obje
     accepted = len(ov.plan.accepted)
     how = (
         f"precision_hint={hint!r}: hint {ov.precision_hint}, {len(ov.plan.overridden)} overridden, "
-        f"{accepted} fused layer(s) accepted"
+        f"{accepted} fused layer(s) accepted, activations quantized on the fly: {ov.dynamic_quantization}"
     )
     return run, how
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=1024, help="tokens at the start left for calibration")
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument(
-        "--weights", default=None, help="weight_format= of the plan (int8, int8-asym); default bf16"
+        "--weights", default=None, help="weight_format= of the plan (int8, int8-asym, int4); default bf16"
     )
     ap.add_argument(
         "--work", type=Path, default=Path(os.environ.get("PRECAST_BENCH_WORK", "/tmp/precast-bench"))
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         "openvino_default": openvino_run(plan, "auto"),
         "openvino_f32_hint": openvino_run(plan, "f32"),
     }
+    if args.weights:  # the stored weights' layers with and without OpenVINO's 8-bit activations (its default)
+        runners["openvino_dq_on"] = openvino_run(plan, "auto", dynamic_quantization=True)
+        runners["openvino_dq_off"] = openvino_run(plan, "auto", dynamic_quantization=False)
     sums = {name: {"kld": 0.0, "top1": 0.0, "nll": 0.0, "n": 0.0} for name in runners}
     with torch.no_grad():
         for start in range(0, len(ids) - 1, args.window):

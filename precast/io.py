@@ -116,7 +116,9 @@ def check_space(folder: str | Path, need: int, what: str) -> None:
         )
 
 
-def write_bytes(path: str | Path, data: bytes, inputs: tuple[str | os.PathLike | None, ...] = ()) -> None:
+def write_bytes(
+    path: str | Path, data: bytes | memoryview, inputs: tuple[str | os.PathLike | None, ...] = ()
+) -> None:
     """Write ``data`` to ``path`` whole or not at all, after checking the free space; one-line errors."""
     p = check_writable(path, inputs)
     folder = p.parent if str(p.parent) else Path(".")
@@ -132,7 +134,7 @@ def write_bytes(path: str | Path, data: bytes, inputs: tuple[str | os.PathLike |
         raise PrecastError(f"{p}: could not write it: {exc.strerror}{full}; nothing was written") from exc
 
 
-def _write_unnamed(folder: Path, p: Path, data: bytes) -> bool:
+def _write_unnamed(folder: Path, p: Path, data: bytes | memoryview) -> bool:
     """Linux: write into an unnamed file (``O_TMPFILE``), give it a name only once complete, rename it into
     place. Even ``kill -9`` mid-write leaves nothing behind. False where the file system cannot (the caller
     falls back to ``atomic_path``)."""
@@ -374,13 +376,14 @@ def read_tensors(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], 
     return out, metadata
 
 
-def program_bytes(program: torch.export.ExportedProgram, output: str) -> bytes:
+def program_bytes(program: torch.export.ExportedProgram, output: str) -> memoryview:
     """The converted program serialized in memory, to be written through Python (a full disk is one line, not an
-    abort); a failure of ``torch.export.save`` is one line naming ``output``."""
+    abort); a failure of ``torch.export.save`` is one line naming ``output``. A view of the buffer, not a copy of
+    it (``getvalue`` would hold the program twice at the export's peak)."""
     buffer = io.BytesIO()
     try:
         with TORCH_LOCK:
             torch.export.save(program, buffer)
     except Exception as exc:
         raise PrecastError(f"{output}: could not save the converted program: {first_line(exc)}") from exc
-    return buffer.getvalue()
+    return buffer.getbuffer()

@@ -28,6 +28,7 @@ from typing import Any
 import platformdirs
 import torch
 
+from benchmarks.harness.ov_anchor import ir_dir
 from precast.bench.decode.forms import ANCHOR, Build, Variant, module_state, register, weight_format_of
 from precast.bench.decode.model import Shape, llama, read_bytes, wrapped
 
@@ -262,7 +263,7 @@ def build_anchor(b: Build, v: Variant) -> None:
     v.note = f"{how}, bf16 hint + bf16 KV cache; {first.get('versions')}"
     v.run, v.reloadable = (lambda **kw: None), "-"
     if fmt:  # the IR's weight file: every weight, its scales and zero points
-        bin_bytes = (folder.parent / f"{folder.name}-ov-{fmt}" / "openvino_model.bin").stat().st_size
+        bin_bytes = (Path(ir_dir(str(folder), fmt)) / "openvino_model.bin").stat().st_size
         v.stored_bytes = {"weights": bin_bytes}
         return
     # OpenVINO runs bf16 weights under the bf16 hint: the bytes the hand-cast bf16 model holds
@@ -283,6 +284,7 @@ register(
     {
         ANCHOR: build_anchor,
         "openvino_anchor_int8": build_anchor,
+        "openvino_anchor_int4": build_anchor,
         "openvino_anchor_inprocess": build_anchor_inprocess,
     }
 )

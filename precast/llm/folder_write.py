@@ -139,11 +139,38 @@ def staged(out: Path, said: str = "-o") -> Iterator[Path]:
 
 
 def write_program(stage: Path, program: Any, output: str) -> None:
-    """program.pt2 (serialized in memory first: a full disk is one line)."""
+    """program.pt2 (serialized in memory first: a full disk is one line), each node's stack trace cut to the frame
+    precast's messages name (``precast.errors.user_frame_trace``): SmolLM2-135M's 4.6-bit folder 116 -> 108 MiB
+    for 96 MiB of weights. The program in memory keeps its full traces."""
     from precast.io import program_bytes, write_bytes
 
-    data = program_bytes(program, output)
+    with _user_frames_only(program):
+        data = program_bytes(program, output)
     write_bytes(stage / PROGRAM, data)
+
+
+@contextlib.contextmanager
+def _user_frames_only(program: Any) -> Iterator[None]:
+    """Every node of ``program`` (its submodules' too) with ``stack_trace`` cut to the user's frame while inside;
+    the full traces back after, whatever happens."""
+    import torch.fx
+
+    from precast.errors import user_frame_trace
+
+    held = []
+    for module in program.graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                trace = node.meta.get("stack_trace")
+                if trace:
+                    held.append((node, trace))
+    try:
+        for node, trace in held:
+            node.meta["stack_trace"] = user_frame_trace(trace)
+        yield
+    finally:
+        for node, trace in held:
+            node.meta["stack_trace"] = trace
 
 
 def write_converted(stage: Path, res: Any, model: Any, source: str) -> dict[str, str]:

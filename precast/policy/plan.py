@@ -107,7 +107,9 @@ class Plan:
     def from_result(cls, result: Any, source: str = "") -> Plan:
         """The ops a conversion (``ConvertResult``) kept in fp32 by the policy's rules or the user's."""
         rep = result.report
-        weights = {r["weight"]: r["format"] for r in rep.weight_formats}
+        weights = {}  # a weight's format, or each read's where they differ (a tied table, int4-g64+int8)
+        for r in rep.weight_formats:
+            weights.update(r.get("read_formats") or {r["weight"]: r["format"]})
         roundings = {
             r["weight"]: r["rounding"]
             for r in rep.weight_formats

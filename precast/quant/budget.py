@@ -267,7 +267,7 @@ def allocated(costs: WeightCosts, budget: Budget) -> Allocation:
 
 def as_stored(costs: WeightCosts, read_dtypes: Mapping[str, set[torch.dtype]]) -> WeightCosts:
     """``costs`` with each (weight, format)'s bytes as the conversion stores them (``WeightFormat.stored_bits``:
-    one scale copy per dtype the weight is read in, every zero point, a float copy per read dtype); the estimate
+    one scale copy per grid (``scale_grid``), every zero point, a float copy per read dtype); the estimate
     measured one bf16 scale vector per weight."""
     weights = {}
     for name, w in costs.weights.items():

@@ -122,16 +122,18 @@ class WeightFormat(metaclass=_FormatType):
 
     def stored_bits(self, shape: tuple[int, ...], read_dtypes: Iterable[torch.dtype]) -> float:
         """Stored bits per weight element **as the conversion stores them**: the integers once, the zero points
-        once (a byte each), and one copy of the scales per dtype the weight is read in (a tied table read in fp32
-        by the embedding and in bf16 by the head stores a bf16 and an fp32 scale vector: ``precast.quant.graph``).
-        ``float`` stores one copy per read dtype too (a weight read in two dtypes keeps both copies)."""
+        once (a byte each), and the scales once per grid (``scale_grid``: a tied table read in fp32 by the
+        embedding and in bf16 by the head stores one bf16 scale vector, which the embedding casts to fp32 after
+        gathering its rows: ``precast.quant.graph``). ``float`` stores one copy per read dtype (a weight read in
+        two dtypes keeps both copies)."""
         n, k = shape
         dtypes = set(read_dtypes) or {torch.float32}
         if not self.quantized:
             return float(sum(torch.finfo(d).bits for d in dtypes))
         scales = self.scale_count(shape)
         zero_bits = 8 * scales if "zero" in self.parts() else 0
-        scale_bits = scales * sum(torch.finfo(d).bits for d in dtypes)
+        grids = {scale_grid(d, dtypes) for d in dtypes}
+        scale_bits = scales * sum(torch.finfo(d).bits for d in grids)
         return self.int_bits + (scale_bits + zero_bits) / (n * k)
 
     int_bits = 16

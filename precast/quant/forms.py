@@ -73,12 +73,24 @@ def mark_dequant(node: Node) -> None:
 
 
 # ---- the writer --------------------------------------------------------------------------------------------------
-def _dequantized(op: Op, q: Node, zero: Node | None, scale: Node, dt: torch.dtype) -> Node:
-    """``q.to(dt) * scale``, or ``(q.to(dt) - zero.to(dt)) * scale``."""
+def _dequantized(
+    op: Op, q: Node, zero: Node | None, scale: Node, dt: torch.dtype, held: torch.dtype | None = None
+) -> Node:
+    """``q.to(dt) * scale``, or ``(q.to(dt) - zero.to(dt)) * scale``; scales ``held`` on a narrower grid than ``dt``
+    (a tied table's, bf16, read in fp32 by the embedding: ``scale_grid``) are cast to ``dt`` first, exactly, after
+    an embedding's gather (a row's scales only)."""
     value = op(aten._to_copy.default, q, dtype=dt)
     if zero is not None:
         value = op(aten.sub.Tensor, value, op(aten._to_copy.default, zero, dtype=dt))
+    if held not in (None, dt):
+        scale = op(aten._to_copy.default, scale, dtype=dt)
     return op(aten.mul.Tensor, value, scale)
+
+
+def _held(parts: dict[str, Node]) -> torch.dtype | None:
+    """The dtype the scale constant is stored in (None where its node has no value)."""
+    val = parts["scale"].meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _nibbles(op: Op, packed: Node) -> Node:
@@ -92,10 +104,11 @@ def write_weight(
     """The dequantized [out, in] weight a linear reads."""
     n, k = shape
     if fmt.kind in ("int8", "int8-asym"):
-        return _dequantized(op, parts["q"], parts.get("zero"), parts["scale"], dt)
+        return _dequantized(op, parts["q"], parts.get("zero"), parts["scale"], dt, _held(parts))
     g = fmt.group
     q = op(aten.view.default, _nibbles(op, parts["q"]), [n, k // g, g])
-    return op(aten.view.default, _dequantized(op, q, parts["zero"], parts["scale"], dt), [n, k])
+    dequantized = _dequantized(op, q, parts["zero"], parts["scale"], dt, _held(parts))
+    return op(aten.view.default, dequantized, [n, k])
 
 
 def write_conv_weight(
@@ -113,7 +126,7 @@ def write_rows(
     """An embedding's rows, gathered from the parts then dequantized (the whole table never is)."""
     if fmt.kind in ("int8", "int8-asym"):
         gathered = {role: op(EMBEDDING, part, ids) for role, part in parts.items()}
-        return _dequantized(op, gathered["q"], gathered.get("zero"), gathered["scale"], dt)
+        return _dequantized(op, gathered["q"], gathered.get("zero"), gathered["scale"], dt, _held(parts))
     g = fmt.group
 
     def rows_of(part: Node) -> Node:  # [n, k/g, 1] read as [..., k/g, 1]
@@ -122,7 +135,8 @@ def write_rows(
     scale = rows_of(parts["scale"])
     q = _nibbles(op, op(EMBEDDING, parts["q"], ids))
     q = op(aten.unflatten.int, op(aten.flatten.using_ints, q, -2, -1), -1, [k // g, g])
-    return op(aten.flatten.using_ints, _dequantized(op, q, rows_of(parts["zero"]), scale, dt), -2, -1)
+    dequantized = _dequantized(op, q, rows_of(parts["zero"]), scale, dt, _held(parts))
+    return op(aten.flatten.using_ints, dequantized, -2, -1)
 
 
 # ---- the recogniser ----------------------------------------------------------------------------------------------

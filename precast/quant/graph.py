@@ -88,6 +88,9 @@ class WeightRecord:
     reads: list[str] = field(default_factory=list)
     stored: list[str] = field(default_factory=list)
     rounding: str = ""  # how its 8/4-bit values were chosen: "rtn", or "gptq+search" (fitted on data)
+    # a weight whose reads got different formats (a tied table, ``int4-g64+int8``): each read's own name -> its
+    # format (what a plan records, so that it is applied again read by read); empty otherwise
+    read_formats: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,11 +141,9 @@ def _own_names(
     A tied table is one tensor that ``torch.export`` names after one of its modules (``model.embed_tokens.weight``
     strict, ``lm_head.weight`` non-strict): the embedding's read is not ``lm_head.weight``, the head's is not
     ``model.embed_tokens.weight``, whichever name the program kept. A plan (literal rules) names the weight as a
-    whole: all its names."""
-    if rules.literal:
-        return names
+    whole (all its names), or each read apart (``WeightRules.read_names``)."""
     others = build.aliases.get(weight, set()) - {_alias(reader)}
-    return [n for n in names if n not in others] or names
+    return rules.read_names(names, [n for n in names if n not in others] or names)
 
 
 def _original(program: Program, const: torch.fx.Node) -> tuple[str, torch.Tensor]:
@@ -220,7 +221,7 @@ class _Builder:
         for const, (name, _) in self.originals.items():
             self.read_dtypes.setdefault(name, set()).add(program.constant_value(const).dtype)
         self.state = fake_state(program)
-        # (weight, format, grid) -> its parts; (weight, format, dtype) -> a scale read in another dtype
+        # (weight, format, grid) -> its integer parts, its scales' values, its scale constant
         self.parts: dict[tuple[str, WeightFormat, torch.dtype], dict[str, torch.fx.Node]] = {}
         self.scales: dict[tuple[str, WeightFormat, torch.dtype], torch.Tensor] = {}
         self.scale_nodes: dict[tuple[str, WeightFormat, torch.dtype], torch.fx.Node] = {}
@@ -243,16 +244,11 @@ class _Builder:
                 if role != "scale"
             }
             self.scales[key] = values["scale"]
-        skey = (name, fmt, dt)
-        if (
-            skey not in self.scale_nodes
-        ):  # the scales in the dtype of this read (exact: the grid's values are its)
+        if key not in self.scale_nodes:  # the scales once, on their grid: a wider read casts them (exact)
             q = self.program.constant_target(self.parts[key]["q"])
             tagged = is_data_aware(self.program.sources[q].derive)
-            self.scale_nodes[skey] = self._add(
-                const, name, self.scales[key].to(dt), fmt, grid, "scale", tagged
-            )
-        return {**self.parts[key], "scale": self.scale_nodes[skey]}
+            self.scale_nodes[key] = self._add(const, name, self.scales[key], fmt, grid, "scale", tagged)
+        return {**self.parts[key], "scale": self.scale_nodes[key]}
 
     def _rounded(self, name: str, fitted: bool) -> None:
         """Say how the weight's stored values were chosen (fitted on data, or round-to-nearest and why)."""
@@ -360,6 +356,9 @@ def quantize_weights(program: Program, rules: WeightRules) -> QuantizeResult:
         result.weights[name].stored.extend(stored)
     for name, how in build.rounding.items():
         result.weights[name].rounding = how
+    for record in result.weights.values():
+        if len(set(record.read_formats.values())) < 2 or len(record.read_formats) != len(record.reads):
+            record.read_formats = {}  # one format (or reads a name cannot tell apart): the weight's record says it
     result.skipped = {k: v for k, v in other.items() if k not in result.weights}
     weights = {name: record.names for name, record in result.weights.items()}
     rules.check_used(weights, [*program.source.state_dict, *program.source.constants])
@@ -396,6 +395,7 @@ def _store_read(
         )
     elif fmt.name != record.format:
         record.format, record.why = f"{record.format}+{fmt.name}", f"{record.why}; {why}"
+    record.read_formats[own[0]] = fmt.name
     record.names.extend(n for n in names if n not in record.names)
     record.reads.append(reader.name)
     if not fmt.quantized:

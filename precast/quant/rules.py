@@ -66,6 +66,15 @@ class WeightRules:
         rules; a budget's choice re-costs its formats as they will be stored (``precast.quant.budget``)."""
         return self
 
+    def read_names(self, names: list[str], own: list[str]) -> list[str]:
+        """The names one read of a weight is chosen by: ``own`` (the weight's names less those its other reads'
+        modules give it: a tied table's embedding read is not ``lm_head.weight``) under patterns, or where a plan
+        names the read apart (a table stored ``int4-g64+int8``: the plan keys each read's format by its own name);
+        else, in a plan, all the weight's names (a plan naming the table once covers both reads)."""
+        if not self.literal or self.first(own) is not None:
+            return own
+        return names
+
     def matches(self, pattern: str, names: Iterable[str]) -> bool:
         forms = list(names) if self.literal else [f for n in names for f in name_forms(n)]
         return any(fnmatch.fnmatchcase(f, pattern) for f in forms)
@@ -85,7 +94,12 @@ class WeightRules:
         """One line for a rule that chose no weight: ``weights`` maps each weight the pass read (linear weights,
         embedding tables) to its names, ``others`` the program's other constants (a pattern naming only those
         matched something: the pass's own info says why they stay float)."""
-        used = {self.first(names) for names in weights.values()}
+        if self.literal:  # a plan may name a tied table's reads apart (``read_names``): each name is used
+            used = {
+                i for i, (p, _) in enumerate(self.rules) if any(self.matches(p, n) for n in weights.values())
+            }
+        else:
+            used = {self.first(names) for names in weights.values()}
         unused = [i for i in range(len(self.rules)) if i not in used]
         if not unused:
             return

@@ -117,6 +117,21 @@ def test_each_weight_is_stored_once(folder, converted):
         assert torch.equal(t, tensors[name]) and t.dtype == tensors[name].dtype, name
 
 
+def test_the_folders_graph_keeps_only_the_frames_messages_name(folder, converted):
+    """program.pt2's stack traces are cut to the user's frame (8 of SmolLM2-135M's 16 MB of graph were traces
+    through transformers' wrappers): every node names the same source line and code as in memory."""
+    from precast.errors import user_source_code, user_source_line
+
+    saved = {n.name: n for n in torch.export.load(folder / "program.pt2").graph.nodes}
+    full = [n for n in converted.program.graph.nodes if n.meta.get("stack_trace")]
+    assert len(full) > 50 and max(len(n.meta["stack_trace"].splitlines()) for n in full) > 10
+    for node in full:
+        kept = saved[node.name]
+        assert len(kept.meta["stack_trace"].splitlines()) <= 2, node.name
+        assert user_source_line(kept) == user_source_line(node), node.name
+        assert user_source_code(kept) == user_source_code(node), node.name
+
+
 def _copy(folder: Path, tmp_path: Path, **changes) -> Path:
     copy = tmp_path / "copy"
     shutil.copytree(folder, copy)

@@ -235,19 +235,35 @@ def test_policy_torch_is_bitwise_eager_autocast_of_the_dequantized_model(fmt):
     }
 
 
-def test_a_tied_table_read_in_two_dtypes_stores_its_integers_once():
-    model, inputs = _net(tied=True)  # the embedding reads it in fp32 under autocast, the head in bf16
-    res = precast.convert(model, inputs, policy="torch", weight_format="int8")
+@pytest.mark.parametrize("fmt", ["int8", "int8-asym", "int4-g32"])
+def test_a_tied_table_read_in_two_dtypes_stores_its_parts_once(fmt):
+    """The embedding reads the tied table in fp32 under autocast, the head in bf16: one set of integers and one bf16
+    scale vector (before: an fp32 copy of the scales too, 0.105 bits per weight on SmolLM2-135M's table), the
+    embedding casting its gathered rows' scales to fp32. Bitwise eager autocast of the model whose table holds the
+    value the parts stand for (the bf16 grid's, exact in fp32 and in bf16)."""
+    model, inputs = _net(tied=True)
+    res = precast.convert(model, inputs, policy="torch", weight_format=fmt)
+    f = parse_format(fmt)
     state = res.program.state_dict
-    ints = [k for k, v in state.items() if v.dtype == torch.int8]
-    assert sorted(ints) == ["down.weight_int8", "head.weight_int8", "up.weight_int8"]
-    scales = sorted((k, v.dtype) for k, v in state.items() if k.startswith("head.weight_int8_scale"))
-    assert sorted(str(d) for _, d in scales) == ["torch.bfloat16", "torch.float32"]
-    by = {d: state[k] for k, d in scales}
-    bf16, fp32 = by[torch.bfloat16], by[torch.float32]
-    assert torch.equal(bf16.float(), fp32)  # the same values: the grid is bf16's
+    table = sorted((k, v.dtype) for k, v in state.items() if k.startswith("head.weight_"))
+    want_parts = [(f"head.weight_{f.suffix}", torch.int8 if fmt == "int8" else torch.uint8)]
+    want_parts.append((f"head.weight_{f.suffix}_scale", torch.bfloat16))
+    if fmt != "int8":
+        want_parts.append((f"head.weight_{f.suffix}_zero", torch.uint8))
+    assert table == sorted(want_parts)
     (head,) = [r for r in res.report.weight_formats if r["weight"] == "head.weight"]
-    assert head["bytes_after"] == 96 * 64 + 96 * 2 + 96 * 4
+    assert head["bytes_after"] * 8 == 96 * 64 * f.stored_bits((96, 64), {torch.bfloat16})
+    ref = Net(
+        tied=False
+    ).eval()  # the table's two reads: the value in fp32 (the embedding), in bf16 (the head)
+    ref.load_state_dict(_dequantized(model, f, torch.bfloat16, ["up.weight", "down.weight"]).state_dict())
+    grid = quantize(model.emb.weight.detach(), f, torch.bfloat16)
+    with torch.no_grad():
+        ref.emb.weight.copy_(dequantize(grid, f, torch.float32))
+        ref.head.weight.copy_(dequantize(grid, f, torch.bfloat16).float())
+    with torch.autocast("cpu", torch.bfloat16):
+        want = ref(*inputs)
+    assert_bitwise(res.program.module()(*inputs), want)
 
 
 @pytest.mark.parametrize(
@@ -260,12 +276,10 @@ def test_every_stored_part_is_recomputed_from_the_original(policy, fmt):
     originals = dict(model.named_parameters(remove_duplicate=False))
     sources = precast.constant_sources(res.program)
     derived = [s for s in sources.values() if s.derive is not None]
-    # three parts per weight (the tied table under policy torch, read in fp32 and bf16, has a second scale)
+    # three parts per weight (the tied table under policy torch, read in fp32 and bf16, too: one scale vector)
     roles = [(s.original, parse_tag(s.derive)[2]) for s in derived]
     assert sorted(r for _, r in roles if _ != "head.weight") == ["q", "q", "scale", "scale", "zero", "zero"]
-    assert sorted(r for o, r in roles if o == "head.weight") == (
-        ["q", "scale", "scale", "zero"] if policy == "torch" else ["q", "scale", "zero"]
-    )
+    assert sorted(r for o, r in roles if o == "head.weight") == ["q", "scale", "zero"]
     for src in sources.values():
         if src.original in originals:
             got = stored_value(src, originals[src.original].detach())
@@ -375,6 +389,32 @@ def test_plans_carry_weight_formats_and_apply_them(tmp_path):
     assert again.report.weight_formats == [{**r, "why": "the plan"} for r in res.report.weight_formats]
     with pytest.raises(PrecastError, match="plan= carries weight formats and weight_format= is given"):
         precast.convert(model, inputs, policy="rules", plan=path, weight_format="int8")
+
+
+def test_a_plan_of_a_tied_table_read_in_two_formats_applies_again(tmp_path):
+    """The README's rule ``{"lm_head.weight": "int8", "*": "int4"}`` on a tied model stores the table
+    ``int4-g64+int8`` (the embedding's read int4, the head's int8). Its plan keys each read's format by the read's
+    own name; before, it recorded "int4-g64+int8", which the plan's reader refused as a format."""
+    model, inputs = _net()
+    rules = {"head.weight": "int8", "*": "int4"}
+    res = precast.convert(model, inputs, policy="torch", weight_format=rules)
+    (table,) = [r for r in res.report.weight_formats if r["weight"] == "head.weight"]
+    assert table["format"] == "int4-g64+int8"
+    assert table["read_formats"] == {"emb.weight": "int4-g64", "head.weight": "int8"}
+    plan = precast.Plan.from_result(res)
+    assert plan.weights == {
+        "emb.weight": "int4-g64",
+        "head.weight": "int8",
+        "up.weight": "int4-g64",
+        "down.weight": "int4-g64",
+    }
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    again = precast.convert(model, inputs, policy="torch", plan=path)
+    assert_bitwise(again.program.module()(*inputs), res.program.module()(*inputs))
+    (reapplied,) = [r for r in again.report.weight_formats if r["weight"] == "head.weight"]
+    assert reapplied["format"] == "int4-g64+int8" and reapplied["read_formats"] == table["read_formats"]
+    assert all(not r["read_formats"] for r in res.report.weight_formats if r["weight"] != "head.weight")
 
 
 def test_the_cli_flag_takes_a_format_and_pattern_rules(tmp_path, capfd):

@@ -63,12 +63,16 @@ def _reads(tied_llama, strict: bool, weight_format: dict) -> tuple[object, objec
 def test_lm_head_weight_names_the_heads_read(tied_llama, strict):
     head, table = _reads(tied_llama, strict, {"lm_head.weight": "int8", "*": "int4"})
     assert head == INT8
-    # the embedding gathers int4's packed bytes and zero points (uint8) and its scales (non-strict before: int8)
-    assert table == {torch.uint8, torch.float32}
+    # the embedding gathers int4's packed bytes and zero points (uint8) and its scales, stored on the bf16 grid the
+    # head's read shares and cast to fp32 after the gather (non-strict before: int8)
+    assert table == {torch.uint8, torch.bfloat16}
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
 def test_embed_tokens_weight_names_the_embeddings_read(tied_llama, strict):
     head, table = _reads(tied_llama, strict, {"model.embed_tokens.weight": "int8", "*": "int4"})
-    assert table == {torch.int8, torch.float32}  # int8's integers and scales
+    assert table == {
+        torch.int8,
+        torch.bfloat16,
+    }  # int8's integers and scales (on the grid: cast after the gather)
     assert head == Int4(64)  # strict before: int8 (the program's name matched the head's read too)

@@ -21,8 +21,9 @@ fewer; more than one output channel; with AMX under the bf16 hint, small shapes 
 decompression once, at compile time, into an f32 copy (its Convert / Subtract / Multiply then run as layers of their
 own, on constants) that the FullyConnected reads: ``check_weights`` names each such weight and ``warn_uncompressed``
 says so in one line (a never-silent f32 fallback). Dynamic quantization of the activations
-(``DYNAMIC_QUANTIZATION_GROUP_SIZE``) needs AVX2-VNNI or AVX512-VNNI; ``openvino.compile_openvino`` turns it off
-unless asked (``dynamic_quantization=True``).
+(``DYNAMIC_QUANTIZATION_GROUP_SIZE``) needs AVX2-VNNI or AVX512-VNNI; ``openvino.compile_openvino`` leaves it on
+where the program stores int4 weights (as OpenVINO's own int4 export runs) and turns it off otherwise, unless asked
+(``model.dynamic_quantization_for``).
 
 Input: the decomposed GraphModule OpenVINO converted (``stored_weights``, ``decompression_nodes``) and the compiled
 model (``compressed_layers``, ``check_weights``). Output: the weights stored as int8/int4, which run compressed.
@@ -233,6 +234,9 @@ class WeightCheck:
     layers: dict[str, str] = field(default_factory=dict)  # runtime layer -> compressed weight type it reads
     uncompressed: list[StoredWeight] = field(default_factory=list)  # reads OpenVINO runs on an f32 copy
     unaccounted: int = 0  # reads not seen decompressed by name, but missing from the compressed layers' count
+    # whether OpenVINO quantizes these layers' activations to 8 bits on the fly, and why
+    # (``model.dynamic_quantization_for``)
+    activations: str = ""
 
     @property
     def compressed(self) -> dict[str, str]:
@@ -252,6 +256,7 @@ class WeightCheck:
         return (
             f"{len(self.stored)} int8/int4 weight read(s) ({', '.join(kinds)}): {len(self.stored) - off} run "
             f"compressed by OpenVINO, {off} on an f32 copy"
+            + (f"; 8-bit activations on the fly: {self.activations}" if self.activations else "")
         )
 
 

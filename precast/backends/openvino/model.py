@@ -76,7 +76,7 @@ def compile_openvino(
     threads: int | None = None,
     precision_hint: str | None = "auto",
     warn: bool = True,
-    dynamic_quantization: bool = False,
+    dynamic_quantization: bool | None = None,
 ) -> OpenVINOModel:
     """Convert ``program`` with ``openvino.convert_model`` and compile it for the CPU.
 
@@ -94,7 +94,8 @@ def compile_openvino(
     Weights the program stores as int8/int4 run compressed where OpenVINO can (``model.compressed``; one
     ``CompressedWeightWarning`` line names those it runs on an f32 copy). ``dynamic_quantization``: let OpenVINO
     quantize the activations of those layers to 8 bits on the fly (its ``DYNAMIC_QUANTIZATION_GROUP_SIZE``, on CPUs
-    with VNNI): off by default, since the program computes them in its own dtype (``compressed``).
+    with VNNI). ``None`` (default): as OpenVINO's own exports run them (``dynamic_quantization_for``): on where the
+    program stores int4 weights, off otherwise; ``model.weights.activations`` says which and why.
     """
     require_openvino()
     ep = exported_program(program, WHERE)
@@ -105,6 +106,7 @@ def compile_openvino(
     if dynamic and not state and not batch_symbols(ep):
         ep = dynamic_batch(ep)  # warns when the graph fixes the batch size (a cache's shape fixes it: kept)
     built = _build(ep, state, precision_hint, threads, dynamic_quantization)
+    dynamic_quantization = built.dynamic_quantization
     if warn:
         _warn(built, ep)
     return OpenVINOModel(
@@ -124,7 +126,9 @@ def compile_openvino(
     )
 
 
-def _check_options(precision_hint: str | None, threads: int | None, dynamic_quantization: bool) -> None:
+def _check_options(
+    precision_hint: str | None, threads: int | None, dynamic_quantization: bool | None
+) -> None:
     """Refuse, in one line each, a precision hint, thread count or dynamic-quantization flag that is not
     one."""
     if precision_hint not in HINTS:
@@ -134,8 +138,11 @@ def _check_options(precision_hint: str | None, threads: int | None, dynamic_quan
         )
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise PrecastError(f"{WHERE}: threads={threads!r}; give a positive int")
-    if not isinstance(dynamic_quantization, bool):
-        raise PrecastError(f"{WHERE}: dynamic_quantization={dynamic_quantization!r}; give True or False")
+    if dynamic_quantization is not None and not isinstance(dynamic_quantization, bool):
+        raise PrecastError(
+            f"{WHERE}: dynamic_quantization={dynamic_quantization!r}; give True, False or None (as OpenVINO's "
+            "own exports run it: on for int4 weights)"
+        )
 
 
 @dataclasses.dataclass
@@ -152,6 +159,9 @@ class _Built:
     weight_check: WeightCheck
     form_model: Any = None  # the form compiled (precision.prepare's copy)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the options it was compiled with
+    dynamic_quantization: bool = (
+        False  # whether OpenVINO quantizes the stored weights' activations on the fly
+    )
 
 
 def _build(
@@ -159,25 +169,49 @@ def _build(
     state: dict[str, str],
     precision_hint: str | None,
     threads: int | None,
-    dynamic_quantization: bool,
+    dynamic_quantization: bool | None,
 ) -> _Built:
     """Convert ``ep``, compile it with the hint that honours its plan, and check the compiled model against
     the plan (each layer's precision) and the weights the program stores as int8/int4 (which run
     compressed)."""
     ov_model, graph_module, growing = convert(ep, state)
     weights = shared_tensors(ov_model, graph_module)  # what OpenVINO reads from torch's memory: kept alive
-    kv_precision, options = _runtime_options(ov_model, graph_module, growing, dynamic_quantization)
+    stored = stored_weights(graph_module)
+    quantized, why = dynamic_quantization_for(stored, dynamic_quantization)
+    kv_precision, options = _runtime_options(ov_model, growing, bool(stored) and not quantized)
     compiled, plan, form = _compile_for_plan(
         ov_model, graph_module, precision_hint, threads, kv_precision, options
     )
     weight_check = check_weights(compiled, graph_module)
+    weight_check.activations = why if stored else ""
     plan.batch_norms = rounded_batch_norms(ep.graph)
     config = compile_config(plan.hint, threads, options)
-    return _Built(ov_model, compiled, plan, weights, growing, weight_check, form, config)
+    return _Built(ov_model, compiled, plan, weights, growing, weight_check, form, config, quantized)
+
+
+def dynamic_quantization_for(stored: list[Any], asked: bool | None) -> tuple[bool, str]:
+    """Whether OpenVINO quantizes the activations of the layers reading stored weights (``stored``:
+    ``compressed.stored_weights``) to 8 bits on the fly, and why. ``asked``: the caller's; None: as OpenVINO's own
+    exports run them, decided per format by measurement (SmolLM2-135M, docs/backends.md): with int4 weights on
+    (OpenVINO's int4 kernels then take 8-bit activations with VNNI dot products: the 0.246 B decoder's int4 step
+    22.6 -> 12.3 ms at 1 thread on a Zen 4, OpenVINO's own int4 export 12.3; the activations' rounding adds little
+    to int4's own error: KLD 0.4562 -> 0.4584), with int8 only off (no faster there, and KLD 0.0058 -> 0.0090)."""
+    if asked is not None:
+        return asked, f"{'on' if asked else 'off'}: dynamic_quantization={asked}"
+    int4 = sum(1 for w in stored if w.form == "int4")
+    if int4:
+        return True, (
+            f"on: {int4} int4 weight read(s), whose layers OpenVINO runs with 8-bit activations as its own int4 "
+            "export does (dynamic_quantization=False: the program's own activations, slower)"
+        )
+    return (
+        False,
+        "off: int8 weights only, whose layers run the program's own activations (OpenVINO's would not be faster)",
+    )
 
 
 def _runtime_options(
-    ov_model: Any, graph_module: Any, growing: Growing | None, dynamic_quantization: bool
+    ov_model: Any, growing: Growing | None, activations_as_written: bool
 ) -> tuple[str | None, dict[str, Any]]:
     """The cache precision (growing caches only) and the compile options precast sets, each also written into
     the model's runtime info, so the IR carries it."""
@@ -185,7 +219,7 @@ def _runtime_options(
     if kv_precision is not None:  # carried by the IR too: plain OpenVINO's default for this cache is u8
         ov_model.set_rt_info(kv_precision, ["runtime_options", "KV_CACHE_PRECISION"])
     options: dict[str, Any] = {"KV_CACHE_PRECISION": kv_precision} if kv_precision is not None else {}
-    if stored_weights(graph_module) and not dynamic_quantization:  # the IR carries it too
+    if activations_as_written:  # the IR carries it too
         options["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
         ov_model.set_rt_info("0", ["runtime_options", "DYNAMIC_QUANTIZATION_GROUP_SIZE"])
     return kv_precision, options

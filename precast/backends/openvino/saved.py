@@ -145,6 +145,7 @@ def _weight_check(data: dict[str, Any]) -> WeightCheck:
         layers=dict(data.get("layers", {})),
         uncompressed=off,
         unaccounted=int(data.get("unaccounted", 0)),
+        activations=str(data.get("activations", "")),
     )
 
 

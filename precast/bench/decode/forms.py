@@ -50,6 +50,7 @@ WEIGHTS = (
     "precast_openvino_int4",
     "precast_openvino_q4km",
     "openvino_anchor_int8",
+    "openvino_anchor_int4",
 )
 _FORMAT_OF = {
     "int8": "int8",
@@ -268,7 +269,7 @@ BUILDERS: dict[str, Callable[[Build, Variant], None]] = {
 }
 # OpenVINO's own export (ANCHOR_FORMS) is built by the source checkout's anchor harness, which adds its builders
 # here (``register``): the optimum-intel environment it needs is no part of the package
-ANCHOR_FORMS = (ANCHOR, "openvino_anchor_int8", "openvino_anchor_inprocess")
+ANCHOR_FORMS = (ANCHOR, "openvino_anchor_int8", "openvino_anchor_int4", "openvino_anchor_inprocess")
 
 
 def register(builders: dict[str, Callable[[Build, Variant], None]]) -> None:
