@@ -1,7 +1,7 @@
 """Timing ``precast.compile``'s candidate forms, and the cache of the measured choices (``backends/aoti/forms.py``).
 
 - ``measure_forms``: a synthetic module with one weight per shape (the program's matmul weight shapes, its 16-bit
-  dtype), compiled in each form by the compile function it is given (``precast.compile``: what is timed is what
+  dtype; int8 / int4 weights converted to their formats), compiled in each form by the compile function it is given (``precast.compile``: what is timed is what
   would run), timed interleaved at M=1 by ``time_interleaved`` (the best round of each: load only adds time).
 - ``load_choices`` / ``store_choice``: ``<cache dir>/forms.json``, JSON (never unpickled), written atomically under
   a file lock; a file that is not JSON or of another shape is a miss with a warning, never a crash.
@@ -88,11 +88,13 @@ def measure_forms(
     root: str | os.PathLike | None,
     compile_fn: Callable[..., Any],
     threads: int | None = None,
+    formats: tuple[str, ...] | None = None,
 ) -> dict[str, float | str]:
     """Seconds per call of the synthetic module at M=1 compiled by ``compile_fn`` (``precast.compile``) with each
     form's inductor ``configs`` (an error's text for a form that does not compile here), compiled for and timed
     interleaved at ``threads`` (default: the current count); compiled into a temporary cache under ``root`` (the
-    precast cache dir), deleted after."""
+    precast cache dir), deleted after. ``formats``: each shape's weight format (``"float"``, or an int8 / int4
+    format the module's weight is converted to, read in ``dtype``)."""
     threads = torch.get_num_threads() if threads is None else threads
 
     module = _Weights(dtype, shapes).eval()
@@ -100,6 +102,8 @@ def measure_forms(
     example = tuple(torch.randn(2, k, generator=g).to(dtype) for _, k in shapes)
     step = tuple(x[:M].clone() for x in example)
     ep = torch.export.export(module, example)
+    if formats and any(f != "float" for f in formats):
+        ep = _stored_in(ep, formats)
     scratch = Path(tempfile.mkdtemp(prefix="forms.", dir=private_dir(cache_root(root) / "tmp")))
     out: dict[str, float | str] = {}
     runs: dict[str, Callable[[], Any]] = {}
@@ -123,6 +127,19 @@ def measure_forms(
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {n: out[n] for n in configs if n in out}
+
+
+def _stored_in(ep: torch.export.ExportedProgram, formats: tuple[str, ...]) -> torch.export.ExportedProgram:
+    """The synthetic program with each layer's weight in its format (``precast.convert``, policy None: the
+    activations stay in the module's dtype), dequantized in the graph as the program being compiled has it."""
+    import warnings
+
+    from precast.api import WeightOptions, convert
+
+    rules = {f"layers.{i}.weight": f for i, f in enumerate(formats) if f != "float"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the synthetic module's own conversion notes
+        return convert(ep, policy=None, weights=WeightOptions(format=rules), verify=False).program
 
 
 def time_interleaved(runs: Mapping[str, Callable[[], Any]]) -> dict[str, float]:

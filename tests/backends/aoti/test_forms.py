@@ -176,6 +176,47 @@ def test_fp32_programs_and_other_devices_are_never_timed(measured):
     assert not timings.calls and not (measured / form_timing.FORMS_FILE).exists()
 
 
+def _int_program(fmt: str = "int8") -> torch.export.ExportedProgram:
+    return precast.convert(
+        linear_program(torch.bfloat16),
+        policy="torch",
+        weights=precast.WeightOptions(format=fmt),
+        verify=False,
+    ).program
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32"])
+def test_int_weight_programs_are_measured_with_their_formats(measured, monkeypatch, fmt):
+    """A program whose linears read int8 / int4 weights is timed on a module of its shapes in their formats (before:
+    always Inductor's defaults, ATen's weight-only kernels, while the C++ GEMM template runs a 1024 x 2816 int8 GEMV
+    in 0.4x their time on a Zen 4); the formats are in the choice's key and its why; the suite's ``flags`` keeps
+    the defaults."""
+    ep = _int_program(fmt)
+    assert forms.int_weights(ep) == (torch.bfloat16, {(64, 32): fmt, (64, 64): fmt})
+    timings = Timings(ZEN4)
+    form = choose_form(ep, cache_dir=measured, measure=timings)
+    assert form.name == "gemm-template" and f"matmul weights in {fmt} (bfloat16 activations)" in form.why
+    ((dtype, shapes, _),) = timings.calls
+    assert dtype == torch.bfloat16 and shapes == ((64, 32), (64, 64))
+    float_key = forms.choice_key(torch.bfloat16, shapes, 1, forms.CANDIDATES)
+    assert forms.choice_key(torch.bfloat16, shapes, 1, forms.CANDIDATES, (fmt, fmt)) != float_key
+    monkeypatch.setenv(forms.FORM_ENV, "flags")
+    assert choose_form(ep, AMX, measure=timings).name == "default" and len(timings.calls) == 1
+    monkeypatch.setenv(forms.FORM_ENV, "gemm-template")
+    assert choose_form(ep, measure=timings).name == "gemm-template"
+
+
+def test_the_synthetic_module_stores_the_int_formats():
+    """What the int measurement compiles: the synthetic linears with their weights in the program's formats."""
+    ep = torch.export.export(
+        form_timing._Weights(torch.bfloat16, ((64, 32), (48, 64))).eval(),
+        (torch.randn(2, 32).to(torch.bfloat16), torch.randn(2, 64).to(torch.bfloat16)),
+    )
+    stored = form_timing._stored_in(ep, ("int8", "float"))
+    assert forms.int_weights(stored) == (torch.bfloat16, {(64, 32): "int8"})
+    assert forms.matmul_weight_bytes(stored) == {torch.bfloat16: 48 * 64 * 2}
+
+
 def test_precast_form_overrides_and_a_bad_one_is_one_line(measured, monkeypatch):
     timings = Timings(ZEN4)
     monkeypatch.setenv(forms.FORM_ENV, "onednn-packed")
@@ -325,6 +366,34 @@ def test_onednn_form_load_weights_equals_a_fresh_compile(onednn, aoti_cache):
         assert torch.equal(cm(*inputs), fresh(*inputs)) and not torch.equal(before, fresh(*inputs))
         cm.load_weights(model.state_dict())
         assert torch.equal(cm(*inputs), before)
+
+
+@pytest.mark.aoti
+def test_int8_weights_in_the_gemm_template_form_keep_their_values_and_load_weights(aoti_cache, monkeypatch):
+    """One compile of int8 weights in the C++ GEMM template form (its own int8 kernel, the scale an epilogue):
+    within bf16's rounding of the program run eagerly (the eager dequantized weight is rounded to bf16 first; the
+    kernel scales fp32 sums), the package holds no weight, and ``load_weights`` with another model's weights gives
+    that model's program's values."""
+    monkeypatch.setenv(forms.FORM_ENV, "gemm-template")
+    model, inputs = small_model(0)
+    w = precast.WeightOptions(format="int8")
+    res = precast.convert(model, inputs, policy="torch", weights=w, verify=False)
+    cm = precast.compile(res.program, cache_dir=aoti_cache, progress=False)
+    assert cm.form["name"] in ("gemm-template", "max-autotune")  # ATen is added beside the template for int8
+    manifest = json.loads((cm.package_path.parent / MANIFEST).read_text())
+    assert manifest["weights"]["external"]
+
+    def near(got: torch.Tensor, want: torch.Tensor) -> bool:
+        return float((got.float() - want.float()).abs().max()) <= 2e-2 * float(want.float().abs().max())
+
+    with torch.no_grad():
+        before = cm(*inputs).clone()
+        assert near(before, res.program.module()(*inputs))
+        model_b, _ = small_model(1)
+        other = precast.convert(model_b, inputs, policy="torch", weights=w, verify=False).program
+        cm.load_weights(model_b.state_dict())
+        after = cm(*inputs)
+        assert near(after, other.module()(*inputs)) and not near(after, before)
 
 
 @pytest.mark.aoti
