@@ -394,7 +394,7 @@ def _measure_entry(
                 "choose_form: measuring needs compile_fn=precast.backends.aoti.compiler.compile"
             )
         configs = {n: FORM_CONFIGS[n] for n in CANDIDATES}
-        times = measure_forms(dtype, shapes, configs, root, how.compile_fn, threads, formats)
+        times = measure_forms(dtype, shapes, configs, root, how.compile_fn, threads, formats=formats)
     else:
         times = dict(how.measure(dtype, shapes, CANDIDATES))
     load = max(load_before, load_average())

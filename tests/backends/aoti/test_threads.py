@@ -48,7 +48,7 @@ def at_counts(tmp_path_factory):
     ep = torch.export.export(Wide().eval(), inputs)
     asked = []
 
-    def timed(dtype, shapes, configs, root, compile_fn, threads):
+    def timed(dtype, shapes, configs, root, compile_fn, threads, formats=None):
         asked.append(threads)
         return dict(TIMES)
 
