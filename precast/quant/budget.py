@@ -8,8 +8,9 @@ rule per weight, applied as any ``weight_format=`` is; the report says what was 
 
 The cost is what the program stores: the knapsack runs again in the quantizing pass (``BudgetRules.for_reads``),
 once the dtypes each weight is read in are known, with every scale and zero point counted as stored
-(``WeightFormat.stored_bits``: a tied table read in fp32 by the embedding and in bf16 by the head keeps two scale
-vectors); the estimate alone counted one bf16 vector and planned 4.956 bits where 5.006 were stored (issue 50).
+(``WeightFormat.stored_bits``: a float weight read in two dtypes keeps a copy in each; a tied table read in fp32
+by the embedding and in bf16 by the head keeps one bf16 scale vector); before, the estimate alone was counted and
+planned 4.956 bits where 5.006 were stored (issue 50).
 ``WeightBudget`` is its old name, kept one release.
 
 Input: the conversion's state after capture, the budget. Output: the state's weight rules set, and the record.

@@ -1,8 +1,9 @@
 """Timing ``precast.compile``'s candidate forms, and the cache of the measured choices (``backends/aoti/forms.py``).
 
 - ``measure_forms``: a synthetic module with one weight per shape (the program's matmul weight shapes, its 16-bit
-  dtype; int8 / int4 weights converted to their formats), compiled in each form by the compile function it is given (``precast.compile``: what is timed is what
-  would run), timed interleaved at M=1 by ``time_interleaved`` (the best round of each: load only adds time).
+  dtype; int8 / int4 weights converted to their formats), compiled in each form by the compile function it is
+  given (``precast.compile``: what is timed is what would run), timed interleaved at M=1 by ``time_interleaved``
+  (the best round of each: load only adds time).
 - ``load_choices`` / ``store_choice``: ``<cache dir>/forms.json``, JSON (never unpickled), written atomically under
   a file lock; a file that is not JSON or of another shape is a miss with a warning, never a crash.
 

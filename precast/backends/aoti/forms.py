@@ -42,8 +42,9 @@ against ATen's ``_weight_int8pack_mm`` 0.37 and a bf16 ``linear`` 0.41), so the 
 No measurement: fp32 programs (ATen's fp32 GEMV measured fastest at M=1: ``default``), other devices
 (``default``), and ``$PRECAST_FORM``: a form name forces it; ``flags`` takes the table of CPU capabilities below
 (``flags_form``: the C++ GEMM template on AMX, oneDNN on AVX512-BF16 / -FP16 without AMX, else the defaults; for
-int8 / int4 weights the defaults), the test suite's setting (deterministic, no timing). ``form_of`` names the form a set of inductor configs compiles
-(what ``CompiledModel.form`` records once a caller's ``inductor_configs`` are merged).
+int8 / int4 weights the defaults), the test suite's setting (deterministic, no timing). ``form_of`` names the form a
+set of inductor configs compiles (what ``CompiledModel.form`` records once a caller's ``inductor_configs`` are
+merged).
 
 Input: a program, the cache dir (and for tests: capabilities, a ``measure`` callable). Output: a ``Form``.
 """

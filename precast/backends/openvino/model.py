@@ -159,9 +159,8 @@ class _Built:
     weight_check: WeightCheck
     form_model: Any = None  # the form compiled (precision.prepare's copy)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # the options it was compiled with
-    dynamic_quantization: bool = (
-        False  # whether OpenVINO quantizes the stored weights' activations on the fly
-    )
+    # whether OpenVINO quantizes the stored weights' activations on the fly (``dynamic_quantization_for``)
+    dynamic_quantization: bool = False
 
 
 def _build(
