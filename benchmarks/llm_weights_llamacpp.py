@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.llm_accuracy import compare, cpu_line, export, load_fp32, program_runner
+from benchmarks.llm_accuracy import cpu_line, export, load_fp32, program_runner
 
 CACHE = Path.home() / ".cache" / "precast-llamacpp"
 TOOLS = ("llama-imatrix", "llama-quantize", "llama-tokenize")
@@ -219,21 +219,13 @@ def quantize(llamacpp: Path, f32: Path, spec: str, imatrix: Path | None) -> tupl
 
 
 def score(ep: torch.export.ExportedProgram, references: list, mode: str) -> dict[str, float]:
-    """KLD / top-1 / perplexity of ``ep`` against the fp32 references, run as ``mode`` (fp32 or bf16)."""
+    """KLD / top-1 / perplexity of ``ep`` against the fp32 references, run as ``mode`` (fp32 or bf16), summed as
+    the NNCF anchor's rows are (``llm_weights_anchors._evaluate``)."""
     from benchmarks.llm_weights import convert
+    from benchmarks.llm_weights_anchors import _evaluate
 
     program = ep if mode == "fp32" else convert(ep, None).program
-    run = program_runner(program)
-    sums = {"kld": 0.0, "top1": 0.0, "nll": 0.0, "n": 0.0}
-    with torch.no_grad():
-        for inputs, targets, ref in references:
-            for k, v in compare(ref, run(inputs), targets).items():
-                sums[k] += v
-    return {
-        "kld": sums["kld"] / sums["n"],
-        "top1": sums["top1"] / sums["n"],
-        "ppl": float(torch.tensor(sums["nll"] / sums["n"]).exp()),
-    }
+    return _evaluate(program_runner(program), references)
 
 
 def references(ep: torch.export.ExportedProgram, evaluation: torch.Tensor, w: int) -> list:

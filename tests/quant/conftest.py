@@ -6,14 +6,9 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def recipe_program() -> torch.export.ExportedProgram:
-    """A tiny Llama with a tied embedding/head, exported by the LLM recipe (``precast export-llm``'s): its
-    program names every weight with the wrapper's ``model.`` prefix."""
-    transformers = pytest.importorskip("transformers")
-    from precast.llm.checkpoint import export_decoder
-
-    config = transformers.LlamaConfig(
+def tied_llama_config(transformers, **overrides):
+    """The weight-format tests' tiny Llama (one layer, hidden 64, 96 tokens) with a tied embedding/head."""
+    return transformers.LlamaConfig(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=1,
@@ -22,7 +17,18 @@ def recipe_program() -> torch.export.ExportedProgram:
         vocab_size=96,
         max_position_embeddings=64,
         tie_word_embeddings=True,
+        **overrides,
     )
+
+
+@pytest.fixture(scope="module")
+def recipe_program() -> torch.export.ExportedProgram:
+    """A tiny Llama with a tied embedding/head, exported by the LLM recipe (``precast export-llm``'s): its
+    program names every weight with the wrapper's ``model.`` prefix."""
+    transformers = pytest.importorskip("transformers")
+    from precast.llm.checkpoint import export_decoder
+
+    config = tied_llama_config(transformers)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     ep = export_decoder(model, 16)

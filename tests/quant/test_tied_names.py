@@ -20,6 +20,7 @@ import torch
 import precast
 from precast.quant.formats import INT8, Int4
 from precast.quant.forms import recognise
+from tests.quant.conftest import tied_llama_config
 
 transformers = pytest.importorskip("transformers")
 aten = torch.ops.aten
@@ -27,17 +28,7 @@ aten = torch.ops.aten
 
 @pytest.fixture(scope="module")
 def tied_llama() -> tuple[torch.nn.Module, torch.Tensor]:
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        use_cache=False,
-    )
+    config = tied_llama_config(transformers, use_cache=False)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight
