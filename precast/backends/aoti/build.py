@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from precast.backends.aoti.attention import apply_attention
 from precast.backends.aoti.facts import CompileJob, ProgramFacts
 from precast.backends.aoti.int_rewrite import apply_int_weights, inline_recipes
 from precast.backends.aoti.package_cache import (
@@ -64,12 +65,14 @@ def entry_manifest(
 ) -> tuple[float, dict[str, Any]]:
     """The seconds spent compiling (0.0: published by an earlier run or by a process we waited for) and the
     manifest of ``job``'s entry: read when published and intact, else built from a private copy of the program
-    (the int weights' rewrite applied; uninitialized placeholders for streamed weights) and published."""
+    (the int weights' and the attention's rewrites applied; uninitialized placeholders for streamed weights) and
+    published."""
     manifest, _ = read_entry(job.entry, job.key)
     if manifest is not None:
         return 0.0, manifest
     # a private copy: the caller's program stays as it is
     rewritten, derived = apply_int_weights(facts.ep, job.ints)
+    rewritten = apply_attention(rewritten, job.attention)
     program = with_placeholders(rewritten, facts.device) if facts.fake else rewritten
     return build_locked(program, facts, job, progress, lock_timeout, derived=derived)
 

@@ -19,7 +19,9 @@ Forms: ``mode="auto"`` (the default) compiles in the form measured fastest on th
 for the program's matmul weight dtype and shapes (``backends/aoti/forms.py``: Inductor's defaults, oneDNN's packed
 linear (freezing) or the C++ GEMM template; timed once on a synthetic module of the program's weight shapes and
 cached in ``<cache dir>/forms.json``; ``$PRECAST_FORM`` overrides). ``CompiledModel.form`` says which, why, and
-the times; it names what the final configs compile (a caller's ``inductor_configs`` win: ``forms.form_of``).
+the times; it names what the final configs compile (a caller's ``inductor_configs`` win: ``forms.form_of``). Each
+16-bit attention is computed in fp32 where that is measured faster here (``backends/aoti/attention.py``: ATen's
+single-query bf16 flash attention is 7x slower than fp32's on a CPU without AMX).
 
 Folded constants: under freezing, Inductor folds each 16-bit linear's weight into oneDNN's blocked layout
 (``mkldnn._reorder_linear_weight``) at compile time. The compile records each folded constant's subgraph as a
@@ -50,6 +52,7 @@ from typing import Any
 
 from torch.export import ExportedProgram
 
+from precast.backends.aoti.attention import AttentionPlan, plan_attention
 from precast.backends.aoti.build import IN_SO, entry_manifest
 from precast.backends.aoti.facts import CompileJob, ProgramFacts
 from precast.backends.aoti.forms import Form, as_configured, choose_form
@@ -133,7 +136,9 @@ def compile(
     for the program's 16-bit matmul weights (``backends/aoti/forms.py``: Inductor's defaults, oneDNN's packed linear or
     the C++ GEMM template, timed once on a synthetic module of the program's weight shapes, ~1 min, and cached in
     ``<cache dir>/forms.json``; fp32 programs compile in Inductor's defaults without timing; ``$PRECAST_FORM``
-    overrides; ``CompiledModel.form`` says which, why and the times);
+    overrides; ``CompiledModel.form`` says which, why and the times; and each 16-bit attention is timed in its
+    dtype and in fp32 and computed in fp32 where that is faster, as it is without AMX: ``backends/aoti/attention.py``,
+    ``cm.form["attention"]``);
     ``"default"``: Inductor's defaults; ``"max-autotune"``: Inductor's autotuning (``inductor_configs`` picks
     its GEMM backends). Weights stay swappable with ``load_weights`` in every form.
     ``dynamic``: re-export with a dynamic dim 0 (batch) on every tensor input, as PyTorch's benchmark harness does.
@@ -208,12 +213,21 @@ def _job(
     form = as_configured(form, configs)  # what the final configs compile, not what the form asked for
     if int_why:
         form = dataclasses.replace(form, why=f"{form.why}; {int_why}")
+    # the precision of 16-bit attention (mode="auto": measured here, backends/aoti/attention.py)
+    attention = (
+        plan_attention(facts.ep, facts.device, threads, cache_dir) if mode == "auto" else AttentionPlan()
+    )
+    if attention.records:
+        record = {**form.record, "attention": attention.to_dict()}
+        form = dataclasses.replace(form, why=f"{form.why}; {attention.why}", record=record)
     _check_fake_configs(facts.fake, configs)
     root = resolve_cache_dir(cache_dir)
     # by content; the form is in the configs, and the CPU's flags are in the key: a package built for AMX is
-    # never served to a CPU without it; the int weights' rewrite is a function of the program and its plan
-    key = cache_key(facts.ep, {**configs, "precast.form": form.name, **ints.key()}, dynamic, facts.device)
-    return CompileJob(root, key, configs, dynamic, form, ints, threads)
+    # never served to a CPU without it; the int weights' and the attention's rewrites are functions of the
+    # program and their plans
+    extra = {"precast.form": form.name, **ints.key(), **attention.key()}
+    key = cache_key(facts.ep, {**configs, **extra}, dynamic, facts.device)
+    return CompileJob(root, key, configs, dynamic, form, ints, threads, attention)
 
 
 def _memoized(ep: ExportedProgram, job: CompileJob) -> CompiledModel | None:

@@ -4,7 +4,7 @@ them; ``build.py`` builds the entry from them and ``load.py`` loads it).
 - ``ProgramFacts``: about the caller's program: its tensor constants, those holding no data (streamed weights),
   the device its constants run on, the constants its code writes (a KV cache), its stored constants' sources.
 - ``CompileJob``: the compile's decisions: the cache folder and key, the final inductor configs, the form, the
-  int weights' plan, the thread count.
+  int weights' plan, the thread count, the attention's precision.
 
 Input: the program and the compile's options. Output: two frozen records.
 """
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
+from precast.backends.aoti.attention import AttentionPlan
 from precast.backends.aoti.forms import Form
 from precast.backends.aoti.int_weights import IntPlan
 from precast.backends.aoti.package_cache import StoredConstant, stored_constants
@@ -59,6 +60,7 @@ class CompileJob:
     form: Form  # what the configs compile (``forms.as_configured``)
     ints: IntPlan  # the int8 / int4 weights a low-bit kernel reads
     threads: int  # the intra-op thread count the package is compiled for and runs at (``cpp.threads``)
+    attention: AttentionPlan = AttentionPlan()  # the 16-bit attentions computed in fp32 (``attention.py``)
 
     @property
     def entry(self) -> Path:

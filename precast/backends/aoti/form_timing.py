@@ -143,9 +143,9 @@ def _stored_in(ep: torch.export.ExportedProgram, formats: tuple[str, ...]) -> to
         return convert(ep, policy=None, weights=WeightOptions(format=rules), verify=False).program
 
 
-def time_interleaved(runs: Mapping[str, Callable[[], Any]]) -> dict[str, float]:
-    """Seconds per call of each function: every round runs each in turn for about ``ROUND_S``; the best round
-    of each (load only ever adds time), within ``BUDGET_S`` per function."""
+def time_interleaved(runs: Mapping[str, Callable[[], Any]], rounds: int = ROUNDS) -> dict[str, float]:
+    """Seconds per call of each function: every round (at most ``rounds``) runs each in turn for about
+    ``ROUND_S``; the best round of each (load only ever adds time), within ``BUDGET_S`` per function."""
     sizes: dict[str, int] = {}
     for name, fn in runs.items():
         fn()
@@ -154,7 +154,7 @@ def time_interleaved(runs: Mapping[str, Callable[[], Any]]) -> dict[str, float]:
         sizes[name] = max(1, min(10_000, int(ROUND_S / max(time.perf_counter() - t0, 1e-7))))
     best = dict.fromkeys(runs, float("inf"))
     spent = 0.0
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for name, fn in runs.items():
             t0 = time.perf_counter()
             for _ in range(sizes[name]):

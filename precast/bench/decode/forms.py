@@ -212,8 +212,11 @@ def build_precast(b: Build, v: Variant) -> None:
     v.compile_s, cm = (time.perf_counter() - started) / len(models), models[b.threads[0]]
     runs = {t: call(m) for t, m in models.items()}
     v.package, v.run = cm.package_path, lambda *a, **k: runs[torch.get_num_threads()](*a, **k)
-    if mode == "auto":
-        v.note = (v.note + "; " if v.note else "") + f"form {cm.form['name']}: {cm.form['why']}"
+    if mode == "auto":  # each count's package has the form measured at that count
+        forms = "; ".join(
+            f"at {t} thread(s) form {m.form['name']}: {m.form['why']}" for t, m in models.items()
+        )
+        v.note = (v.note + "; " if v.note else "") + forms
     if fmt:
         v.note = (v.note + "; " if v.note else "") + f"weights {weight_label(fmt)}"
     program = save_program(res.program, b.work / f"{v.name}-{b.tag}.program.pt2")
