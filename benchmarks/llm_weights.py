@@ -186,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         help="with --fit: the formats the fitted rows' estimate measures and their plans choose among (int4 ones "
         "fitted; e.g. int4-g128 int4-g64 int8 for budgets under int4-g64's 4.375 bits; key --costs-cache by them)",
     )
+    ap.add_argument(
+        "--awq",
+        action="store_true",
+        help="convert the model after AWQ's activation-aware scaling, folded into the float weights "
+        "(benchmarks/awq_fold.py); the reference stays the original fp32 program (do not share --costs-cache)",
+    )
+    ap.add_argument("--awq-pow2", action="store_true", help="with --awq: the scales rounded to powers of two")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     import precast
@@ -202,7 +209,25 @@ def main(argv: list[str] | None = None) -> int:
         {"input_ids": ids[s : s + w][None], "cache_position": torch.arange(w)}
         for s in range(0, args.calibration - w + 1, w)
     ]
-    ep = export(model, w)
+    ep = reference_ep = export(model, w)
+    if args.awq:  # the plans convert the AWQ-scaled model; the reference stays the original fp32 program
+        import copy
+
+        from benchmarks.awq_fold import fold_awq
+
+        scaled = copy.deepcopy(model)
+        t = time.perf_counter()
+        alphas = fold_awq(scaled, [b["input_ids"] for b in calib], pow2=args.awq_pow2)
+        with torch.no_grad():
+            probe = calib[0]["input_ids"]
+            drift = float((scaled(input_ids=probe).logits - model(input_ids=probe).logits).abs().max())
+        ep = export(scaled, w)
+        print(
+            f"AWQ folded in {time.perf_counter() - t:.0f} s; float logits moved by at most {drift:.2e}; alphas "
+            f"{dict(Counter(round(v['alpha'], 2) for v in alphas.values()).most_common(6))}; mean RTN error ratio "
+            f"{sum(v['error'] for v in alphas.values()) / len(alphas):.3f}",
+            file=sys.stderr,
+        )
     if args.time_budget is not None:
         started, cpu = time.perf_counter(), time.process_time()
         res = convert(ep, precast.WeightBudget(bits=args.time_budget, data=calib, probes=args.probes))
@@ -272,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         plans = {k: v for k, v in plans.items() if k in args.only}
     evaluation = ids[args.calibration :]
-    reference_run = program_runner(ep)
+    reference_run = program_runner(reference_ep)
     references = []
     with torch.no_grad():
         for s in range(0, len(evaluation) - 1, w):
