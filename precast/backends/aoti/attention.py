@@ -1,4 +1,4 @@
-"""The precision a program's 16-bit attention runs in under ``precast.compile`` on a CPU (``mode="auto"``).
+"""The precision a program's 16-bit attention runs in under ``precast.compile`` on a CPU (every ``mode``).
 
 An exported ``scaled_dot_product_attention`` runs ATen's CPU flash attention, in eager and inside an AOTInductor
 package alike (Inductor keeps it as a call into ATen). With bf16 / fp16 inputs that kernel multiplies each block

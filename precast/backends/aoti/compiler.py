@@ -52,7 +52,7 @@ from typing import Any
 
 from torch.export import ExportedProgram
 
-from precast.backends.aoti.attention import AttentionPlan, plan_attention
+from precast.backends.aoti.attention import plan_attention
 from precast.backends.aoti.build import IN_SO, entry_manifest
 from precast.backends.aoti.facts import CompileJob, ProgramFacts
 from precast.backends.aoti.forms import Form, as_configured, choose_form
@@ -136,11 +136,11 @@ def compile(
     for the program's 16-bit matmul weights (``backends/aoti/forms.py``: Inductor's defaults, oneDNN's packed linear or
     the C++ GEMM template, timed once on a synthetic module of the program's weight shapes, ~1 min, and cached in
     ``<cache dir>/forms.json``; fp32 programs compile in Inductor's defaults without timing; ``$PRECAST_FORM``
-    overrides; ``CompiledModel.form`` says which, why and the times; and each 16-bit attention is timed in its
-    dtype and in fp32 and computed in fp32 where that is faster, as it is without AMX: ``backends/aoti/attention.py``,
-    ``cm.form["attention"]``);
+    overrides; ``CompiledModel.form`` says which, why and the times);
     ``"default"``: Inductor's defaults; ``"max-autotune"``: Inductor's autotuning (``inductor_configs`` picks
-    its GEMM backends). Weights stay swappable with ``load_weights`` in every form.
+    its GEMM backends). In every mode each 16-bit attention is timed in its dtype and in fp32 and computed in fp32 where
+    that is faster, as it is on CPUs without AMX (``backends/aoti/attention.py``; ``cm.form["attention"]``).
+    Weights stay swappable with ``load_weights`` in every form.
     ``dynamic``: re-export with a dynamic dim 0 (batch) on every tensor input, as PyTorch's benchmark harness does.
     ``cache_dir``: default ``$PRECAST_CACHE_DIR`` or the user cache dir. ``progress``: a spinner on stderr
     (default: only when stderr is a terminal and ``CI`` is unset). ``lock_timeout``: seconds to wait for another
@@ -213,10 +213,9 @@ def _job(
     form = as_configured(form, configs)  # what the final configs compile, not what the form asked for
     if int_why:
         form = dataclasses.replace(form, why=f"{form.why}; {int_why}")
-    # the precision of 16-bit attention (mode="auto": measured here, backends/aoti/attention.py)
-    attention = (
-        plan_attention(facts.ep, facts.device, threads, cache_dir) if mode == "auto" else AttentionPlan()
-    )
+    # the precision of 16-bit attention, in every mode (ATen's attention kernel, not one of Inductor's forms:
+    # measured here, backends/aoti/attention.py)
+    attention = plan_attention(facts.ep, facts.device, threads, cache_dir)
     if attention.records:
         record = {**form.record, "attention": attention.to_dict()}
         form = dataclasses.replace(form, why=f"{form.why}; {attention.why}", record=record)
