@@ -41,10 +41,14 @@ def test_the_fold_keeps_the_float_function(pow2):
     alphas = fold_awq(scaled, ids, group=64, pow2=pow2)
     assert len(alphas) == 4 * 2 and all(v["error"] <= 1.0 for v in alphas.values())
     assert any(v["alpha"] > 0 for v in alphas.values())  # something was scaled
-    changed = [n for n, p in scaled.named_parameters() if not torch.equal(p, dict(model.named_parameters())[n])]
+    changed = [
+        n for n, p in scaled.named_parameters() if not torch.equal(p, dict(model.named_parameters())[n])
+    ]
     assert changed
     folded = ("layernorm", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    assert all(any(f in n for f in folded) for n in changed), changed  # the tied head and final norm left alone
+    assert all(any(f in n for f in folded) for n in changed), (
+        changed
+    )  # the tied head and final norm left alone
     with torch.no_grad():
         probe = torch.arange(20)[None]
         want, got = model(input_ids=probe).logits, scaled(input_ids=probe).logits
@@ -69,6 +73,8 @@ def test_llamacpp_bert_names_map_to_bertmodel():
     assert hf_name("token_embd.weight") == "bert.embeddings.word_embeddings.weight"
     assert hf_name("token_embd_norm.bias") == "bert.embeddings.LayerNorm.bias"
     assert hf_name("blk.3.attn_q.weight") == "bert.encoder.layer.3.attention.self.query.weight"
-    assert hf_name("blk.0.attn_output_norm.weight") == "bert.encoder.layer.0.attention.output.LayerNorm.weight"
+    assert (
+        hf_name("blk.0.attn_output_norm.weight") == "bert.encoder.layer.0.attention.output.LayerNorm.weight"
+    )
     assert hf_name("blk.5.ffn_down.bias") == "bert.encoder.layer.5.output.dense.bias"
     assert hf_name("blk.5.layer_output_norm.weight") == "bert.encoder.layer.5.output.LayerNorm.weight"
