@@ -71,7 +71,7 @@ def rows_for(policy: str | None, args: argparse.Namespace) -> list[tuple[str, ob
             budget = precast.Budget(
                 bits=bits,
                 data=calib,
-                formats=BUDGET_FORMATS,
+                formats=tuple(args.budget_formats),
                 probes=args.probes,
                 metric="mse",
                 rounding=rounding,
@@ -146,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--probes", type=int, default=8)
     ap.add_argument("--only", nargs="*", default=None, help="row labels to run (default: all)")
+    ap.add_argument(
+        "--budget-formats",
+        nargs="+",
+        default=list(BUDGET_FORMATS),
+        help="the formats the budgets choose among (e.g. add int4-g32: MiniLM's weights were never quantized)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--dump", type=Path, default=None, help="write the batches and fp32 embeddings for the NNCF anchor"

@@ -275,7 +275,7 @@ def decide(times_ms: Mapping[str, Mapping[str, float]], low: str) -> tuple[str, 
 def _measured(
     a: Attention, threads: int, cache_dir: str | os.PathLike | None, measure: Measure | None
 ) -> dict[str, Any]:
-    from precast.backends.aoti.forms import _loaded, quiet_now
+    from precast.backends.aoti.forms import is_loaded, quiet_now
     from precast.io import cache_root, file_lock, private_dir
 
     path = cache_root(cache_dir) / ATTENTION_FILE
@@ -288,7 +288,7 @@ def _measured(
         with file_lock(locks / f"attention-{key}.lock", "measuring the attention's precision"):
             entry = read_entries(path, "attention cache", ATTENTION_VERSION, _entry_ok).get(key)
             if entry is None or entry == stale:
-                entry = _measure_entry(a, pts, threads, measure, _loaded)
+                entry = _measure_entry(a, pts, threads, measure, is_loaded)
                 write_entries(path, "attention cache", ATTENTION_VERSION, _entry_ok, {key: entry})
     low = str(a.dtype).removeprefix("torch.")
     dtype, why = decide(entry["times_ms"], low)

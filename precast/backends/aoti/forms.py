@@ -348,10 +348,12 @@ def quiet_now(threads: int) -> bool:
     """Whether the machine is quiet enough to time on now: other processes busy on at most half a core over a
     short sample (where the system cannot say: the load average within the cores ``threads`` leave)."""
     others = busy_now()
-    return not _loaded(others, load_average(), max(cores() - threads, 0))
+    return not is_loaded(others, load_average(), max(cores() - threads, 0))
 
 
-def _loaded(others: float | None, load: float, cores_left: int) -> bool:
+def is_loaded(others: float | None, load: float, cores_left: int) -> bool:
+    """Whether a timing ran under load: other processes busy on more than half a core (where the system says),
+    else the load average beyond the cores the timing left free."""
     return others > 0.5 if others is not None else load > cores_left
 
 
@@ -410,7 +412,7 @@ def _measure_entry(
         "load": round(load, 2),
         "others_busy": None if others is None else round(others, 2),
         "cores_left": cores_left,
-        "under_load": _loaded(others, load, cores_left),
+        "under_load": is_loaded(others, load, cores_left),
         "dtype": str(dtype).removeprefix("torch."),
         "shapes": [list(s) for s in shapes],
         **({"formats": list(formats)} if formats else {}),
