@@ -111,8 +111,16 @@ def test_fp32_attention_is_not_planned():
     "times, want",
     [
         ({"q=1": {"bfloat16": 0.9, "float32": 0.12}, "q=256": {"bfloat16": 7.9, "float32": 7.7}}, "float32"),
-        # faster at one query, 20% slower at the prompt: kept
-        ({"q=1": {"bfloat16": 0.9, "float32": 0.12}, "q=256": {"bfloat16": 7.0, "float32": 8.4}}, "bfloat16"),
+        # 7x faster at one query, 12% slower at the prompt (torch 2.15 on a Zen 4): a decode step runs per token
+        (
+            {"q=1": {"bfloat16": 1.11, "float32": 0.176}, "q=256": {"bfloat16": 7.78, "float32": 8.70}},
+            "float32",
+        ),
+        # faster at one query, 60% slower at the prompt: kept
+        (
+            {"q=1": {"bfloat16": 0.9, "float32": 0.12}, "q=256": {"bfloat16": 7.0, "float32": 11.2}},
+            "bfloat16",
+        ),
         # within the tie
         ({"q=1": {"bfloat16": 1.0, "float32": 0.97}}, "bfloat16"),
     ],
