@@ -13,16 +13,9 @@ transformers = pytest.importorskip("transformers")
 
 
 def _llama():
-    config = transformers.LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    from tests.quant.conftest import tied_llama_config
+
+    config = tied_llama_config(transformers, hidden_size=128, intermediate_size=256, num_hidden_layers=2)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
 

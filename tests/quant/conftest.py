@@ -8,17 +8,17 @@ import torch
 
 def tied_llama_config(transformers, **overrides):
     """The weight-format tests' tiny Llama (one layer, hidden 64, 96 tokens) with a tied embedding/head."""
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=96,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        **overrides,
-    )
+    defaults = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 96,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": True,
+    }
+    return transformers.LlamaConfig(**{**defaults, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -34,11 +34,9 @@ Input: an ExportedProgram, the device, thread count and cache folder. Output: an
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +45,6 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from precast import cpu
 from precast.entries import read_entries, write_entries
 from precast.errors import PrecastError
 
@@ -278,7 +275,7 @@ def decide(times_ms: Mapping[str, Mapping[str, float]], low: str) -> tuple[str, 
 def _measured(
     a: Attention, threads: int, cache_dir: str | os.PathLike | None, measure: Measure | None
 ) -> dict[str, Any]:
-    from precast.backends.aoti.forms import is_loaded, quiet_now
+    from precast.backends.aoti.forms import quiet_now
     from precast.io import cache_root, file_lock, private_dir
 
     path = cache_root(cache_dir) / ATTENTION_FILE
@@ -291,7 +288,7 @@ def _measured(
         with file_lock(locks / f"attention-{key}.lock", "measuring the attention's precision"):
             entry = read_entries(path, "attention cache", ATTENTION_VERSION, _entry_ok).get(key)
             if entry is None or entry == stale:
-                entry = _measure_entry(a, pts, threads, measure, is_loaded)
+                entry = _measure_entry(a, pts, threads, measure)
                 write_entries(path, "attention cache", ATTENTION_VERSION, _entry_ok, {key: entry})
     low = str(a.dtype).removeprefix("torch.")
     dtype, why = decide(entry["times_ms"], low)
@@ -301,18 +298,9 @@ def _measured(
 
 
 def _key(a: Attention, pts: tuple[tuple[int, int], ...], threads: int) -> str:
-    from precast.version import __version__
+    from precast.backends.aoti.forms import machine_key
 
-    parts = {
-        "cpu": cpu.identity(),
-        "capability": cpu.capability(),
-        "threads": threads,
-        "torch": f"{torch.__version__} git={torch.version.git_version}",
-        "precast": __version__,
-        "attention": a.to_key(),
-        "points": [list(p) for p in pts],
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+    return machine_key(threads, {"attention": a.to_key(), "points": [list(p) for p in pts]})
 
 
 def _entry_ok(e: Any) -> bool:
@@ -331,29 +319,14 @@ def _entry_ok(e: Any) -> bool:
 
 
 def _measure_entry(
-    a: Attention,
-    pts: tuple[tuple[int, int], ...],
-    threads: int,
-    measure: Measure | None,
-    loaded: Callable[[float | None, float, int], bool],
+    a: Attention, pts: tuple[tuple[int, int], ...], threads: int, measure: Measure | None
 ) -> dict[str, Any]:
-    from precast.backends.aoti.form_timing import cores
-    from precast.runtime.threads import cpu_seconds, load_average, others_busy
+    from precast.backends.aoti.forms import timed_here
 
-    load_before, busy_before, started = load_average(), cpu_seconds(), time.perf_counter()
-    times = (measure or time_attention)(a, pts, threads)
-    load = max(load_before, load_average())
-    others = others_busy(busy_before, cpu_seconds(), time.perf_counter() - started)
-    cores_left = max(cores() - threads, 0)
+    times, machine = timed_here(lambda: (measure or time_attention)(a, pts, threads), threads)
     return {
         "times_ms": {p: {d: round(float(ms), 4) for d, ms in t.items()} for p, t in times.items()},
-        "threads": threads,
-        "load": round(load, 2),
-        "others_busy": None if others is None else round(others, 2),
-        "cores_left": cores_left,
-        "under_load": loaded(others, load, cores_left),
-        "cpu": cpu.model_name(),
-        "measured": time.time(),
+        **machine,
     }
 
 

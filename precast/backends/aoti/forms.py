@@ -306,14 +306,7 @@ def choice_key(
 ) -> str:
     """What a measured choice depends on, hashed: the CPU, torch, precast, threads, dtype, shapes (and their
     weight formats, where some are int8 / int4), M, candidates."""
-    from precast.version import __version__
-
-    parts = {
-        "cpu": cpu.identity(),
-        "capability": cpu.capability(),
-        "threads": threads,
-        "torch": f"{torch.__version__} git={torch.version.git_version}",
-        "precast": __version__,
+    parts: dict[str, Any] = {
         "dtype": str(dtype),
         "shapes": [list(s) for s in shapes],
         "m": M,
@@ -321,7 +314,45 @@ def choice_key(
     }
     if formats:
         parts["formats"] = list(formats)
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+    return machine_key(threads, parts)
+
+
+def machine_key(threads: int, parts: Mapping[str, Any]) -> str:
+    """A timing's cache key, hashed: ``parts`` (what was timed) with what any timing here depends on: the CPU
+    (model and flags), torch's capability level, the thread count, torch's version and commit, precast's."""
+    from precast.version import __version__
+
+    every = {
+        "cpu": cpu.identity(),
+        "capability": cpu.capability(),
+        "threads": threads,
+        "torch": f"{torch.__version__} git={torch.version.git_version}",
+        "precast": __version__,
+        **parts,
+    }
+    return hashlib.sha256(json.dumps(every, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def timed_here(measure: Callable[[], Any], threads: int) -> tuple[Any, dict[str, Any]]:
+    """``measure()``'s result, and how the machine was while it ran: the entry fields every cached timing keeps
+    (threads, load average, the cores other processes kept busy, the cores the timing left, under load or not,
+    the CPU, when)."""
+    load_before, busy_before, started = load_average(), cpu_seconds(), time.perf_counter()
+    result = measure()
+    load = max(load_before, load_average())
+    others = others_busy(busy_before, cpu_seconds(), time.perf_counter() - started)
+    cores_left = max(cores() - threads, 0)
+    # under load: other processes kept more than half a core busy while precast timed (where the system says;
+    # else the load average beyond the cores the timing leaves free, which counts precast's own compiles too)
+    return result, {
+        "threads": threads,
+        "load": round(load, 2),
+        "others_busy": None if others is None else round(others, 2),
+        "cores_left": cores_left,
+        "under_load": is_loaded(others, load, cores_left),
+        "cpu": cpu.model_name(),
+        "measured": time.time(),
+    }
 
 
 def measured_form(
@@ -390,35 +421,25 @@ def _measure_entry(
     formats: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Time the candidates now, at ``threads``; the cache entry: times, threads, the load during the timing, why."""
-    load_before, busy_before, started = load_average(), cpu_seconds(), time.perf_counter()
-    if how.measure is None:
-        if how.compile_fn is None:  # forms.py does not import compiler.py (it imports this module)
-            raise PrecastError(
-                "choose_form: measuring needs compile_fn=precast.backends.aoti.compiler.compile"
-            )
+    if (
+        how.measure is None and how.compile_fn is None
+    ):  # forms.py does not import compiler.py (it imports this)
+        raise PrecastError("choose_form: measuring needs compile_fn=precast.backends.aoti.compiler.compile")
+
+    def measure() -> Mapping[str, float | str]:
+        if how.measure is not None:
+            return dict(how.measure(dtype, shapes, CANDIDATES))
         configs = {n: FORM_CONFIGS[n] for n in CANDIDATES}
-        times = measure_forms(dtype, shapes, configs, root, how.compile_fn, threads, formats=formats)
-    else:
-        times = dict(how.measure(dtype, shapes, CANDIDATES))
-    load = max(load_before, load_average())
-    others = others_busy(busy_before, cpu_seconds(), time.perf_counter() - started)
-    cores_left = max(cores() - threads, 0)
-    # under load: other processes kept more than half a core busy while precast compiled and timed (where the
-    # system says; else the load average beyond the cores the timing leaves free, which counts precast's own
-    # compiles too)
+        return measure_forms(dtype, shapes, configs, root, how.compile_fn, threads, formats=formats)
+
+    times, machine = timed_here(measure, threads)
     return {
         "times_ms": {n: round(t * 1e3, 4) if isinstance(t, float) else str(t) for n, t in times.items()},
-        "threads": threads,
-        "load": round(load, 2),
-        "others_busy": None if others is None else round(others, 2),
-        "cores_left": cores_left,
-        "under_load": is_loaded(others, load, cores_left),
+        **machine,
         "dtype": str(dtype).removeprefix("torch."),
         "shapes": [list(s) for s in shapes],
         **({"formats": list(formats)} if formats else {}),
         "m": M,
-        "cpu": cpu.model_name(),
-        "measured": time.time(),
     }
 
 
