@@ -77,32 +77,12 @@ def fold_awq(
     """Scale ``model`` (a transformers Llama, in place) by AWQ's search on ``batches`` (token id tensors)."""
     layers = model.model.layers
     cfg = model.config
-    taps: dict[str, list[torch.Tensor]] = {}
-    hooks = []
-    for i, layer in enumerate(layers):
-        for name, mod in (
-            ("qkv", layer.self_attn.q_proj),
-            ("o", layer.self_attn.o_proj),
-            ("gate_up", layer.mlp.gate_proj),
-            ("down", layer.mlp.down_proj),
-        ):
-            key = f"{i}.{name}"
-
-            def hook(_m, args, key=key):
-                taps.setdefault(key, []).append(args[0].reshape(-1, args[0].shape[-1]).float())
-
-            hooks.append(mod.register_forward_pre_hook(hook))
-    try:
-        for ids in batches:
-            model(input_ids=ids, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
+    taps = _tap_inputs(model, batches)
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
     head = cfg.hidden_size // cfg.num_attention_heads
     out: dict[str, dict[str, float]] = {}
     for i, layer in enumerate(layers):
-        x = {k.split(".", 1)[1]: torch.cat(v)[:rows] for k, v in taps.items() if k.startswith(f"{i}.")}
+        x = {k.split(".", 1)[1]: v[:rows] for k, v in taps.items() if k.startswith(f"{i}.")}
         att, mlp = layer.self_attn, layer.mlp
         # norm -> q, k, v
         s, a, r = search_scale(
@@ -132,6 +112,31 @@ def fold_awq(
         mlp.down_proj.weight.mul_(s)
         out[f"{i}.down"] = {"alpha": a, "error": r}
     return out
+
+
+def _tap_inputs(model: torch.nn.Module, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each layer's inputs to its four linear groups on ``batches`` (rows, fp32), keyed ``"<layer>.<group>"``."""
+    taps: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        for name, mod in (
+            ("qkv", layer.self_attn.q_proj),
+            ("o", layer.self_attn.o_proj),
+            ("gate_up", layer.mlp.gate_proj),
+            ("down", layer.mlp.down_proj),
+        ):
+
+            def hook(_m, args, key=f"{i}.{name}"):
+                taps.setdefault(key, []).append(args[0].reshape(-1, args[0].shape[-1]).float())
+
+            hooks.append(mod.register_forward_pre_hook(hook))
+    try:
+        for ids in batches:
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: torch.cat(v) for k, v in taps.items()}
 
 
 def _searched_kv(

@@ -111,6 +111,68 @@ def no_eos_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def f32_gguf(args: argparse.Namespace, state: dict[str, torch.Tensor]) -> Path:
+    """The model as an F32 GGUF (llama.cpp's converter, made once), checked to map back to ``state`` bitwise."""
+    f32 = args.work / "f32.gguf"
+    if not f32.exists():
+        script = vendored(args.llamacpp) / "convert_hf_to_gguf.py"
+        cmd = [sys.executable, str(script), str(model_dir()), "--outtype", "f32", "--outfile", str(f32)]
+        run_logged(cmd, f32.with_suffix(".log"))
+    back, _, _ = read(f32)
+    wrong = [k for k in state if k not in back or not torch.equal(back[k], state[k])]
+    if wrong:
+        raise SystemExit(f"minilm_weights_llamacpp: the F32 GGUF does not map back: {wrong[:4]}")
+    return f32
+
+
+def make_imatrix(args: argparse.Namespace, f32: Path, calib: list[str]) -> tuple[Path, float]:
+    """``llama-imatrix`` on the calibration paragraphs in chunks of ``--seq`` (a copy without [SEP]); its seconds."""
+    calib_txt = args.work / "calibration.txt"
+    calib_txt.write_text("\n\n".join(calib))
+    imatrix = args.work / "imatrix.dat"
+    started = time.perf_counter()
+    no_eos = no_eos_copy(f32, args.work / "f32-no-eos.gguf")
+    cmd = [str(tool(args.llamacpp, "llama-imatrix")), "-m", str(no_eos), "-f", str(calib_txt)]
+    cmd += ["-c", str(args.seq), "-b", str(args.seq), "-ub", str(args.seq), "-t", "2", "-o", str(imatrix)]
+    run_logged(cmd, imatrix.with_suffix(".log"))
+    return imatrix, time.perf_counter() - started
+
+
+def score(
+    path: Path, keys: list[str], eval_batches: list, ref: torch.Tensor, elements: dict[str, int]
+) -> dict:
+    """One GGUF's row: its weights dequantized into the fp32 model, cosine against ``ref``, bits as stored."""
+    values, nbytes, types = read(path)
+    trial = load_minilm()
+    trial.load_state_dict({k: values[k] for k in keys})
+    with torch.no_grad():
+        got = torch.cat([trial(*b) for b in eval_batches])[: ref.shape[0]]
+    cos = (torch.nn.functional.normalize(got, dim=-1) * ref).sum(-1)
+    return {
+        "mean_cosine": float(cos.mean()),
+        "min_cosine": float(cos.min()),
+        "sentences_mean_cosine": float(cos[: len(SENTENCES)].mean()),
+        "bits_per_weight": 8 * sum(nbytes[k] for k in elements) / sum(elements.values()),
+        "types": dict(Counter(types[k] for k in elements)),
+        "table": types["bert.embeddings.word_embeddings.weight"],
+    }
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"CPU: {result['cpu']}; {result['llamacpp']}; {result['evaluation_texts']} evaluation texts at seq "
+        f"{result['seq']}",
+        "| llama.cpp type (imatrix) | bits/weight | mean cosine | min cosine | tensors |",
+        "|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['type']} | {r['bits_per_weight']:.2f} | {r['mean_cosine']:.4f} | {r['min_cosine']:.4f} | "
+            f"{', '.join(f'{t} {c}' for t, c in r['types'].items())} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llamacpp", type=Path, default=CACHE)
@@ -122,30 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
     sys.path.insert(0, str(vendored(args.llamacpp) / "gguf-py"))  # the gguf that matches this llama.cpp
-
-    f32 = args.work / "f32.gguf"
-    if not f32.exists():
-        script = vendored(args.llamacpp) / "convert_hf_to_gguf.py"
-        cmd = [sys.executable, str(script), str(model_dir()), "--outtype", "f32", "--outfile", str(f32)]
-        run_logged(cmd, f32.with_suffix(".log"))
     model = load_minilm()
-    state = {k: v for k, v in model.state_dict().items()}
-    back, _, _ = read(f32)
-    wrong = [k for k in state if k not in back or not torch.equal(back[k], state[k])]
-    if wrong:
-        raise SystemExit(f"minilm_weights_llamacpp: the F32 GGUF does not map back: {wrong[:4]}")
-
+    state = dict(model.state_dict())
+    f32 = f32_gguf(args, state)
     calib, held = texts(64, 28)
-    calib_txt = args.work / "calibration.txt"
-    calib_txt.write_text("\n\n".join(calib))
-    imatrix = args.work / "imatrix.dat"
-    started = time.perf_counter()
-    no_eos = no_eos_copy(f32, args.work / "f32-no-eos.gguf")
-    cmd = [str(tool(args.llamacpp, "llama-imatrix")), "-m", str(no_eos), "-f", str(calib_txt)]
-    cmd += ["-c", str(args.seq), "-b", str(args.seq), "-ub", str(args.seq), "-t", "2", "-o", str(imatrix)]
-    run_logged(cmd, imatrix.with_suffix(".log"))
-    imatrix_s = time.perf_counter() - started
-
+    imatrix, imatrix_s = make_imatrix(args, f32, calib)
     evaluation = SENTENCES + held
     eval_batches = batches(evaluation, args.seq)
     with torch.no_grad():
@@ -154,24 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for spec in args.types:
         path = quantize(args.llamacpp, f32, imatrix, spec, args.work)
-        values, nbytes, types = read(path)
-        trial = load_minilm()
-        trial.load_state_dict({k: values[k] for k in state})
-        with torch.no_grad():
-            got = torch.cat([trial(*b) for b in eval_batches])[: len(evaluation)]
-        cos = (torch.nn.functional.normalize(got, dim=-1) * ref).sum(-1)
-        n = len(SENTENCES)
-        rows.append(
-            {
-                "type": spec,
-                "mean_cosine": float(cos.mean()),
-                "min_cosine": float(cos.min()),
-                "sentences_mean_cosine": float(cos[:n].mean()),
-                "bits_per_weight": 8 * sum(nbytes[k] for k in elements) / sum(elements.values()),
-                "types": dict(Counter(types[k] for k in elements)),
-                "table": types["bert.embeddings.word_embeddings.weight"],
-            }
-        )
+        rows.append({"type": spec, **score(path, list(state), eval_batches, ref, elements)})
         r = rows[-1]
         print(
             f"{spec}: mean cosine {r['mean_cosine']:.4f} (min {r['min_cosine']:.4f}), {r['bits_per_weight']:.2f} "
@@ -187,17 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "seq": args.seq,
         "rows": rows,
     }
-    lines = [
-        f"CPU: {result['cpu']}; {result['llamacpp']}; {len(evaluation)} evaluation texts at seq {args.seq}",
-        "| llama.cpp type (imatrix) | bits/weight | mean cosine | min cosine | tensors |",
-        "|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['type']} | {r['bits_per_weight']:.2f} | {r['mean_cosine']:.4f} | {r['min_cosine']:.4f} | "
-            f"{', '.join(f'{t} {c}' for t, c in r['types'].items())} |"
-        )
-    print("\n".join(lines))
+    print(table(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
