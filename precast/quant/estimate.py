@@ -251,11 +251,13 @@ def _probe_batch(p: _Probing, runner: ProgramRunner, batch: Any, index: int) -> 
         if p.metric == "kld":
             logp = torch.log_softmax(out.reshape(-1, out.shape[-1]), -1)
             p.positions += logp.shape[0]
-            # every probe's draw made now, in the order the probes take them (the same draws), then the
-            # distribution and the logits let go (their bytes: positions x vocabulary each)
+            # every probe's draw made now, in the order the probes take them (the same draws); the logits let go
+            # first and the distribution after (positions x vocabulary each, and multinomial makes a third: the
+            # budget's peak was here)
+            del out
             probs = logp.detach().exp()
             draws = [torch.multinomial(probs, 1, generator=p.generator) for _ in range(p.probes)]
-            del probs, out
+            del probs
         else:
             p.positions += out.numel()
         for k in range(p.probes):

@@ -66,6 +66,10 @@ class Roundings:
         self.values = {n: v.detach().float() for n, v in values.items()}
         self.float_dtype = float_dtype
         self.parts: dict[str, dict[str, tuple[WeightFormat, dict[str, torch.Tensor]]]] = {}
+        # (weight, format)s whose round-to-nearest parts are remade from the weight when asked (``recompute``), and
+        # those whose parts were fitted on data (never remade)
+        self.remade: set[tuple[str, str]] = set()
+        self.fitted: set[tuple[str, str]] = set()
         self.bytes: dict[str, dict[str, int]] = {}
         for name, w in self.values.items():
             self.parts[name], self.bytes[name] = {}, {}
@@ -76,6 +80,8 @@ class Roundings:
                 elif not fits(fmt, tuple(w.shape)):
                     given = fitted.get(name, fmt, float_dtype) if fitted is not None else None
                     parts = given if given is not None else _quantize_by_blocks(w, fmt, float_dtype)
+                    if given is not None:
+                        self.fitted.add((name, fmt.name))
                     self.parts[name][fmt.name] = (fmt, parts)
                     self.bytes[name][fmt.name] = sum(p.numel() * p.element_size() for p in parts.values())
                     if (
@@ -87,6 +93,16 @@ class Roundings:
                         )
                         self.bytes[name][fmt.name + RTN_MARK] = self.bytes[name][fmt.name]
 
+    def recompute(self, name: str) -> None:
+        """Drop the weight's round-to-nearest parts: ``delta`` remakes them from the weight, block by block (each
+        row's parts depend on that row alone, so the same bytes). For a weight whose ``dW`` is asked for once per
+        batch (a linear whose projections are kept): its int8 parts were ~1/4 of its fp32 bytes held through every
+        backward pass, remade in a fraction of the forward's time. Fitted parts stay: they cannot be remade."""
+        for fmt, (f, _parts) in self.parts[name].items():
+            if f.quantized and (name, fmt) not in self.fitted:
+                self.parts[name][fmt] = (f, {})
+                self.remade.add((name, fmt))
+
     def formats(self, name: str) -> list[str]:
         """The formats that can store the weight, in the order asked, "float" last."""
         return list(self.parts[name])
@@ -97,6 +113,8 @@ class Roundings:
         w = self.values[name] if rows is None else self.values[name][rows]
         if not f.quantized:
             return w.to(self.float_dtype).float() - w
+        if (name, fmt) in self.remade:
+            return dequantize(_quantize_by_blocks(w, f, self.float_dtype), f, torch.float32) - w
         if rows is not None:  # every part is stored row by row (per output channel, int4 groups within a row)
             parts = {role: p[rows] for role, p in parts.items()}
         return dequantize(parts, f, torch.float32) - w
@@ -140,6 +158,9 @@ class Taps:
                 user.replace_all_uses_with(tap)
                 gm.graph.erase_node(user)
                 count += 1
+            rows, cols = roundings.values[name].shape[:2]
+            if rows <= cols and all(u.target is aten.linear.default for u in users):
+                roundings.recompute(name)  # its dW asked for once per batch (``_TappedLinear``)
         gm.recompile()
         self.begin()
 

@@ -198,6 +198,53 @@ def test_the_roundings_by_blocks_are_the_whole_weights_bitwise(monkeypatch, fmt)
     rows = torch.tensor([3, 49, 3, 0])
     assert torch.equal(roundings.delta("w", f.name, rows), want[rows])
     assert torch.equal(roundings.delta("w", f.name, slice(7, 21)), want[7:21])
+    # remade from the weight when asked (a projection-only linear's): the parts let go, the same dW bitwise
+    roundings.recompute("w")
+    if f.quantized:
+        assert roundings.parts["w"][f.name][1] == {} and ("w", f.name) in roundings.remade
+    assert torch.equal(roundings.delta("w", f.name), want)
+    assert torch.equal(roundings.delta("w", f.name, rows), want[rows])
+    assert torch.equal(roundings.delta("w", f.name, slice(7, 21)), want[7:21])
+
+
+def test_fitted_parts_are_never_remade():
+    from precast.quant import probes as weight_probes
+
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(3)) * 0.1
+    f = parse_format("int4-g32")
+    fitted_parts = quantize(w * 0.9, f, torch.bfloat16)  # not what rounding w gives: a remake would differ
+
+    class Fitted:
+        tied: set = set()
+
+        def get(self, name, fmt, grid):
+            return fitted_parts if fmt.name == f.name else None
+
+    roundings = weight_probes.Roundings({"w": w}, [f, parse_format("int8")], torch.bfloat16, Fitted())
+    roundings.recompute("w")
+    assert roundings.remade == {("w", "int8")}
+    assert torch.equal(roundings.delta("w", f.name), dequantize(fitted_parts, f, torch.float32) - w)
+
+
+def test_the_estimate_remakes_only_what_each_pass_does_not_reread(llama):
+    """q/k/v/o/down (projections kept, dW asked for once a batch) are remade; gate/up and the tied table (read by
+    blocks on every pass, or by the embedding) keep their parts."""
+    from precast.quant import probes as weight_probes
+    from precast.quant.estimate import ProgramRunner
+
+    model, _, batches = llama
+    runner = ProgramRunner(torch.export.export(model, batches[0]))
+    shapes = weight_reads(runner.program)
+    values = {n: runner.ep.state_dict[n] for n in shapes}
+    roundings = weight_probes.Roundings(
+        values, [parse_format("int4-g32"), parse_format("int8")], torch.bfloat16
+    )
+    weight_probes.Taps(runner.program.gm, runner.program.input_spec, roundings)
+    remade = {n for n, _ in roundings.remade}
+    assert remade and remade != set(shapes)
+    for n, w in values.items():
+        widens = w.shape[0] > w.shape[1]
+        assert (n in remade) == (not widens and "embed" not in n), n
 
 
 @pytest.mark.parametrize(
