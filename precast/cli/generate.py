@@ -182,11 +182,18 @@ def _folder_model(args: argparse.Namespace, folder: Any, prompt: list[int]) -> t
     here, each said in one line on stderr), the prompt checked against its signature before the first call."""
     from precast.llm.folder_engines import load_engine
 
-    model, notes, threads = load_engine(folder, args.backend, args.threads, args.cache_dir, args.trust_pickle)
+    model, notes, threads = load_engine(
+        folder, args.backend, args.threads, args.cache_dir, args.trust_pickle, notify=_tell
+    )
     for note in notes:
         print(note, file=sys.stderr)
     _check_program(args, model, prompt)
     return model, threads
+
+
+def _tell(line: str) -> None:
+    """A rebuild about to start, said before it (stderr, flushed: a log shows it while the wait runs)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _check_flags(args: argparse.Namespace) -> None:

@@ -22,6 +22,7 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,21 +81,30 @@ def default_backend(folder: Folder) -> str:
 
 
 def load_engine(
-    folder: Folder, backend: str, threads: int | None, cache_dir: Any, trust_pickle: bool
+    folder: Folder,
+    backend: str,
+    threads: int | None,
+    cache_dir: Any,
+    trust_pickle: bool,
+    notify: Callable[[str], None] | None = None,
 ) -> tuple[Any, list[str], int | None]:
-    """(the model, the notes, the thread count it runs at) for ``backend``."""
+    """(the model, the notes, the thread count it runs at) for ``backend``. ``notify(line)``: told before a rebuild
+    of seconds to minutes starts, and why (``precast generate`` prints it at once; the notes come after)."""
     from precast.runtime.threads import resolve_threads
 
     threads = resolve_threads(threads)
+    tell = notify or (lambda line: None)
     if backend == "openvino":
-        return (*_openvino(folder, threads, trust_pickle), threads)
+        return (*_openvino(folder, threads, trust_pickle, tell), threads)
     if backend == "eager":
         program = folder_program(folder, trust_pickle=trust_pickle)
         return program, [f"{folder.program.name}: run in torch (eager)"], None
-    return (*_aoti(folder, threads, cache_dir, trust_pickle), threads)
+    return (*_aoti(folder, threads, cache_dir, trust_pickle, tell), threads)
 
 
-def _openvino(folder: Folder, threads: int, trust_pickle: bool) -> tuple[Any, list[str]]:
+def _openvino(
+    folder: Folder, threads: int, trust_pickle: bool, tell: Callable[[str], None]
+) -> tuple[Any, list[str]]:
     import precast
     from precast.backends.openvino.convert import require_openvino
     from precast.backends.openvino.saved import open_form, stale_reason
@@ -108,6 +118,7 @@ def _openvino(folder: Folder, threads: int, trust_pickle: bool) -> tuple[Any, li
     if not why:
         model = open_form(xml, record, threads=threads)
         return model, [f"{xml.name}: OpenVINO's compiled form opened ({model.compile_seconds:.1f} s)"]
+    tell(f"OpenVINO: {why}; converting {folder.program.name} again for this machine (tens of seconds)")
     started = time.perf_counter()
     model = precast.compile(
         folder_program(folder, trust_pickle=trust_pickle), backend="openvino", threads=threads
@@ -116,7 +127,9 @@ def _openvino(folder: Folder, threads: int, trust_pickle: bool) -> tuple[Any, li
     return model, [f"OpenVINO: {why}; converted {folder.program.name} again for this machine ({took:.0f} s)"]
 
 
-def _aoti(folder: Folder, threads: int, cache_dir: Any, trust_pickle: bool) -> tuple[Any, list[str]]:
+def _aoti(
+    folder: Folder, threads: int, cache_dir: Any, trust_pickle: bool, tell: Callable[[str], None]
+) -> tuple[Any, list[str]]:
     """The folder's package opened with the folder's weights, no program read (``backends/aoti/opened``); else
     the program compiled into the user's cache in the folder's form."""
     import precast
@@ -133,6 +146,10 @@ def _aoti(folder: Folder, threads: int, cache_dir: Any, trust_pickle: bool) -> t
     options: dict[str, Any] = {}
     if form in FORM_CONFIGS:  # the folder's form, not a new measurement at this thread count
         options = {"mode": "default", "inductor_configs": dict(FORM_CONFIGS[form])}
+    tell(
+        f"AOTInductor: {why}; compiling {folder.program.name} at {threads} thread(s) into your cache (minutes the "
+        "first time on this machine and thread count, seconds once cached)"
+    )
     started = time.perf_counter()
     program = folder_program(folder, trust_pickle=trust_pickle)
     model = precast.compile(program, cache_dir=cache_dir, threads=threads, **options)

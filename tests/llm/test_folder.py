@@ -206,3 +206,22 @@ def test_a_package_others_can_write_is_not_run(folder, tmp_path, aoti_cache):
     (copy / "aoti").chmod(0o777)
     llm = precast.load(copy, backend="aoti", threads=1, cache_dir=aoti_cache)
     assert "others can write" in llm.notes[0] and "your cache" in llm.notes[0], llm.notes
+
+
+def test_cli_generate_says_a_rebuild_before_it_starts(folder, tmp_path, monkeypatch, capsys):
+    """A folder made for another OpenVINO is converted again: `precast generate` says so, and why, before the
+    conversion starts (a log shows it while the wait runs), then how long it took."""
+    copy = _copy(folder, tmp_path, openvino__made_on__openvino="2020.1.0")
+    said_before: list[str] = []
+    real_compile = precast.compile
+
+    def compile_(*args, **kwargs):
+        said_before.append(capsys.readouterr().err)
+        return real_compile(*args, **kwargs)
+
+    monkeypatch.setattr(precast, "compile", compile_)
+    code = main(["generate", str(copy), "--prompt-ids", "5,6,7", "--max-new-tokens", "2", "--threads", "1"])
+    err = capsys.readouterr().err
+    assert code == 0 and len(said_before) == 1
+    assert "made with OpenVINO 2020.1.0" in said_before[0] and "converting program.pt2 again" in said_before[0]
+    assert "converted program.pt2 again for this machine (" in err
