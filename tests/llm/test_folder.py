@@ -223,5 +223,7 @@ def test_cli_generate_says_a_rebuild_before_it_starts(folder, tmp_path, monkeypa
     code = main(["generate", str(copy), "--prompt-ids", "5,6,7", "--max-new-tokens", "2", "--threads", "1"])
     err = capsys.readouterr().err
     assert code == 0 and len(said_before) == 1
-    assert "made with OpenVINO 2020.1.0" in said_before[0] and "converting program.pt2 again" in said_before[0]
+    assert (
+        "made with OpenVINO 2020.1.0" in said_before[0] and "converting program.pt2 again" in said_before[0]
+    )
     assert "converted program.pt2 again for this machine (" in err

@@ -15,9 +15,10 @@ no size by more than ``SLOWER`` (a prompt's attention runs once per call, a deco
 2.15 the same attention measured 6.3x faster in fp32 at one query and 1.12x slower at 256, and fp32 is the right
 call for any generation longer than one token): on precast.compile's private copy of the program, its query, key
 and value (and
-a float mask, exactly) are cast to fp32 and its result rounded once back to the program's dtype. Inductor fuses
-those casts into the copies around the call (transformers' grouped-query ``repeat_kv`` already copies the keys
-and values). The result is at least as accurate as the 16-bit kernel's, which also accumulates in fp32, and
+a float mask, exactly) are cast to fp32 and its result rounded once back to the program's dtype. Keys and values
+transformers' grouped-query ``repeat_kv`` copied per query head are cast unrepeated instead and the call told
+``enable_gqa`` (``_inputs_in_fp32``: bitwise the same, a quarter of the copy at 4 query heads per key head). The
+result is at least as accurate as the 16-bit kernel's, which also accumulates in fp32, and
 differs from it within the 16-bit rounding of the output.
 
 The times are cached in ``<cache dir>/attention.json`` (JSON, written atomically under a file lock, never
@@ -54,6 +55,8 @@ FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
 LOW = (torch.bfloat16, torch.float16)
 ATTENTION_FILE = "attention.json"
 ATTENTION_VERSION = 1
+# the rewrite the package compiles, in its cache key (2: grouped keys and values cast unrepeated, enable_gqa)
+REWRITE_VERSION = 2
 TIE = 0.05  # fp32 must be this much faster (geometric mean over the points) to be taken
 SLOWER = 0.5  # and at no point this much slower
 LONG = 256  # a prompt's worth of queries against a fixed-size cache (capped at the cache's length)
@@ -118,6 +121,7 @@ class AttentionPlan:
         return {
             "precast.attention": {
                 "version": ATTENTION_VERSION,
+                "rewrite": REWRITE_VERSION,
                 "fp32": sorted(json.dumps(a.to_key(), sort_keys=True) for a in self.fp32),
             }
         }
@@ -417,10 +421,64 @@ def apply_attention(ep: ExportedProgram, plan: AttentionPlan) -> ExportedProgram
     return prog.to_exported_program()
 
 
+_RESHAPES = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
+
+
+def _grouped_source(node: Any, heads: int) -> Node | None:
+    """The keys (or values) ``node`` repeats for grouped-query attention, as transformers' ``repeat_kv`` does
+    (``x[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)``, a clone allowed before the reshape):
+    ``x`` when ``node`` is that copy of it with ``heads`` heads, else None."""
+    if not isinstance(node, Node) or node.target not in _RESHAPES:
+        return None
+    src = node.args[0]
+    if isinstance(src, Node) and src.target is aten.clone.default:
+        src = src.args[0]
+    if not isinstance(src, Node) or src.target is not aten.expand.default:
+        return None
+    up = src.args[0]
+    if not isinstance(up, Node) or up.target is not aten.unsqueeze.default or up.args[1] != 2:
+        return None
+    x, xv, ev = up.args[0], _val(up.args[0]), _val(src)
+    if not isinstance(x, Node) or xv is None or ev is None or xv.dim() != 4 or ev.dim() != 5:
+        return None
+    kv, rep, out = _int(xv.shape[1]), _int(ev.shape[2]), _val(node)
+    if kv is None or rep is None or kv * rep != heads or rep == 1 or out is None or out.dtype != xv.dtype:
+        return None
+    same = [str(d) for d in xv.shape] == [
+        str(ev.shape[i]) for i in (0, 1, 3, 4)
+    ]  # expanded along the new dim only
+    if (
+        not same
+        or out.dim() != 4
+        or [str(d) for d in out.shape] != [str(xv.shape[0]), str(heads), *map(str, xv.shape[2:])]
+    ):
+        return None
+    return x
+
+
+def _inputs_in_fp32(calls: _Calls, node: Node, q: Node, k: Node, v: Node) -> tuple[list[Node], bool]:
+    """q, k, v cast to fp32. Keys and values repeated for grouped-query attention are cast unrepeated instead, at
+    the point the repeat copied them (the same version of the cache), and the call told ``enable_gqa``: ATen's CPU
+    kernel reads each query head's group in place, the same arithmetic (bitwise), without the 4x copy (a decode
+    step's cast of the repeated cache measured 0.125 ms a layer, 16 heads x 512 x 64, 1 thread)."""
+    meta = node.meta
+    heads = _int(_val(q).shape[1])
+    sources = [_grouped_source(t, heads) if heads else None for t in (k, v)]
+    grouped = None not in sources and _int(_val(sources[0]).shape[1]) == _int(_val(sources[1]).shape[1])
+    up = [calls.call(aten._to_copy.default, q, dtype=torch.float32, meta=meta)]
+    for t, src in zip((k, v), sources, strict=True):
+        if grouped:
+            with calls.graph.inserting_after(t):
+                up.append(calls.call(aten._to_copy.default, src, dtype=torch.float32, meta=meta))
+        else:
+            up.append(calls.call(aten._to_copy.default, t, dtype=torch.float32, meta=meta))
+    return up, grouped
+
+
 def _in_fp32(calls: _Calls, node: Node, dtype: torch.dtype) -> None:
     q, k, v, mask, _ = _call_args(node)
     meta = node.meta
-    up = [calls.call(aten._to_copy.default, t, dtype=torch.float32, meta=meta) for t in (q, k, v)]
+    up, grouped = _inputs_in_fp32(calls, node, q, k, v)
     mv = _val(mask)
     if mv is not None and mv.is_floating_point() and mv.dtype != torch.float32:
         mask = calls.call(aten._to_copy.default, mask, dtype=torch.float32, meta=meta)
@@ -430,6 +488,8 @@ def _in_fp32(calls: _Calls, node: Node, dtype: torch.dtype) -> None:
         args[3] = mask
     elif "attn_mask" in kwargs:
         kwargs["attn_mask"] = mask
+    if grouped and node.target is SDPA:  # the CPU flash op takes fewer key heads as they are
+        kwargs["enable_gqa"] = True
     out = calls.call(node.target, *args, meta=meta, **kwargs)
     if node.target is SDPA:
         down = calls.call(aten._to_copy.default, out, dtype=dtype, meta=meta)

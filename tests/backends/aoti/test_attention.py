@@ -209,6 +209,72 @@ def test_the_rewrite_is_fp32_attention_rounded_once_on_a_copy(monkeypatch, flash
     assert low == []  # no 16-bit attention left
 
 
+class GroupedCache(torch.nn.Module):
+    """A decoder layer's attention as transformers writes it: the step's key/value written into a static cache in
+    place (``index_copy_``), the cache repeated for grouped-query attention (``repeat_kv``: unsqueeze, expand,
+    reshape), the cache written again before SDPA (with a bool mask) reads the repeat (a later version)."""
+
+    def __init__(
+        self, length: int = 16, heads: int = 4, kv_heads: int = 2, dim: int = 8, flash: bool = False
+    ):
+        super().__init__()
+        self.heads, self.kv_heads, self.flash = heads, kv_heads, flash
+        self.register_buffer("k", torch.zeros(1, kv_heads, length, dim, dtype=torch.bfloat16))
+        self.register_buffer("v", torch.zeros(1, kv_heads, length, dim, dtype=torch.bfloat16))
+
+    def _repeat(self, x: torch.Tensor) -> torch.Tensor:
+        b, kv, s, d = x.shape
+        rep = self.heads // kv
+        return x[:, :, None, :, :].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)
+
+    def forward(self, q, k_new, v_new, pos, mask):
+        self.k.index_copy_(2, pos, k_new)
+        self.v.index_copy_(2, pos, v_new)
+        k, v = self._repeat(self.k), self._repeat(self.v)
+        self.k.add_(1.0)  # written between the repeat and the read: the attention sees the version repeated
+        if self.flash:
+            additive = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=additive)[0]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_grouped_keys_are_cast_unrepeated_and_give_the_same_bits(monkeypatch, flash):
+    monkeypatch.setenv(FORM_ENV, "flags")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 2, 8, generator=g).to(torch.bfloat16)
+    k_new, v_new = (torch.randn(1, 2, 2, 8, generator=g).to(torch.bfloat16) for _ in range(2))
+    pos, mask = torch.tensor([3, 4]), torch.ones(1, 1, 2, 16, dtype=torch.bool).tril(4)
+    args = (q, k_new, v_new, pos, mask)
+    ep = torch.export.export(GroupedCache(flash=flash), args)
+    plan = at.plan_attention(ep, "cpu", 1, caps=NO_AMX)
+    assert plan.fp32
+    out = at.apply_attention(ep, plan)
+    out.graph.lint()
+    calls = [n for n in out.graph.nodes if n.target in (at.SDPA, at.FLASH)]
+    assert len(calls) == 1 and all(
+        at._val(a).shape[1] == 2 for a in calls[0].args[1:3]
+    )  # 2 key heads, read as such
+    assert calls[0].target is at.FLASH or calls[0].kwargs.get("enable_gqa") is True
+    assert not [n for n in out.graph.nodes if n.target is torch.ops.aten.expand.default]  # the 2x copy gone
+    # bitwise fp32 attention over the repeated cache, as the rewrite without grouping computes it
+    cache_k = torch.zeros(1, 2, 16, 8, dtype=torch.bfloat16).index_copy_(2, pos, k_new)
+    cache_v = torch.zeros(1, 2, 16, 8, dtype=torch.bfloat16).index_copy_(2, pos, v_new)
+    rk, rv = (GroupedCache()._repeat(c).float() for c in (cache_k, cache_v))
+    if flash:
+        additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+        want = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float(), rk, rv, attn_mask=additive
+        )[0]
+    else:
+        want = F.scaled_dot_product_attention(q.float(), rk, rv, attn_mask=mask)
+    module = out.module()
+    assert torch.equal(module(*args), want.to(torch.bfloat16))
+    assert torch.equal(module.k, (cache_k + 1.0))  # the program's own writes kept, in order
+
+
 def test_a_float_mask_is_cast_up_exactly():
     ep, (q, k, v, mask) = _self()
     plan = at.AttentionPlan(frozenset(at.attentions(ep)), (), "")
