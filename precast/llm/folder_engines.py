@@ -147,8 +147,8 @@ def _aoti(
     if form in FORM_CONFIGS:  # the folder's form, not a new measurement at this thread count
         options = {"mode": "default", "inductor_configs": dict(FORM_CONFIGS[form])}
     tell(
-        f"AOTInductor: {why}; compiling {folder.program.name} at {threads} thread(s) into your cache (minutes the "
-        "first time on this machine and thread count, seconds once cached)"
+        f"AOTInductor: {why}; {folder.program.name} at {threads} thread(s) from your cache, compiled into it first "
+        "if this machine and thread count have none (minutes; seconds once cached)"
     )
     started = time.perf_counter()
     program = folder_program(folder, trust_pickle=trust_pickle)

@@ -166,6 +166,15 @@ def test_an_aoti_package_that_does_not_fit_is_compiled_into_the_users_cache(fold
     llm = precast.load(copy, backend="aoti", threads=1, cache_dir=aoti_cache)
     assert "built for another CPU" in llm.notes[0] and "your cache" in llm.notes[0], llm.notes
     assert _listing(copy) == before
+    # told before the compile (or the cache's load) starts, and why
+    from precast.llm.folder import open_folder
+    from precast.llm.folder_engines import load_engine
+
+    said: list[str] = []
+    load_engine(open_folder(copy), "aoti", 1, aoti_cache, False, notify=said.append)
+    assert (
+        len(said) == 1 and "built for another CPU" in said[0] and "at 1 thread(s) from your cache" in said[0]
+    )
 
 
 def test_formats_old_and_new(folder, tmp_path):
