@@ -161,14 +161,21 @@ class Taps:
                 user.replace_all_uses_with(tap)
                 gm.graph.erase_node(user)
                 count += 1
-            rows, cols = roundings.values[name].shape[:2]
-            if rows <= cols and all(u.target is aten.linear.default for u in users):
+            if keeps_projections(roundings.values[name]) and all(
+                u.target is aten.linear.default for u in users
+            ):
                 roundings.recompute(name)  # its dW asked for once per batch (``_TappedLinear``)
         gm.recompile()
         self.begin()
 
     def begin(self) -> None:
         self.sums = {n: dict.fromkeys(self.roundings.formats(n), 0.0) for n in self.roundings.values}
+
+
+def keeps_projections(w: torch.Tensor) -> bool:
+    """A linear read of ``w`` keeps its projections ``P`` for the batch (it does not widen: out <= in); a widening
+    one keeps its input and projects block by block on every backward pass (``_TappedLinear``)."""
+    return w.shape[0] <= w.shape[1]
 
 
 def _tappable(user: torch.fx.Node, name: str, input_spec: dict) -> bool:
@@ -254,7 +261,7 @@ class _TappedLinear(torch.autograd.Function):
         ctx: Any, tap: _Tap, anchor: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: Any
     ) -> Any:
         ctx.tap, ctx.weight, ctx.x, ctx.projections = tap, w, None, None
-        if w.shape[0] <= w.shape[1]:
+        if keeps_projections(w):
             projections = tap.linear_projections(x)
             ctx.projections = projections.reshape(projections.shape[0], -1)
         else:

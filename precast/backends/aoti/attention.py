@@ -428,32 +428,22 @@ def _grouped_source(node: Any, heads: int) -> Node | None:
     """The keys (or values) ``node`` repeats for grouped-query attention, as transformers' ``repeat_kv`` does
     (``x[:, :, None].expand(b, kv, rep, s, d).reshape(b, kv * rep, s, d)``, a clone allowed before the reshape):
     ``x`` when ``node`` is that copy of it with ``heads`` heads, else None."""
-    if not isinstance(node, Node) or node.target not in _RESHAPES:
-        return None
-    src = node.args[0]
+    src = node.args[0] if isinstance(node, Node) and node.target in _RESHAPES else None
     if isinstance(src, Node) and src.target is aten.clone.default:
         src = src.args[0]
-    if not isinstance(src, Node) or src.target is not aten.expand.default:
-        return None
-    up = src.args[0]
+    up = src.args[0] if isinstance(src, Node) and src.target is aten.expand.default else None
     if not isinstance(up, Node) or up.target is not aten.unsqueeze.default or up.args[1] != 2:
         return None
-    x, xv, ev = up.args[0], _val(up.args[0]), _val(src)
-    if not isinstance(x, Node) or xv is None or ev is None or xv.dim() != 4 or ev.dim() != 5:
+    xv, ev, out = _val(up.args[0]), _val(src), _val(node)
+    if xv is None or ev is None or out is None or xv.dim() != 4 or out.dtype != xv.dtype:
         return None
-    kv, rep, out = _int(xv.shape[1]), _int(ev.shape[2]), _val(node)
-    if kv is None or rep is None or kv * rep != heads or rep == 1 or out is None or out.dtype != xv.dtype:
+    b, kv, s, d = (str(n) for n in xv.shape)
+    rep = _int(ev.shape[2])
+    expanded = [str(n) for n in ev.shape] == [b, kv, str(rep), s, d]  # along the new dimension only
+    if rep is None or rep == 1 or not expanded or [str(n) for n in out.shape] != [b, str(heads), s, d]:
         return None
-    same = [str(d) for d in xv.shape] == [
-        str(ev.shape[i]) for i in (0, 1, 3, 4)
-    ]  # expanded along the new dim only
-    if (
-        not same
-        or out.dim() != 4
-        or [str(d) for d in out.shape] != [str(xv.shape[0]), str(heads), *map(str, xv.shape[2:])]
-    ):
-        return None
-    return x
+    groups = _int(xv.shape[1])
+    return up.args[0] if groups is not None and groups * rep == heads else None
 
 
 def _inputs_in_fp32(calls: _Calls, node: Node, q: Node, k: Node, v: Node) -> tuple[list[Node], bool]:
