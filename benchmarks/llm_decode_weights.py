@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,16 @@ TARGETS = (
 )
 
 
+def paired(form: dict[str, Any], ref: dict[str, Any]) -> float | None:
+    """The median over repeats of the reference's sample time over the form's, each pair taken in the same repeat
+    (seconds apart): a drift in the machine's load moves both samples of a pair alike, where it moves the two
+    medians apart."""
+    a, b = form.get("decode_samples_ms") or [], ref.get("decode_samples_ms") or []
+    if not a or len(a) != len(b):
+        return None
+    return round(statistics.median(r / f for f, r in zip(a, b, strict=True)), 3)
+
+
 def targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for threads, table in payload["runs"].items():
@@ -76,6 +87,7 @@ def targets(payload: dict[str, Any]) -> list[dict[str, Any]]:
                 ratio = table[ref]["decode_ms"] / table[form]["decode_ms"]
                 out.append(
                     {"threads": threads, "form": form, "against": ref, "speed_ratio": round(ratio, 3),
+                     "paired_ratio": paired(table[form], table[ref]),
                      "target": target, "met": None if target is None else ratio >= target}
                 )  # fmt: skip
     return out
@@ -111,10 +123,19 @@ def markdown(payload: dict[str, Any]) -> str:
                 f"{'-' if gbs is None or not bw else f'{gbs / bw:.2f} of {bw} GB/s'} | "
                 f"{'-' if form.get('rss_mb') is None else form['rss_mb']} | {form.get('note') or ''} |"
             )
-    lines += ["", "| threads | form | against | speed ratio | target | met |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"First calls: {', '.join(payload.get('first_calls') or [])} (in that order; `--warm-reversed`: the "
+        "reverse. The model that takes its first call first in a process can run slower: see precast.bench.decode."
+        "harness.interleaved). Speed ratio: of the medians; paired: the median of the ratios of the samples taken "
+        "in the same repeat.",
+        "",
+        "| threads | form | against | speed ratio | paired | target | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for t in payload["targets"]:
         lines.append(
-            f"| {t['threads']} | {t['form']} | {t['against']} | {t['speed_ratio']} | "
+            f"| {t['threads']} | {t['form']} | {t['against']} | {t['speed_ratio']} | {t.get('paired_ratio')} | "
             f"{'-' if t['target'] is None else t['target']} | {'-' if t['met'] is None else t['met']} |"
         )
     if payload.get("errors"):
@@ -132,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forms", nargs="+", default=list(FORMS), choices=FORMS, metavar="FORM")
     ap.add_argument("--anchor-python", default=None, help="the anchor environment's Python (optimum-intel)")
     ap.add_argument("--no-rss", action="store_true", help="skip the fresh-process memory measurement")
+    ap.add_argument(
+        "--warm-reversed",
+        action="store_true",
+        help="the forms take their first calls in reverse order (run once each way for a same-process figure)",
+    )
     ap.add_argument("--work", default="/tmp/precast-llm-decode")
     ap.add_argument("--out", default=None, help="write llm_decode_weights.json and .md here")
     args = ap.parse_args(argv)
@@ -157,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         work=Path(args.work),
         memory=not args.no_rss,
         budget_s=args.budget,
+        warm_reversed=args.warm_reversed,
     )
     payload["targets"] = targets(payload)
     text = markdown(payload)

@@ -74,6 +74,45 @@ def test_interleaved_samples_every_form_in_turn_and_reports_failures():
     assert len(out["a"]["decode_samples_ms"]) == decode.MIN_REPEATS == 2
 
 
+def test_interleaved_takes_first_calls_in_the_order_asked():
+    """The forms' first calls (where an OpenVINO model packs its weights) in the order given, or reversed; the
+    repeats sample in the order given either way."""
+    from precast.bench import decode
+
+    events = []
+
+    class Form:
+        def __init__(self, name):
+            self.name = name
+
+        def warm(self):
+            events.append(("warm", self.name))
+
+        def sample(self, steps, threads):
+            events.append(("sample", self.name))
+            return 1.0, 2.0
+
+    forms = {"a": Form("a"), "b": Form("b"), "c": Form("c")}
+    decode.interleaved(forms, 1, 1, 2, lambda m: None)
+    assert [n for kind, n in events if kind == "warm"] == ["a", "b", "c"]
+    events.clear()
+    decode.interleaved(forms, 1, 1, 2, lambda m: None, warm_reversed=True)
+    assert [n for kind, n in events if kind == "warm"] == ["c", "b", "a"]
+    assert [n for kind, n in events if kind == "sample"] == ["a", "b", "c"]
+
+
+def test_paired_ratio_is_the_median_of_same_repeat_ratios():
+    from benchmarks.llm_decode_weights import paired
+
+    # load doubles both samples of repeats 2 and 3, and the reference's alone in repeat 4: the medians' ratio is
+    # 22 / 10, the paired one stays the 1.1 every undisturbed pair shows
+    form = {"decode_samples_ms": [10.0, 20.0, 20.0, 10.0, 10.0]}
+    ref = {"decode_samples_ms": [11.0, 22.0, 22.0, 22.0, 11.0]}
+    assert paired(form, ref) == 1.1
+    assert paired(form, {"decode_samples_ms": [11.0]}) is None  # not the same repeats
+    assert paired({}, ref) is None
+
+
 def test_read_bytes_counts_weights_whole_one_embedding_row_and_the_cache():
     from precast.bench.decode import model as decode_model
 

@@ -92,16 +92,25 @@ def interleaved(
     steps: int,
     log: Callable[[str], None],
     deadline: float | None = None,
+    warm_reversed: bool = False,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Every repeat samples each form once, in turn (``forms``: name -> an object with ``warm()`` and
     ``sample(steps, threads)``); medians per form, and the forms that failed with why. ``deadline`` (a
     ``time.perf_counter()`` value): no repeat begins that would end past it (judged by the last one), though
-    ``MIN_REPEATS`` always run."""
+    ``MIN_REPEATS`` always run.
+
+    The forms take their first calls (``warm``) in the order given, ``warm_reversed``: in reverse. The order can move
+    a comparison of in-process models: an OpenVINO model packs its weights and sizes its buffers at its first call,
+    and in a two-model script (the 0.246 B decoder, blocks of 8 steps in random order, 1 thread, a 2-core
+    AVX512-BF16 Zen 4 KVM guest, OpenVINO 2026.4.1) the model that did so first decoded 3-6% slower, whichever of
+    precast's form and OpenVINO's own export's IR it was (not moved by malloc's mmap threshold, CPU pinning, or a
+    small model run first). In this harness's runs the two orders gave like figures; a same-process figure is
+    stated over runs of both orders."""
     torch.set_num_threads(threads)
     failed: dict[str, str] = {}
     live = dict(forms)
     with torch.no_grad():
-        for name, form in list(live.items()):
+        for name, form in list(live.items())[:: -1 if warm_reversed else 1]:
             try:
                 form.warm()
             except Exception as exc:  # noqa: BLE001 - a form failing is a row of the table, not the end of the run
@@ -159,6 +168,7 @@ def measure(
     steps: int,
     log: Callable[[str], None],
     deadline: float | None = None,
+    warm_reversed: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Interleaved (``interleaved``): every repeat samples each form's prefill and ``steps`` decode steps once,
     in turn; the anchor's process takes its turn in the same loop; medians. A form failing at run time gets
@@ -169,7 +179,7 @@ def measure(
             forms[name] = v.anchors[threads]
         elif v.run is not None:
             forms[name] = InProcess(v.run, shape)
-    out, failed = interleaved(forms, threads, repeats, steps, log, deadline)
+    out, failed = interleaved(forms, threads, repeats, steps, log, deadline, warm_reversed)
     for name, why in failed.items():
         variants[name].error, variants[name].run, variants[name].anchors = why, None, None
     return out
@@ -204,10 +214,12 @@ def run_decode_bench(
     work: Path | None = None,
     memory: bool = True,
     budget_s: float = BUDGET_S,
+    warm_reversed: bool = False,
 ) -> dict[str, Any]:
     """The decode forms ``precast bench --llm`` compares: built (compiled packages reused from ``work``), their
     resident memory in fresh processes, then measured interleaved at each thread count; ``repeats`` None: as
-    many (``MIN_REPEATS`` .. ``MAX_REPEATS``) as fit the time left of ``budget_s``. A JSON-able payload."""
+    many (``MIN_REPEATS`` .. ``MAX_REPEATS``) as fit the time left of ``budget_s``; ``warm_reversed``: the forms'
+    first calls in reverse order (see ``interleaved``). A JSON-able payload."""
     from precast.bench.decode.rss import fresh_rss_mb
     from precast.bench.measure import machine_info
 
@@ -222,7 +234,7 @@ def run_decode_bench(
         bandwidth[t] = round(bandwidth_gbs(t), 2)
         left = started + budget_s - time.perf_counter()
         deadline = None if repeats else time.perf_counter() + max(left, 0) / (len(threads) - i)
-        runs[t] = measure(variants, shape, t, repeats or MAX_REPEATS, steps, log, deadline)
+        runs[t] = measure(variants, shape, t, repeats or MAX_REPEATS, steps, log, deadline, warm_reversed)
     for v in variants.values():
         for proc in (v.anchors or {}).values():
             proc.close()
@@ -233,6 +245,7 @@ def run_decode_bench(
         "shape": dataclasses.asdict(shape),
         "repeats": repeats or f"as many as fit {budget_s:.0f} s (at most {MAX_REPEATS})",
         "steps": steps,
+        "first_calls": list(variants)[:: -1 if warm_reversed else 1],
         "seconds": round(time.perf_counter() - started, 1),
         "bandwidth_gbs": bandwidth,
         "forms": {n: _form_row(v, rss.get(n)) for n, v in variants.items()},

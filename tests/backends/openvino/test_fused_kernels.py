@@ -166,6 +166,19 @@ def test_default_call_runs_the_bf16_form_of_a_decoder_plan(decoder, fmt):
     assert f"accepted {len(plan.accepted)} fused layer(s)" in plan.summary()
     assert len(plan.to_dict()["accepted"]) == len(plan.accepted)
     assert model.weights.complete and written.weights.complete
+    # every Linear with a bf16 weight reads it as a compressed weight (precision.weights_read_compressed): the
+    # form OpenVINO packs for its matmul kernel as it packs its own exports' weights
+    bf16_linears = sum(
+        n.target is torch.ops.aten.linear.default
+        and n.args[1].op == "placeholder"  # a stored weight (an int8 one is dequantized first)
+        and n.args[1].meta["val"].dtype == BF16
+        for n in plans[fmt].graph.nodes
+    )
+    if fmt is None:
+        assert bf16_linears == 7 * shape.layers + 1
+        assert f"; {bf16_linears} bf16 weight read(s) as compressed weights" in plan.form, plan.form
+    else:
+        assert bf16_linears == 0 and "compressed weights" not in plan.form, plan.form
     with torch.no_grad():
         want = logits(ep.module(), shape)
     got, as_written = logits(model, shape), logits(written, shape)

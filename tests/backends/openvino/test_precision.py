@@ -487,6 +487,67 @@ def test_a_weight_with_other_readers_keeps_the_plain_cast():
     assert torch.allclose(got, want, rtol=1e-2, atol=1e-2), (got - want).abs().max()
 
 
+def test_the_fused_cache_form_reads_bf16_weights_as_compressed_ones(tmp_path):
+    """``weights_read_compressed`` (the casts-as-written form of a decoder with OpenVINO's fused cache): a matmul of
+    a bf16 activation and a bf16 weight reads the weight through one cast marked as a decompression and the
+    activation through an exact cast, its result cast back to bf16 for the same readers; a tied weight's Gather
+    keeps reading the constant itself; a matmul of two activations is left alone; the mark comes back after an IR
+    round trip (``restore_marks``). Under the bf16 hint (native bf16 only) the plugin keeps the weight bf16 (no f32
+    copy of it among the runtime model's constants) and each output is the bf16 rounding of the f32 product
+    within one bf16 step, as the form before gave."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from precast.backends.openvino.precision import (
+        COMPRESSED_CAST,
+        restore_marks,
+        weights_read_compressed,
+    )
+
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(0)).to(BF16)
+
+    def model():
+        x = ops.parameter([2, 64], np.float32, name="x")
+        ids = ops.parameter([2], np.int64, name="ids")
+        data = ov.Tensor(ov.Type.bf16, ov.Shape([96, 64]))
+        data.data.view(np.int16)[...] = weight.view(torch.int16).numpy()
+        w = ov.op.Constant(data)
+        xb = ops.convert(x, "bf16")
+        y = ops.matmul(xb, w, False, True)  # the linear: [2, 96] in bf16
+        scores = ops.matmul(y, ops.convert(ops.transpose(y, [1, 0]), "bf16"), False, False)  # two activations
+        rows = ops.gather(w, ids, 0)  # the tied embedding's read of the same table
+        outs = [ops.convert(y, "f32"), ops.convert(scores, "f32"), ops.convert(rows, "f32")]
+        return ov.Model(outs, [x, ids])
+
+    made = model()
+    assert weights_read_compressed(made) == 1
+    casts = [op for op in made.get_ordered_ops() if all(k in op.get_rt_info() for k in COMPRESSED_CAST)]
+    assert len(casts) == 1 and casts[0].get_input_element_type(0) == ov.Type.bf16
+    assert [r.get_node().get_type_name() for r in casts[0].output(0).get_target_inputs()] == ["MatMul"]
+    gather = next(op for op in made.get_ordered_ops() if op.get_type_name() == "Gather")
+    assert gather.input_value(0).get_node().get_type_name() == "Constant"
+    matmuls = [op for op in made.get_ordered_ops() if op.get_type_name() == "MatMul"]
+    assert [str(m.get_output_element_type(0)) for m in matmuls] == ["<Type: 'float32'>", "<Type: 'bfloat16'>"]
+    ov.save_model(made, str(tmp_path / "form.xml"), compress_to_fp16=False)
+    read = ov.Core().read_model(str(tmp_path / "form.xml"))
+    assert restore_marks(read) == 1
+    if not native():
+        return
+    core = ov.Core()
+    compiled = core.compile_model(made, "CPU", {"INFERENCE_PRECISION_HINT": "bf16"})
+    before = core.compile_model(model(), "CPU", {"INFERENCE_PRECISION_HINT": "bf16"})
+    assert runtime_layers(compiled)[1]["f32"] == runtime_layers(before)[1]["f32"]  # no f32 copy of the weight
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([3, 90])
+    exact = x.to(BF16).float() @ weight.float().T
+    for c in (compiled, before):
+        y, _, rows = (torch.from_numpy(o) for o in c([x.numpy(), ids.numpy()]).values())
+        assert torch.equal(rows, weight[ids].float())
+        step = exact.abs().to(BF16).float() * 2**-7  # one bf16 step at each value (8 significant bits)
+        assert ((y - exact).abs() <= step).all(), ((y - exact).abs() / step).max()
+
+
 def test_a_saved_bf16_form_gets_its_marks_back(tmp_path):
     """The bf16 form written as IR and read back (what a saved model opens) loses the string marks that keep a
     plan-fp32 Linear's bias apart and a bf16 weight's cast unfolded; ``restore_marks`` puts them back, so the
