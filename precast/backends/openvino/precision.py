@@ -32,9 +32,9 @@ Measured on OpenVINO 2026.4.1's CPU plugin (2-core AMD EPYC with avx512_bf16), a
 - **Under the bf16 hint, a decoder with OpenVINO's fused KV cache** keeps precast's casts as written (the fused
   attention holds the cache in bf16 and keeps scores and softmax in f32, as torch's kernel does), but each matmul
   of a bf16 weight reads it through a cast marked as a decompression, its activation through an exact cast to f32
-  and its result cast back (``weights_read_compressed``): the same bf16 FullyConnected on the same bf16 weight,
-  packed as OpenVINO packs its own exports' weights. Read directly, the 0.246 B decoder's decode step ran
-  1.2-2.5% slower (four paired runs in one process, AVX512-BF16 Zen 4; the same resident memory).
+  and its result cast back (``weights_read_compressed``): a bf16 FullyConnected on the same bf16 weight, as
+  OpenVINO runs its own exports' compressed weights. Read directly, the 0.246 B decoder's decode step ran
+  1.2-2.5% slower (four paired comparisons in two one-process runs, AVX512-BF16 Zen 4; the same resident memory).
 - **The attention's ``scale=``** (``exact_attention_scales``, at conversion): OpenVINO's frontend stores it in the
   query's dtype, for bf16 attention a bf16 constant (1/sqrt(32) as 0.1767578): the softmax's temperature off by
   up to 2**-9 in every layer. precast stores the exact f32 value behind a cast, which the bf16-hint forms read
