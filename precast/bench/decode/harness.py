@@ -245,7 +245,10 @@ def run_decode_bench(
         "shape": dataclasses.asdict(shape),
         "repeats": repeats or f"as many as fit {budget_s:.0f} s (at most {MAX_REPEATS})",
         "steps": steps,
-        "first_calls": list(variants)[:: -1 if warm_reversed else 1],
+        # the forms that took a first call (a form whose build failed never did), in the order they took it
+        "first_calls": [n for n in variants if any(n in r for r in runs.values())][
+            :: -1 if warm_reversed else 1
+        ],
         "seconds": round(time.perf_counter() - started, 1),
         "bandwidth_gbs": bandwidth,
         "forms": {n: _form_row(v, rss.get(n)) for n, v in variants.items()},
