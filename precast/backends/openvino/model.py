@@ -11,7 +11,8 @@ dtype (the attention's ``scale=`` kept exact). The precision hint (``precision``
 with native bf16 is compiled with OpenVINO's own ``bf16`` hint, OpenVINO lowering the plan itself (precast's casts
 read through), when every layer then runs the dtype precast decided; otherwise with
 ``INFERENCE_PRECISION_HINT=f32``, under which OpenVINO runs each op in the precision the graph states (precast's
-bf16 ops in bf16, the ops it kept fp32 in fp32), with precast's casts to bf16 corrected to round to nearest. An
+bf16 ops in bf16, the ops it kept fp32 in fp32; on a CPU without native bf16 it computes the bf16 ops in f32), with
+precast's casts to bf16 corrected to round to nearest and its bf16 weights read as compressed weights. An
 fp16 plan runs in fp16 only under OpenVINO's ``f16`` hint (the f32 hint runs fp16 ops in f32), tried first where the
 CPU has fp16 kernels (OpenVINO lists ``FP16`` in its capabilities: AVX512-FP16 or AVX2-VNNI-2).
 Under the bf16 hint the ops precast kept fp32 are marked so that OpenVINO keeps them in f32
@@ -82,7 +83,8 @@ def compile_openvino(
 
     ``precision_hint`` (see ``precision``): ``"auto"`` (default) compiles a bf16 plan with OpenVINO's
     bf16 hint where the CPU has native bf16 and every layer then honours the plan, else with ``"f32"``, which runs
-    the dtypes the graph states (its bf16 casts corrected to round to nearest; fp16 ops run in f32 there); an
+    the dtypes the graph states (its bf16 casts corrected to round to nearest, its bf16 weights read as
+    compressed weights; fp16 ops run in f32 there); an
     fp16 plan is compiled with the f16 hint first where OpenVINO reports fp16 kernels (``FP16`` in the CPU's
     capabilities); ``"bf16"`` / ``"f16"`` force that hint;
     ``None`` leaves OpenVINO's own default untouched (bf16 on CPUs with native bf16), whose overrides of

@@ -48,6 +48,15 @@ Measured on OpenVINO 2026.4.1's CPU plugin (2-core AMD EPYC with avx512_bf16), a
   arithmetic, so the cast that follows is exact; where ``x * 65537`` would overflow (|x| > 5.2e33) the value is
   converted as it is (``Select``). About 4% of MiniLM's time. Never under the bf16 hint, which would lower the
   split's own arithmetic.
+- **Under the f32 hint each bf16 weight is read as a compressed weight** (``weights_read_compressed``, before the
+  splits, which then round the casts it adds back to bf16): the matmul reads its activation and its bf16 weight
+  through exact casts to f32 and its result, bias added, is rounded to bf16 once, as torch's bf16 ``linear``
+  rounds it. Read directly, a bf16 weight is widened at compile time into an f32 copy on a CPU without native bf16
+  (OpenVINO computes bf16 layers in f32 there, their bf16 results unrounded: measured up to 44 bf16 steps from
+  eager's where outputs cancel), and this form is bitwise eager's on the test's MLP. The 0.246 B decoder's default
+  call on AVX2 code paths (``ONEDNN_MAX_CPU_ISA=AVX2 OV_CPU_MAX_ISA=AVX2`` on a Zen 4) went from 0.94-0.95x to
+  1.00-1.15x the decode speed of OpenVINO's own export (``docs/backends.md``); with native bf16, where the f32 hint
+  is a fallback or asked for, its step took 0.87x the time.
 
 A form written as IR and read back loses the string marks that keep a bf16 weight's cast and a kept bias unfolded
 (``restore_marks`` puts them back: call it on a saved form read with ``read_model``).
@@ -124,7 +133,8 @@ def hint_reason(precision_hint: str | None, planned: set[str], core: Any) -> str
             )
         return (
             "no native bf16 on this CPU (OpenVINO's default here is f32; its bf16 would be emulated): the f32 "
-            "hint, which runs the plan's bf16 ops in bf16 as written"
+            "hint, each bf16 weight read as a compressed weight and each cast to bf16 rounded to nearest in f32 "
+            "arithmetic (OpenVINO computes the bf16 layers in f32 on these values)"
         )
     if native_fp16(core):
         return "fp16 kernels here (FP16 in OpenVINO's capabilities): the f16 hint"
@@ -142,8 +152,11 @@ def prepare(
     converted), the ops the plan keeps in fp32 are marked to stay in f32 (``keep_plan_fp32``)."""
     if hint == "f32":
         model = model.clone()
+        read = weights_read_compressed(model)  # first: the casts it adds back to bf16 are rounded too
         round_to_nearest(model)
-        return model, "casts rounded to nearest"
+        return model, "casts rounded to nearest" + (
+            f"; {read} bf16 weight read(s) as compressed weights" if read else ""
+        )
     if hint != "bf16":
         return model, "as written"
     # marked first: the IR round trip that types the marks drops the string marks the bf16 forms set
@@ -216,14 +229,23 @@ def lowered_by_openvino(model: Any) -> int:
 
 
 def weights_read_compressed(model: Any) -> int:
-    """Under the bf16 hint, in the casts-as-written form: every MatMul of a bf16 activation and a bf16 constant
-    weight reads both through exact casts to f32, the weight's marked as a decompression (``_kept_compressed``),
-    and its f32 result is cast back to bf16 for its readers. OpenVINO's bf16 hint lowers the casts away and runs
-    a bf16 FullyConnected on the same bf16 weight, its output rounded to bf16 as before (within one bf16 step of
-    the form before: the kernel's accumulation order may differ), and the decode step of the 0.246 B decoder runs
-    1.2-2.5% faster than with the weight read directly (AVX512-BF16 Zen 4, OpenVINO 2026.4.1; the same resident
-    memory; ``docs/backends.md``). A weight with other readers (a tied embedding's Gather) keeps them on the
-    constant itself: only the matmul reads the cast. Returns how many matmuls were rewritten."""
+    """Every MatMul of a bf16 activation and a bf16 constant weight reads both through exact casts to f32, the
+    weight's marked as a decompression (``_kept_compressed``), and its f32 result (with its bias, where its one
+    reader is an ``Add`` of a constant: a Linear's bias, added before the one rounding as torch's bf16 ``linear``
+    adds it) is cast back to bf16 for its readers. A weight with other readers (a tied embedding's Gather) keeps
+    them on the constant itself: only the matmul reads the cast. Returns how many matmuls were rewritten.
+
+    - Under the bf16 hint, in the casts-as-written form: OpenVINO lowers the casts away and runs a bf16
+      FullyConnected on the same bf16 weight, its output rounded to bf16 as before (within one bf16 step: the
+      kernel's accumulation order may differ), and the 0.246 B decoder's decode step runs 1.2-2.5% faster than with
+      the weight read directly (AVX512-BF16 Zen 4, OpenVINO 2026.4.1; the same resident memory).
+    - Under the f32 hint (then ``round_to_nearest`` rounds the casts back, so the output is rounded to bf16 as the
+      plan says): an f32 FullyConnected that reads the bf16 weight and widens it in the kernel, where a bf16 weight
+      read directly is widened once at compile time into an f32 copy of it on a CPU without native bf16 (twice
+      the bytes each token streams). The 0.246 B decoder's decode step: 0.78x the time with the weights read
+      directly, 0.80x OpenVINO's own export of the fp32 model (AVX2 code paths on a Zen 4:
+      ``ONEDNN_MAX_CPU_ISA=AVX2 OV_CPU_MAX_ISA=AVX2``); 0.87x where the CPU has native bf16 (``docs/backends.md``).
+    """
     import openvino as ov
     import openvino.opset13 as ops
 
@@ -233,19 +255,42 @@ def weights_read_compressed(model: Any) -> int:
             continue
         if op.get_input_element_type(0) != ov.Type.bf16 or op.get_input_element_type(1) != ov.Type.bf16:
             continue
-        readers = list(op.output(0).get_target_inputs())
         weight = ops.convert(op.input_value(1), "f32")
         _kept_compressed(weight)
         op.input(1).replace_source_output(weight.output(0))
         op.input(0).replace_source_output(ops.convert(op.input_value(0), "f32").output(0))
         op.validate_and_infer_types()
-        back = ops.convert(op.output(0), "bf16")
+        last = _with_bias(op)
+        readers = list(last.output(0).get_target_inputs())
+        back = ops.convert(last.output(0), "bf16")
         for reader in readers:
             reader.replace_source_output(back.output(0))
         rewritten += 1
     if rewritten:
         model.validate_nodes_and_infer_types()
     return rewritten
+
+
+def _with_bias(matmul: Any) -> Any:
+    """The op whose output a rewritten matmul's result is cast back from: the matmul itself, or its one reader
+    where that is an ``Add`` of a bf16 constant (a Linear's bias, then added in f32 too); the bias is read through
+    an exact cast to f32 (unmarked: OpenVINO folds it, and fuses the add into the FullyConnected)."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    readers = list(matmul.output(0).get_target_inputs())
+    if len(readers) != 1 or readers[0].get_node().get_type_name() != "Add":
+        return matmul
+    add = readers[0].get_node()
+    other = add.input(1 - readers[0].get_index())
+    if (
+        other.get_source_output().get_node().get_type_name() != "Constant"
+        or other.get_element_type() != ov.Type.bf16
+    ):
+        return matmul
+    other.replace_source_output(ops.convert(other.get_source_output(), "f32").output(0))
+    add.validate_and_infer_types()
+    return add
 
 
 def _reads_compressed(reader: Any) -> bool:

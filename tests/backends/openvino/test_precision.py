@@ -548,6 +548,92 @@ def test_the_fused_cache_form_reads_bf16_weights_as_compressed_ones(tmp_path):
         assert ((y - exact).abs() <= step).all(), ((y - exact).abs() / step).max()
 
 
+AVX2_PATHS = {"ONEDNN_MAX_CPU_ISA": "AVX2", "OV_CPU_MAX_ISA": "AVX2"}  # the code paths of a CPU without bf16
+
+
+def f32_form_facts() -> dict:
+    """A bf16 MLP with biases (``policy="torch"``) compiled under the f32 hint, with its weights read as compressed
+    ones and, as the control, read directly: the forms, the compiled models' constants by precision, their
+    FullyConnected layers, and each output's largest distance from the plan as eager runs it, in bf16 steps.
+    Also run in a process on AVX2 code paths (``AVX2_PATHS``), so it must stay importable and JSON-valued."""
+    from unittest import mock
+
+    import openvino as ov
+
+    from precast.backends.openvino import precision
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32)).eval()
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    program = precast.convert(mlp, (x,), policy="torch", dtype=BF16).program
+    with torch.no_grad():
+        want = program.module()(x).float()
+    kept = compile_openvino(program, precision_hint="f32", warn=False)
+    with mock.patch.object(precision, "weights_read_compressed", lambda model: 0):
+        direct = compile_openvino(program, precision_hint="f32", warn=False)
+    facts = {"native": native_bf16(ov.Core())}
+    for name, model in (("kept", kept), ("direct", direct)):
+        layers, constants = runtime_layers(model.compiled)
+        step = want.abs().to(BF16).float().clamp_min(2**-100) * 2**-7  # one bf16 step at each value
+        got = model(x).float()
+        facts[name] = {
+            "form": model.plan.form,
+            "hint": model.plan.hint,
+            "bf16_constants": constants["bf16"],
+            "fully_connected": sum(n for (kind, _), n in layers.items() if kind == "FullyConnected"),
+            "steps": ((got - want).abs() / step).max().item(),
+        }
+    return facts
+
+
+@pytest.mark.parametrize("paths", ["this CPU", "AVX2 code paths"])
+def test_the_f32_hint_reads_bf16_weights_as_compressed_ones(paths, tmp_path):
+    """Under the f32 hint (the default call's hint on a CPU without native bf16) each bf16 Linear reads its bf16
+    weight as a compressed weight and its bias in f32, and its result is rounded to bf16 once, after the bias, as
+    torch's bf16 ``linear`` rounds it (``weights_read_compressed`` before ``round_to_nearest``): the compiled model
+    keeps each weight in bf16 and every output is within one bf16 step of eager's. The control reads the weights
+    directly: on a CPU without native bf16 OpenVINO widens each into an f32 copy (no bf16 constant left: twice
+    the bytes streamed per call), and runs the matmuls with their bf16 results unrounded (bf16 is f32 to it
+    there: measured, the last Linear's outputs up to 44 bf16 steps from eager's where they cancel). Run here and in a process on AVX2 code paths (``ONEDNN_MAX_CPU_ISA`` /
+    ``OV_CPU_MAX_ISA``), which OpenVINO then reports as a CPU without native bf16."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if paths == "this CPU":
+        facts = f32_form_facts()
+    else:
+        root = Path(__file__).resolve().parents[3]
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import json; from tests.backends.openvino.test_precision import f32_form_facts; "
+                "print(json.dumps(f32_form_facts()))",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=root,
+            env={**__import__("os").environ, **AVX2_PATHS, "PYTHONPATH": str(root)},
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        facts = json.loads(done.stdout.strip().splitlines()[-1])
+        assert facts["native"] is False  # OpenVINO takes the limit: f32 is its default there
+    kept, direct = facts["kept"], facts["direct"]
+    assert kept["hint"] == direct["hint"] == "f32"
+    assert kept["form"] == "casts rounded to nearest; 2 bf16 weight read(s) as compressed weights"
+    assert direct["form"] == "casts rounded to nearest"
+    assert kept["fully_connected"] == direct["fully_connected"] == 2
+    assert kept["bf16_constants"] >= 2  # both weights kept in bf16
+    assert kept["steps"] <= 1.0, facts
+    if facts["native"]:
+        assert direct["steps"] <= 1.0, facts  # bf16 FullyConnected layers, rounded by the plugin
+    else:
+        assert direct["bf16_constants"] == 0  # each weight widened into an f32 copy
+
+
 def test_a_saved_bf16_form_gets_its_marks_back(tmp_path):
     """The bf16 form written as IR and read back (what a saved model opens) loses the string marks that keep a
     plan-fp32 Linear's bias apart and a bf16 weight's cast unfolded; ``restore_marks`` puts them back, so the
