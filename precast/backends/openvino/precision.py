@@ -55,8 +55,9 @@ Measured on OpenVINO 2026.4.1's CPU plugin (2-core AMD EPYC with avx512_bf16), a
   (OpenVINO computes bf16 layers in f32 there, their bf16 results unrounded: measured up to 44 bf16 steps from
   eager's where outputs cancel), and this form is bitwise eager's on the test's MLP. The 0.246 B decoder's default
   call on AVX2 code paths (``ONEDNN_MAX_CPU_ISA=AVX2 OV_CPU_MAX_ISA=AVX2`` on a Zen 4) went from 0.94-0.95x to
-  1.00-1.15x the decode speed of OpenVINO's own export (``docs/backends.md``); with native bf16, where the f32 hint
-  is a fallback or asked for, its step took 0.87x the time.
+  1.18x / 1.28x (1 / 2 threads) the decode speed of OpenVINO's own export, at 0.60x the resident memory, and its
+  SmolLM2-135M KL divergence from 0.00092 to 0.00072 (the plan in torch: 0.00073; ``docs/backends.md``). Where the
+  CPU has native bf16 and the f32 hint is asked for or fallen back to, the step took 0.96x the time.
 
 A form written as IR and read back loses the string marks that keep a bf16 weight's cast and a kept bias unfolded
 (``restore_marks`` puts them back: call it on a saved form read with ``read_model``).
@@ -243,8 +244,8 @@ def weights_read_compressed(model: Any) -> int:
       plan says): an f32 FullyConnected that reads the bf16 weight and widens it in the kernel, where a bf16 weight
       read directly is widened once at compile time into an f32 copy of it on a CPU without native bf16 (twice
       the bytes each token streams). The 0.246 B decoder's decode step: 0.78x the time with the weights read
-      directly, 0.80x OpenVINO's own export of the fp32 model (AVX2 code paths on a Zen 4:
-      ``ONEDNN_MAX_CPU_ISA=AVX2 OV_CPU_MAX_ISA=AVX2``); 0.87x where the CPU has native bf16 (``docs/backends.md``).
+      directly on AVX2 code paths (a Zen 4 with ``ONEDNN_MAX_CPU_ISA=AVX2 OV_CPU_MAX_ISA=AVX2``), 0.96x where the
+      CPU has native bf16 (``benchmarks/ov_weight_reads_ab.py``, 1 thread).
     """
     import openvino as ov
     import openvino.opset13 as ops

@@ -96,8 +96,9 @@ def open_form(xml: str | os.PathLike, record: dict[str, Any], *, threads: int | 
         config["INFERENCE_NUM_THREADS"] = threads
     try:
         ov_model = core.read_model(str(xml))
-        if config.get("INFERENCE_PRECISION_HINT") == "bf16":  # the string marks the IR does not keep
-            restore_marks(ov_model)
+        # the string marks the IR does not keep: the bf16 and f32 forms read bf16 weights as compressed weights
+        # (without the mark OpenVINO folds each into an f32 copy), the bf16 form keeps biases apart
+        restore_marks(ov_model)
         compiled = core.compile_model(ov_model, "CPU", config)
     except RuntimeError as exc:
         raise PrecastError(f"{xml}: OpenVINO cannot read or compile it: {ov_message(exc)}") from exc

@@ -554,13 +554,17 @@ AVX2_PATHS = {"ONEDNN_MAX_CPU_ISA": "AVX2", "OV_CPU_MAX_ISA": "AVX2"}  # the cod
 def f32_form_facts() -> dict:
     """A bf16 MLP with biases (``policy="torch"``) compiled under the f32 hint, with its weights read as compressed
     ones and, as the control, read directly: the forms, the compiled models' constants by precision, their
-    FullyConnected layers, and each output's largest distance from the plan as eager runs it, in bf16 steps.
+    FullyConnected layers, and each output's largest distance from the plan as eager runs it, in bf16 steps; and
+    the compressed form saved as a folder holds it and opened again (``saved.save_form`` / ``open_form``).
     Also run in a process on AVX2 code paths (``AVX2_PATHS``), so it must stay importable and JSON-valued."""
+    import tempfile
+    from pathlib import Path
     from unittest import mock
 
     import openvino as ov
 
     from precast.backends.openvino import precision
+    from precast.backends.openvino.saved import open_form, save_form
 
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32)).eval()
@@ -572,6 +576,15 @@ def f32_form_facts() -> dict:
     with mock.patch.object(precision, "weights_read_compressed", lambda model: 0):
         direct = compile_openvino(program, precision_hint="f32", warn=False)
     facts = {"native": native_bf16(ov.Core())}
+    with (
+        tempfile.TemporaryDirectory() as folder
+    ):  # the form as a folder holds it, opened with nothing converted
+        xml = Path(folder) / "form.xml"
+        reopened = open_form(xml, save_form(kept, xml))
+        facts["reopened"] = {
+            "bf16_constants": runtime_layers(reopened.compiled)[1]["bf16"],
+            "equal": torch.equal(reopened(x), kept(x)),
+        }
     for name, model in (("kept", kept), ("direct", direct)):
         layers, constants = runtime_layers(model.compiled)
         step = want.abs().to(BF16).float().clamp_min(2**-100) * 2**-7  # one bf16 step at each value
@@ -627,6 +640,8 @@ def test_the_f32_hint_reads_bf16_weights_as_compressed_ones(paths, tmp_path):
     assert direct["form"] == "casts rounded to nearest"
     assert kept["fully_connected"] == direct["fully_connected"] == 2
     assert kept["bf16_constants"] >= 2  # both weights kept in bf16
+    # saved and opened again (restore_marks): the same weights kept in bf16, the same outputs
+    assert facts["reopened"] == {"bf16_constants": kept["bf16_constants"], "equal": True}
     assert kept["steps"] <= 1.0, facts
     if facts["native"]:
         assert direct["steps"] <= 1.0, facts  # bf16 FullyConnected layers, rounded by the plugin
