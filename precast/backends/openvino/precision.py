@@ -274,7 +274,9 @@ def weights_read_compressed(model: Any) -> int:
 
 def _with_bias(matmul: Any) -> Any:
     """The op whose output a rewritten matmul's result is cast back from: the matmul itself, or its one reader
-    where that is an ``Add`` of a bf16 constant (a Linear's bias, then added in f32 too); the bias is read through
+    where that is the same aten op's ``Add`` of a bf16 constant (a Linear's bias: OpenVINO's frontend names both
+    ``<fx node>/aten.linear.default/...``; then added in f32 too). A separate ``aten.add`` of a constant is the
+    program's own add, which torch runs on the rounded product: left after the cast back. The bias is read through
     an exact cast to f32 (unmarked: OpenVINO folds it, and fuses the add into the FullyConnected)."""
     import openvino as ov
     import openvino.opset13 as ops
@@ -283,6 +285,8 @@ def _with_bias(matmul: Any) -> Any:
     if len(readers) != 1 or readers[0].get_node().get_type_name() != "Add":
         return matmul
     add = readers[0].get_node()
+    if add.get_friendly_name().rsplit("/", 1)[0] != matmul.get_friendly_name().rsplit("/", 1)[0]:
+        return matmul
     other = add.input(1 - readers[0].get_index())
     if (
         other.get_source_output().get_node().get_type_name() != "Constant"

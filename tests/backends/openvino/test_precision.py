@@ -649,6 +649,53 @@ def test_the_f32_hint_reads_bf16_weights_as_compressed_ones(paths, tmp_path):
         assert direct["bf16_constants"] == 0  # each weight widened into an f32 copy
 
 
+class BiasAndAdd(torch.nn.Module):
+    """A Linear with its bias, and a matmul followed by the program's own add of a constant (``x @ w + c``)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.linear = torch.nn.Linear(8, 8)
+        self.w = torch.nn.Parameter(torch.randn(8, 8, generator=g))
+        self.c = torch.nn.Parameter(torch.randn(8, generator=g).to(BF16))
+
+    def forward(self, x):
+        return self.linear(x) + (x @ self.w + self.c)
+
+
+def test_only_a_linears_own_bias_is_added_before_the_rounding():
+    """``weights_read_compressed``: a Linear's bias (the same aten op's Add) is added to the f32 product before the
+    one cast back to bf16, as torch's bf16 ``linear`` adds it; the program's own ``aten.add`` of a constant after a
+    matmul stays after the cast back (torch adds it to the rounded product)."""
+    import openvino as ov
+
+    from precast.backends.openvino.precision import weights_read_compressed
+    from precast.runtime.exported import dynamic_batch
+
+    x = torch.randn(2, 8)
+    program = precast.convert(BiasAndAdd(), (x,), policy="torch", dtype=BF16).program
+    ov_model, _, _ = convert(dynamic_batch(program))
+    assert weights_read_compressed(ov_model) == 2
+
+    def adds_a_constant(op) -> bool:
+        if op.get_type_name() != "Add":
+            return False
+        source = op.input_value(1).get_node()
+        if source.get_type_name() == "Convert":  # the bias, read through its cast to f32
+            source = source.input_value(0).get_node()
+        return source.get_type_name() == "Constant"
+
+    adds = {
+        op.get_friendly_name().split("/")[1]: op for op in ov_model.get_ordered_ops() if adds_a_constant(op)
+    }
+    assert set(adds) == {"aten.linear.default", "aten.add.Tensor"}, list(adds)
+    bias, own = adds["aten.linear.default"], adds["aten.add.Tensor"]
+    assert bias.get_output_element_type(0) == ov.Type.f32  # the bias added to the f32 product
+    assert bias.input_value(0).get_node().get_type_name() == "MatMul"
+    assert own.get_output_element_type(0) == ov.Type.bf16  # the program's add, on the product cast back
+    assert own.input_value(0).get_node().get_type_name() == "Convert"
+
+
 def test_a_saved_bf16_form_gets_its_marks_back(tmp_path):
     """The bf16 form written as IR and read back (what a saved model opens) loses the string marks that keep a
     plan-fp32 Linear's bias apart and a bf16 weight's cast unfolded; ``restore_marks`` puts them back, so the
