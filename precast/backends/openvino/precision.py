@@ -245,7 +245,7 @@ def weights_read_compressed(model: Any) -> int:
       read directly is widened once at compile time into an f32 copy of it on a CPU without native bf16 (twice
       the bytes each token streams). The 0.246 B decoder's decode step: 0.78x the time with the weights read
       directly on AVX2 code paths (a Zen 4 with ``ONEDNN_MAX_CPU_ISA=AVX2 OV_CPU_MAX_ISA=AVX2``), 0.96x where the
-      CPU has native bf16 (``benchmarks/ov_weight_reads_ab.py``, 1 thread).
+      CPU has native bf16 (1 thread; ``docs/backends.md`` names the script).
     """
     import openvino as ov
     import openvino.opset13 as ops
