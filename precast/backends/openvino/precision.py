@@ -231,9 +231,9 @@ def lowered_by_openvino(model: Any) -> int:
 
 def weights_read_compressed(model: Any) -> int:
     """Every MatMul of a bf16 activation and a bf16 constant weight reads both through exact casts to f32, the
-    weight's marked as a decompression (``_kept_compressed``), and its f32 result (with its bias, where its one
-    reader is an ``Add`` of a constant: a Linear's bias, added before the one rounding as torch's bf16 ``linear``
-    adds it) is cast back to bf16 for its readers. A weight with other readers (a tied embedding's Gather) keeps
+    weight's marked as a decompression (``_kept_compressed``), and its f32 result (with a Linear's own bias,
+    added before the one rounding as torch's bf16 ``linear`` adds it: ``_with_bias``) is cast back to bf16 for its
+    readers. A weight with other readers (a tied embedding's Gather) keeps
     them on the constant itself: only the matmul reads the cast. Returns how many matmuls were rewritten.
 
     - Under the bf16 hint, in the casts-as-written form: OpenVINO lowers the casts away and runs a bf16

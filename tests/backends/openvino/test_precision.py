@@ -610,6 +610,7 @@ def test_the_f32_hint_reads_bf16_weights_as_compressed_ones(paths, tmp_path):
     there: measured, the last Linear's outputs up to 44 bf16 steps from eager's where they cancel). Run here and in a process on AVX2 code paths (``ONEDNN_MAX_CPU_ISA`` /
     ``OV_CPU_MAX_ISA``), which OpenVINO then reports as a CPU without native bf16."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -629,7 +630,7 @@ def test_the_f32_hint_reads_bf16_weights_as_compressed_ones(paths, tmp_path):
             text=True,
             timeout=600,
             cwd=root,
-            env={**__import__("os").environ, **AVX2_PATHS, "PYTHONPATH": str(root)},
+            env={**os.environ, **AVX2_PATHS, "PYTHONPATH": str(root)},
         )
         assert done.returncode == 0, done.stderr[-2000:]
         facts = json.loads(done.stdout.strip().splitlines()[-1])
